@@ -1,0 +1,1 @@
+"""Backends of leanopt's update rules. ``reference`` is plain tensor maths and the oracle."""

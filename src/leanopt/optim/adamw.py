@@ -1,0 +1,140 @@
+"""AdamW with torch's update rule and state keys, fp32 state for low-precision params."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from leanopt.kernels import reference
+from leanopt.optim.base import LeanOptimizer, check_beta, check_nonnegative
+from leanopt.optim.layout import StateSpec
+
+
+def state_dtype(param_dtype: torch.dtype) -> torch.dtype:
+    """fp64 params keep fp64 state; every other float dtype keeps fp32 state."""
+    return torch.float64 if param_dtype == torch.float64 else torch.float32
+
+
+class AdamW(LeanOptimizer):
+    r"""AdamW (Loshchilov & Hutter), exactly ``torch.optim.AdamW``'s rule and state keys.
+
+    .. math::
+        \begin{aligned}
+        &\theta_t \leftarrow \theta_{t-1}(1 - \gamma\lambda) \\
+        &m_t \leftarrow \beta_1 m_{t-1} + (1-\beta_1) g_t, \qquad
+         v_t \leftarrow \beta_2 v_{t-1} + (1-\beta_2) g_t^2 \\
+        &\hat v_t \leftarrow \max(\hat v_{t-1}, v_t) \text{ if amsgrad else } v_t \\
+        &\theta_t \leftarrow \theta_t - \frac{\gamma}{1-\beta_1^t}\,
+          \frac{m_t}{\sqrt{\hat v_t}/\sqrt{1-\beta_2^t} + \epsilon}
+        \end{aligned}
+
+    State per parameter: ``step`` (fp32 scalar on the CPU), ``exp_avg``, ``exp_avg_sq`` and,
+    with ``amsgrad``, ``max_exp_avg_sq``. For fp32/fp64 params the states have the param's dtype
+    and results equal torch's to rounding. For bf16/fp16 params the states are fp32 and the
+    update is computed in fp32 (torch would keep bf16 states); they stay fp32 through
+    ``state_dict``/``load_state_dict``.
+
+    Args:
+        params: parameters or param groups.
+        lr: learning rate (default 1e-3).
+        betas: coefficients of the running averages (default (0.9, 0.999)).
+        eps: added to the denominator (default 1e-8).
+        weight_decay: decoupled weight decay (default 1e-2).
+        amsgrad: use the maximum of past second moments (default False).
+        maximize: maximize the objective instead of minimizing it (default False).
+
+    Example:
+        >>> import torch, leanopt
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = leanopt.AdamW(model.parameters(), lr=1e-3)
+        >>> model(torch.randn(8, 4)).square().mean().backward()
+        >>> opt.step()
+        >>> sorted(opt.state[model.weight])
+        ['exp_avg', 'exp_avg_sq', 'step']
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        amsgrad: bool = False,
+        maximize: bool = False,
+    ) -> None:
+        validate_adam_hparams(lr, betas, eps, weight_decay)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        for key in ("lr", "eps", "weight_decay"):
+            if key in param_group:
+                check_nonnegative(key, param_group[key])
+        if "betas" in param_group:
+            validate_betas(param_group["betas"])
+        super().add_param_group(param_group)
+
+    def state_layout(self, shape: tuple[int, ...], dtype: torch.dtype, group: Mapping[str, Any]) -> list[StateSpec]:
+        sd = state_dtype(dtype)
+        specs = [
+            StateSpec("step", (), torch.float32, host=True),
+            StateSpec("exp_avg", tuple(shape), sd),
+            StateSpec("exp_avg_sq", tuple(shape), sd),
+        ]
+        if group["amsgrad"]:
+            specs.append(StateSpec("max_exp_avg_sq", tuple(shape), sd))
+        return specs
+
+    def _missing_state(self, spec: StateSpec, p: torch.Tensor, saved: Mapping[str, Any]) -> Any:
+        # A state saved without amsgrad continues under amsgrad from its current second moment.
+        if spec.key == "max_exp_avg_sq" and "exp_avg_sq" in saved:
+            return None if not isinstance(saved["exp_avg_sq"], torch.Tensor) else saved["exp_avg_sq"].to(
+                device=p.device, dtype=spec.dtype, copy=True
+            )
+        return None
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = self._closure_loss(closure)
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("leanopt.AdamW does not support sparse gradients")
+                state = self._init_state(p, group)
+                state["step"] += 1
+                reference.adamw_(
+                    p,
+                    p.grad,
+                    state["exp_avg"],
+                    state["exp_avg_sq"],
+                    state.get("max_exp_avg_sq") if group["amsgrad"] else None,
+                    int(state["step"].item()),
+                    lr=group["lr"],
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    maximize=group["maximize"],
+                )
+        return loss
+
+
+def validate_betas(betas: Any) -> None:
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    check_beta("beta1 (betas[0])", betas[0])
+    check_beta("beta2 (betas[1])", betas[1])
+
+
+def validate_adam_hparams(lr: float, betas: Any, eps: float, weight_decay: float) -> None:
+    check_nonnegative("lr", lr)
+    check_nonnegative("eps", eps)
+    check_nonnegative("weight_decay", weight_decay)
+    validate_betas(betas)

@@ -1,0 +1,175 @@
+"""Bookkeeping shared by every leanopt optimizer: validation, lazy state, safe save/load.
+
+A subclass supplies ``state_layout`` (what state a parameter gets) and ``step``. The base
+allocates state from the layout, and its ``load_state_dict`` checks every incoming tensor
+against the layout before anything is changed, keeps fp32 state fp32 for bf16/fp16 params
+(``torch.optim.Optimizer`` would cast it to the param dtype), and converts between dense and
+quantized forms of the same state key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from leanopt.optim.layout import StateSpec
+from leanopt.quant import QuantizedState
+
+
+def check_nonnegative(name: str, value: float) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not value >= 0.0:  # also rejects NaN
+        raise ValueError(f"Invalid {name}: {value!r} (must be >= 0)")
+
+
+def check_beta(name: str, value: float) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"Invalid {name}: {value!r} (must be in [0, 1))")
+
+
+class LeanOptimizer(torch.optim.Optimizer):
+    """Base class of leanopt's optimizers (bookkeeping only; the maths is in ``kernels``)."""
+
+    def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
+        super().__init__(params, defaults)
+
+    # ---- layout -------------------------------------------------------------------------
+    def state_layout(
+        self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, group: Mapping[str, Any]
+    ) -> list[StateSpec]:
+        """The state a parameter of this ``shape``/``dtype`` in ``group`` gets after a step."""
+        raise NotImplementedError
+
+    def _param_layout(self, p: torch.Tensor, group: Mapping[str, Any]) -> list[StateSpec]:
+        # ``p.shape`` is the global shape for a DTensor, so layouts never depend on sharding.
+        return self.state_layout(tuple(p.shape), p.dtype, group)
+
+    def _init_state(self, p: torch.Tensor, group: Mapping[str, Any]) -> dict[str, Any]:
+        state = self.state[p]
+        if not state:
+            for spec in self._param_layout(p, group):
+                state[spec.key] = spec.allocate(p.device)
+        return state
+
+    # ---- helpers for step ---------------------------------------------------------------
+    def _closure_loss(self, closure: Callable[[], Any] | None) -> Any:
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
+    # ---- save / load --------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        # Quantized entries become plain dicts of tensors/ints/strings: weights_only-safe.
+        sd["state"] = {
+            pid: {k: (v.to_state_dict() if isinstance(v, QuantizedState) else v) for k, v in st.items()}
+            for pid, st in sd["state"].items()
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: expected a dict with 'state' and "
+                "'param_groups' (an optimizer state_dict)"
+            )
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: the state_dict has {len(saved_groups)} "
+                f"param groups, the optimizer has {len(self.param_groups)}"
+            )
+        id_to_param: dict[Any, tuple[torch.Tensor, dict[str, Any], str]] = {}
+        for gi, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"{type(self).__name__}.load_state_dict: param group {gi} has "
+                    f"{len(saved['params'])} params in the state_dict, {len(group['params'])} "
+                    "in the optimizer"
+                )
+            names = group.get("param_names") or [None] * len(group["params"])
+            for pi, (pid, p, name) in enumerate(zip(saved["params"], group["params"], names)):
+                label = f"param {pid} (group {gi}, index {pi}"
+                label += f", {name!r}" if name else ""
+                label += f", shape {tuple(p.shape)})"
+                id_to_param[pid] = (p, group, label)
+
+        # Validate and convert everything first, so that a bad state_dict changes nothing.
+        converted: dict[torch.Tensor, dict[str, Any]] = {}
+        for pid, saved_state in state_dict["state"].items():
+            if pid not in id_to_param:
+                raise ValueError(f"{type(self).__name__}.load_state_dict: state for unknown param id {pid!r}")
+            p, group, label = id_to_param[pid]
+            converted[p] = self._convert_loaded_state(p, _merged_group(group, saved_groups, pid), saved_state, label)
+
+        # Let torch restore param_groups (and run its hooks) with no state, then put ours.
+        super().load_state_dict({"state": {}, "param_groups": saved_groups})
+        for p, st in converted.items():
+            self.state[p] = st
+
+    def _convert_loaded_state(
+        self, p: torch.Tensor, group: Mapping[str, Any], saved: Mapping[str, Any], label: str
+    ) -> dict[str, Any]:
+        """Check ``saved`` against the layout of ``p`` and return the state to install."""
+        cls = type(self).__name__
+        if not isinstance(saved, Mapping):
+            raise ValueError(f"{cls}.load_state_dict: state of {label} is not a dict")
+        out: dict[str, Any] = {}
+        layout = self._param_layout(p, group)
+        for spec in layout:
+            if spec.key not in saved:
+                alt = self._missing_state(spec, p, saved)
+                if alt is None:
+                    raise ValueError(f"{cls}.load_state_dict: state of {label} has no {spec.key!r}")
+                out[spec.key] = alt
+                continue
+            out[spec.key] = _convert_entry(spec, saved[spec.key], p, f"{cls}.load_state_dict: {spec.key!r} of {label}")
+        return out
+
+    def _missing_state(self, spec: StateSpec, p: torch.Tensor, saved: Mapping[str, Any]) -> Any:
+        """Value for a layout key absent from a loaded state, or ``None`` to refuse."""
+        return None
+
+
+def _merged_group(group: Mapping[str, Any], saved_groups: list[Mapping[str, Any]], pid: Any) -> dict[str, Any]:
+    # Layout options (amsgrad, quantize, beta1...) come from the saved group: that is what
+    # the optimizer will run with after loading.
+    for sg in saved_groups:
+        if pid in sg["params"]:
+            merged = dict(group)
+            merged.update({k: v for k, v in sg.items() if k != "params"})
+            return merged
+    return dict(group)
+
+
+def _convert_entry(spec: StateSpec, value: Any, p: torch.Tensor, where: str) -> Any:
+    """One saved state value -> the form ``spec`` asks for, on ``p``'s device."""
+    if isinstance(value, Mapping) and QuantizedState.is_state_dict(value):
+        try:
+            value = QuantizedState.from_state_dict(value, device=p.device)
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{where}: corrupt quantized state ({err})") from None
+    if isinstance(value, QuantizedState):
+        if tuple(value.shape) != tuple(spec.shape):
+            raise ValueError(f"{where} has shape {tuple(value.shape)}, expected {tuple(spec.shape)}")
+        if spec.quant is not None and value.format == spec.quant:
+            return value.to(p.device)
+        value = value.dequantize()
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and spec.shape == ():
+        value = torch.tensor(float(value))
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{where} is a {type(value).__name__}, expected a tensor")
+    if tuple(value.shape) != tuple(spec.shape):
+        raise ValueError(f"{where} has shape {tuple(value.shape)}, expected {tuple(spec.shape)}")
+    if spec.quant is not None:
+        return spec.quant.from_dense(value.to(device=p.device, dtype=torch.float32))
+    device = torch.device("cpu") if spec.host else p.device
+    if value.is_floating_point() or spec.dtype.is_floating_point:
+        return value.to(device=device, dtype=spec.dtype, copy=True)
+    return value.to(device=device, copy=True)
