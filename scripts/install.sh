@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Install leanopt (editable) into the current Python. With --test, also the test extras.
+#
+# torch: if none is installed and a CPU wheel of torch lies on this machine's disk (some
+# build machines keep one in a local wheel folder, see LEANOPT_TORCH_WHEELS), install that one
+# first, so that resolving `torch>=2.4` doesn't download a multi-GB CUDA build. On a normal
+# machine nothing is found and pip resolves torch as usual.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+extras=""
+if [[ "${1:-}" == "--test" ]]; then extras="[test]"; fi
+
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+  wheel=""
+  tag=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+  for dir in ${LEANOPT_TORCH_WHEELS:-/opt/wheels}; do
+    for f in "$dir"/torch-*+cpu-"$tag"-*.whl; do [[ -e "$f" ]] && wheel="$f"; done
+  done
+  if [[ -n "$wheel" ]]; then
+    echo "install.sh: using the CPU build of torch on disk: $wheel"
+    "$PY" -m pip install -q "$wheel"
+  fi
+fi
+"$PY" -m pip install -q -e ".${extras}"

@@ -1,0 +1,60 @@
+"""Every leanopt optimizer, declared once; ``test_generic.py`` runs the same suite over each.
+
+Add an entry when you add an optimizer. ``kwargs`` are what the generic tests construct it
+with (they must make a loss go down on a small regression in 30 steps); ``invalid`` lists
+hyper-parameter sets that must raise ``ValueError``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import leanopt
+
+
+@dataclass(frozen=True)
+class OptimizerCase:
+    name: str
+    cls: type
+    kwargs: dict[str, Any]
+    invalid: list[dict[str, Any]] = field(default_factory=list)
+    # Keyword for the learning rate (None: the optimizer has no plain lr to set to 1e-30).
+    lr_key: str | None = "lr"
+
+    def __str__(self) -> str:  # pytest ids
+        return self.name
+
+
+ADAM_INVALID = [
+    {"lr": -1e-3},
+    {"eps": -1e-8},
+    {"weight_decay": -0.1},
+    {"betas": (1.0, 0.999)},
+    {"betas": (0.9, 1.0)},
+    {"betas": (-0.1, 0.999)},
+    {"lr": float("nan")},
+]
+
+# Each set is invalid on its own and merged over the registry kwargs (relative_step=False, lr set).
+ADAFACTOR_INVALID = [
+    {"lr": 1e-3, "relative_step": True},
+    {"warmup_init": True, "relative_step": False, "lr": 1e-3},
+    {"relative_step": False, "lr": None},
+    {"lr": -1e-3, "relative_step": False},
+    {"lr": float("nan"), "relative_step": False},
+    {"eps": (-1e-30, 1e-3)},
+    {"eps": (1e-30, -1e-3)},
+    {"eps": 1e-3},
+    {"eps": (1e-30,)},
+    {"clip_threshold": -1.0},
+    {"clip_threshold": 0.0},
+    {"decay_rate": 0.5},
+    {"beta1": 1.0},
+    {"beta1": -0.1},
+    {"weight_decay": -0.1},
+]
+
+OPTIMIZERS: list[OptimizerCase] = [
+    OptimizerCase("adamw", leanopt.AdamW, {"lr": 1e-2}, ADAM_INVALID),
+]

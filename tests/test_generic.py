@@ -1,0 +1,225 @@
+"""The same suite over every optimizer in ``registry.OPTIMIZERS``."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+
+import leanopt
+from registry import OPTIMIZERS, OptimizerCase
+
+cases = pytest.mark.parametrize("case", OPTIMIZERS, ids=str)
+
+
+def make_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    # The first weight has 8192 elements, so quantized optimizers quantize it; the rest stay small.
+    return torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.Tanh(), torch.nn.Linear(256, 1)).to(dtype)
+
+
+def batch(seed: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(64, 32, generator=g)
+    y = torch.sin(x[:, :1] * 2) + 0.5 * x[:, 1:2]
+    return x.to(dtype), y.to(dtype)
+
+
+def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, start: int = 0) -> list[float]:
+    losses = []
+    for s in range(start, start + steps):
+        x, y = batch(s, next(model.parameters()).dtype)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def params_of(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+@cases
+def test_loss_goes_down(case: OptimizerCase) -> None:
+    model = make_model()
+    x, y = batch(10_000)  # held out
+
+    def held_out_loss() -> float:
+        with torch.no_grad():
+            return torch.nn.functional.mse_loss(model(x), y).item()
+
+    before = held_out_loss()
+    train(model, case.cls(model.parameters(), **case.kwargs), 30)
+    assert held_out_loss() < 0.6 * before
+
+
+@cases
+def test_state_dict_round_trip_continues_bit_identically(case: OptimizerCase, tmp_path) -> None:
+    model = make_model()
+    opt = case.cls(model.parameters(), **case.kwargs)
+    train(model, opt, 5)
+    path = tmp_path / "optimizer.pt"
+    torch.save(opt.state_dict(), path)
+    twin = copy.deepcopy(model)
+    twin_opt = case.cls(twin.parameters(), **case.kwargs)
+    twin_opt.load_state_dict(torch.load(path, weights_only=True))
+    train(model, opt, 5, start=5)
+    train(twin, twin_opt, 5, start=5)
+    assert_same(params_of(model), params_of(twin))
+
+
+@cases
+def test_deepcopy_continues_bit_identically(case: OptimizerCase) -> None:
+    model = make_model()
+    opt = case.cls(model.parameters(), **case.kwargs)
+    train(model, opt, 3)
+    twin_model = copy.deepcopy(model)
+    twin_opt = case.cls(twin_model.parameters(), **case.kwargs)
+    twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    copied = copy.deepcopy(opt)  # a deepcopy of the optimizer itself is independent
+    train(model, opt, 3, start=3)
+    train(twin_model, twin_opt, 3, start=3)
+    assert_same(params_of(model), params_of(twin_model))
+    assert len(copied.state) == len([p for p in model.parameters()])
+
+
+@cases
+def test_params_without_grad_untouched_and_stateless(case: OptimizerCase) -> None:
+    torch.manual_seed(1)
+    used = torch.nn.Parameter(torch.randn(64, 80))
+    unused = torch.nn.Parameter(torch.randn(64, 80))
+    frozen = torch.nn.Parameter(torch.randn(10), requires_grad=False)
+    before = unused.detach().clone(), frozen.detach().clone()
+    opt = case.cls([used, unused, frozen], **case.kwargs)
+    for _ in range(3):
+        used.grad = torch.randn_like(used)
+        opt.step()
+    assert torch.equal(unused, before[0]) and torch.equal(frozen, before[1])
+    assert unused not in opt.state and frozen not in opt.state
+    assert used in opt.state
+
+
+@cases
+def test_zero_size_params(case: OptimizerCase) -> None:
+    empty = [torch.nn.Parameter(torch.zeros(0)), torch.nn.Parameter(torch.zeros(0, 5)), torch.nn.Parameter(torch.zeros(3, 0, 2))]
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    opt = case.cls(empty + [w], **case.kwargs)
+    for _ in range(2):
+        for p in empty + [w]:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    assert all(p.numel() == 0 for p in empty)
+    assert torch.isfinite(w).all()
+
+
+@cases
+def test_closure_runs_with_grad_and_returns_loss(case: OptimizerCase) -> None:
+    model = make_model()
+    opt = case.cls(model.parameters(), **case.kwargs)
+    x, y = batch(0)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()  # fails if the closure ran under no_grad
+        return loss
+
+    before = params_of(model)
+    loss = opt.step(closure)
+    assert isinstance(loss, torch.Tensor) and loss.item() > 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, params_of(model)))
+
+
+@cases
+def test_tiny_lr_group_leaves_params_unchanged(case: OptimizerCase) -> None:
+    if case.lr_key is None:
+        pytest.skip("optimizer has no plain learning rate")
+    model = make_model()
+    first, rest = list(model.parameters())[:2], list(model.parameters())[2:]
+    opt = case.cls([{"params": first, case.lr_key: 1e-30}, {"params": rest}], **case.kwargs)
+    before = params_of(model)
+    train(model, opt, 3)
+    after = params_of(model)
+    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+    assert not torch.equal(before[2], after[2])
+
+
+@cases
+def test_add_param_group(case: OptimizerCase) -> None:
+    model = make_model()
+    params = list(model.parameters())
+    opt = case.cls(params[:2], **case.kwargs)
+    train(model, opt, 2)
+    before_tail = params_of(model)[2:]
+    opt.add_param_group({"params": params[2:]})
+    assert len(opt.param_groups) == 2
+    for k, v in case.kwargs.items():
+        assert opt.param_groups[1][k] == v  # defaults fill the new group
+    train(model, opt, 2, start=2)
+    assert all(not torch.equal(a, b) for a, b in zip(before_tail, params_of(model)[2:]))
+    assert all(p in opt.state for p in params[2:])
+
+
+@cases
+def test_invalid_hyperparameters_raise_value_error(case: OptimizerCase) -> None:
+    assert case.invalid, "every optimizer declares invalid hyper-parameters"
+    w = torch.nn.Parameter(torch.randn(3))
+    for bad in case.invalid:
+        with pytest.raises(ValueError):
+            case.cls([w], **{**case.kwargs, **bad})
+
+
+@cases
+def test_mismatched_state_dict_names_the_parameter(case: OptimizerCase) -> None:
+    a = torch.nn.Parameter(torch.randn(64, 80))
+    b = torch.nn.Parameter(torch.randn(5))
+    opt = case.cls([a, b], **case.kwargs)
+    a.grad, b.grad = torch.randn_like(a), torch.randn_like(b)
+    opt.step()
+    sd = opt.state_dict()
+    other = case.cls([torch.nn.Parameter(torch.randn(80, 64)), torch.nn.Parameter(torch.randn(5))], **case.kwargs)
+    with pytest.raises(ValueError, match=r"param 0 .*shape \(80, 64\)"):
+        other.load_state_dict(sd)
+    assert len(other.state) == 0  # nothing was half-loaded
+
+
+@cases
+def test_estimate_equals_measure_to_the_byte(case: OptimizerCase) -> None:
+    for dtype in (torch.float32, torch.bfloat16):
+        model = make_model(dtype=dtype)
+        whole = torch.nn.ModuleDict({"net": model, "frozen": torch.nn.Linear(3, 3).to(dtype)})
+        whole.frozen.requires_grad_(False)  # no grad -> no state, and not in the estimate
+        opt = case.cls([p for p in whole.parameters() if p.requires_grad], **case.kwargs)
+        train(model, opt, 1)
+        measured = leanopt.measure(opt)
+        predicted = leanopt.estimate(whole, case.cls, **case.kwargs)
+        assert predicted.bytes == measured.bytes, (dtype, predicted.by_key, measured.by_key)
+        assert predicted.elements == measured.elements
+        assert predicted.by_key == measured.by_key
+
+
+@cases
+def test_low_precision_params_keep_fp32_state_through_save_load(case: OptimizerCase) -> None:
+    model = make_model(dtype=torch.bfloat16)
+    opt = case.cls(model.parameters(), **case.kwargs)
+    train(model, opt, 2)
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    twin = case.cls(model.parameters(), **case.kwargs)
+    twin.load_state_dict(torch.load(buf, weights_only=True))
+    for p in model.parameters():
+        for key, value in opt.state[p].items():
+            loaded = twin.state[p][key]
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                assert value.dtype == torch.float32 and loaded.dtype == torch.float32, key
+                assert torch.equal(value, loaded), key
