@@ -36,7 +36,7 @@ ADAM_INVALID = [
     {"lr": float("nan")},
 ]
 
-# Each set is invalid on its own and merged over the registry kwargs (relative_step=False, lr set).
+# Each set is invalid on its own and merged over the registry kwargs below (relative_step=False, lr set).
 ADAFACTOR_INVALID = [
     {"lr": 1e-3, "relative_step": True},
     {"warmup_init": True, "relative_step": False, "lr": 1e-3},
@@ -57,4 +57,12 @@ ADAFACTOR_INVALID = [
 
 OPTIMIZERS: list[OptimizerCase] = [
     OptimizerCase("adamw", leanopt.AdamW, {"lr": 1e-2}, ADAM_INVALID),
+    OptimizerCase(
+        "adafactor",
+        leanopt.Adafactor,
+        # beta1 so the generic suite also saves, copies and measures the full-size exp_avg.
+        {"lr": 1e-2, "beta1": 0.9, "relative_step": False, "scale_parameter": False},
+        ADAFACTOR_INVALID,
+        lr_key="lr",
+    ),
 ]

@@ -1,7 +1,7 @@
 """leanopt: memory-balanced training in PyTorch."""
 
-from leanopt.optim import AdamW
+from leanopt.optim import Adafactor, AdamW
 from leanopt.memory import compute_optimizer_size, estimate, measure
 
 __version__ = "0.1.0"
-__all__ = ["AdamW", "compute_optimizer_size", "estimate", "measure"]
+__all__ = ["Adafactor", "AdamW", "compute_optimizer_size", "estimate", "measure"]

@@ -1,7 +1,8 @@
 """leanopt's optimizers, one module each, on the shared bookkeeping in ``base``."""
 
+from leanopt.optim.adafactor import Adafactor
 from leanopt.optim.adamw import AdamW
 from leanopt.optim.base import LeanOptimizer
 from leanopt.optim.layout import StateSpec
 
-__all__ = ["AdamW", "LeanOptimizer", "StateSpec"]
+__all__ = ["Adafactor", "AdamW", "LeanOptimizer", "StateSpec"]

@@ -1,0 +1,194 @@
+"""Adafactor with transformers' update rule, defaults and state keys, minus its two defects."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from leanopt.kernels import reference
+from leanopt.optim.adamw import state_dtype
+from leanopt.optim.base import LeanOptimizer, check_beta, check_nonnegative
+from leanopt.optim.layout import StateSpec
+
+
+class Adafactor(LeanOptimizer):
+    r"""Adafactor (Shazeer & Stern, 2018), exactly ``transformers.Adafactor``'s rule, defaults and keys.
+
+    .. math::
+        \begin{aligned}
+        &\rho_t \leftarrow \begin{cases}
+            \min\big(10^{-6}\,t \text{ if warmup\_init else } 10^{-2},\ 1/\sqrt{t}\big)
+            & \text{relative\_step} \\
+            \gamma & \text{otherwise} \end{cases} \\
+        &\alpha_t \leftarrow \max\big(\epsilon_2, \mathrm{RMS}(\theta_{t-1})\big)\,\rho_t
+            \text{ if scale\_parameter else } \rho_t \\
+        &\hat\beta_{2,t} \leftarrow 1 - t^{c}, \qquad G_t \leftarrow g_t^2 + \epsilon_1 \\
+        &\text{ndim} \ge 2:\ R_t \leftarrow \hat\beta_{2,t} R_{t-1} + (1-\hat\beta_{2,t})\,
+            \mathrm{mean}_{-1}(G_t), \quad
+            C_t \leftarrow \hat\beta_{2,t} C_{t-1} + (1-\hat\beta_{2,t})\,\mathrm{mean}_{-2}(G_t), \quad
+            \hat V_t \leftarrow \frac{R_t \otimes C_t}{\mathrm{mean}_{-1}(R_t)} \\
+        &\text{ndim} < 2:\ \hat V_t \leftarrow \hat\beta_{2,t} \hat V_{t-1} + (1-\hat\beta_{2,t})\,G_t \\
+        &U_t \leftarrow g_t / \sqrt{\hat V_t}, \qquad
+            U_t \leftarrow \alpha_t\,U_t / \max\big(1, \mathrm{RMS}(U_t)/d\big) \\
+        &\text{with } \beta_1:\ m_t \leftarrow \beta_1 m_{t-1} + (1-\beta_1)\,U_t, \quad U_t \leftarrow m_t \\
+        &\theta_t \leftarrow \theta_{t-1} - \lambda\,\alpha_t\,\theta_{t-1} - U_t
+        \end{aligned}
+
+    where :math:`\gamma` is ``lr``, :math:`(\epsilon_1, \epsilon_2)` is ``eps``, :math:`c` is
+    ``decay_rate``, :math:`d` is ``clip_threshold`` and :math:`\lambda` is ``weight_decay``.
+    Each parameter counts its own steps :math:`t` (a parameter without a gradient is skipped).
+
+    State per parameter: ``step`` (fp32 scalar on the CPU); ``exp_avg_sq_row`` (shape
+    ``shape[:-1]``) and ``exp_avg_sq_col`` (``shape[:-2] + shape[-1:]``) for ``ndim >= 2``, else
+    ``exp_avg_sq`` (param shape); ``exp_avg`` (param shape) only when ``beta1`` is set. States are
+    fp32 (fp64 for fp64 params). :math:`\mathrm{RMS}(\theta)` is recomputed every step, so unlike
+    transformers there is no ``RMS`` entry. For fp32 params results equal transformers' to rounding.
+
+    Two differences from ``transformers.Adafactor``, both fixes: ``step(closure)`` runs the
+    closure with gradients enabled (transformers runs it under ``no_grad``, so its
+    ``backward`` fails), and the fp32 state of bf16/fp16 params stays fp32 through
+    ``state_dict``/``load_state_dict`` (transformers' load casts it to the param dtype). A
+    transformers Adafactor ``state_dict`` (int ``step``, an ``RMS`` entry) loads and continues.
+
+    Args:
+        params: parameters or param groups.
+        lr: external learning rate; must be ``None`` with ``relative_step`` and set without it
+            (default None).
+        eps: ``(eps1, eps2)``: added to the squared gradient, and the floor of the parameter
+            scale (default (1e-30, 1e-3)).
+        clip_threshold: the RMS the normalized update is clipped to (default 1.0; must be > 0).
+        decay_rate: exponent :math:`c` of the second-moment decay :math:`1 - t^c`
+            (default -0.8; must be <= 0).
+        beta1: coefficient of the running average of the update; ``None`` keeps no first
+            moment (default None).
+        weight_decay: decoupled weight decay, scaled by the step size (default 0.0).
+        scale_parameter: multiply the step size by the parameter's RMS (default True).
+        relative_step: use the time-dependent step size instead of ``lr`` (default True).
+        warmup_init: with ``relative_step``, warm the step size up as :math:`10^{-6}t`
+            (default False).
+
+    Example:
+        >>> import torch, leanopt
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = leanopt.Adafactor(model.parameters())
+        >>> model(torch.randn(8, 4)).square().mean().backward()
+        >>> opt.step()
+        >>> sorted(opt.state[model.weight]), sorted(opt.state[model.bias])
+        (['exp_avg_sq_col', 'exp_avg_sq_row', 'step'], ['exp_avg_sq', 'step'])
+        >>> opt.state[model.weight]["exp_avg_sq_row"].shape
+        torch.Size([2])
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | None = None,
+        eps: tuple[float, float] = (1e-30, 1e-3),
+        clip_threshold: float = 1.0,
+        decay_rate: float = -0.8,
+        beta1: float | None = None,
+        weight_decay: float = 0.0,
+        scale_parameter: bool = True,
+        relative_step: bool = True,
+        warmup_init: bool = False,
+    ) -> None:
+        # Positional order and defaults are transformers', so it is a drop-in replacement.
+        defaults = dict(
+            lr=lr,
+            eps=tuple(eps) if isinstance(eps, (tuple, list)) else eps,
+            clip_threshold=clip_threshold,
+            decay_rate=decay_rate,
+            beta1=beta1,
+            weight_decay=weight_decay,
+            scale_parameter=scale_parameter,
+            relative_step=relative_step,
+            warmup_init=warmup_init,
+        )
+        validate_adafactor_hparams(defaults)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        # lr/relative_step/warmup_init constrain each other: check the group as it will run.
+        merged = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
+        validate_adafactor_hparams(merged)
+        if isinstance(param_group.get("eps"), list):
+            param_group = {**param_group, "eps": tuple(param_group["eps"])}
+        super().add_param_group(param_group)
+
+    def state_layout(self, shape: tuple[int, ...], dtype: torch.dtype, group: Mapping[str, Any]) -> list[StateSpec]:
+        sd = state_dtype(dtype)
+        shape = tuple(shape)
+        specs = [StateSpec("step", (), torch.float32, host=True)]
+        if group["beta1"] is not None:
+            specs.append(StateSpec("exp_avg", shape, sd))
+        if len(shape) >= 2:
+            specs.append(StateSpec("exp_avg_sq_row", shape[:-1], sd))
+            specs.append(StateSpec("exp_avg_sq_col", shape[:-2] + shape[-1:], sd))
+        else:
+            specs.append(StateSpec("exp_avg_sq", shape, sd))
+        return specs
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = self._closure_loss(closure)
+        for group in self.param_groups:
+            eps1, eps2 = group["eps"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("leanopt.Adafactor does not support sparse gradients")
+                state = self._init_state(p, group)
+                state["step"] += 1
+                reference.adafactor_(
+                    p,
+                    p.grad,
+                    state.get("exp_avg"),
+                    state.get("exp_avg_sq_row"),
+                    state.get("exp_avg_sq_col"),
+                    state.get("exp_avg_sq"),
+                    int(state["step"].item()),
+                    lr=group["lr"],
+                    eps1=eps1,
+                    eps2=eps2,
+                    clip_threshold=group["clip_threshold"],
+                    decay_rate=group["decay_rate"],
+                    beta1=group["beta1"],
+                    weight_decay=group["weight_decay"],
+                    scale_parameter=group["scale_parameter"],
+                    relative_step=group["relative_step"],
+                    warmup_init=group["warmup_init"],
+                )
+        return loss
+
+
+def validate_adafactor_hparams(group: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` for a group Adafactor cannot run (transformers' two checks first)."""
+    lr, relative_step = group["lr"], group["relative_step"]
+    if lr is not None and relative_step:
+        raise ValueError("Cannot combine manual `lr` and `relative_step=True` options")
+    if group["warmup_init"] and not relative_step:
+        raise ValueError("`warmup_init=True` requires `relative_step=True`")
+    if lr is None and not relative_step:
+        raise ValueError("`relative_step=False` needs a learning rate `lr`")
+    if lr is not None:
+        check_nonnegative("lr", lr)
+    eps = group["eps"]
+    if not isinstance(eps, (tuple, list)) or len(eps) != 2:
+        raise ValueError(f"eps must be a pair (eps1, eps2), got {eps!r}")
+    check_nonnegative("eps1 (eps[0])", eps[0])
+    check_nonnegative("eps2 (eps[1])", eps[1])
+    clip = group["clip_threshold"]
+    check_nonnegative("clip_threshold", clip)
+    if clip == 0:
+        # The update is divided by RMS(update)/clip_threshold: 0 gives 0/0 = NaN on a zero gradient.
+        raise ValueError("Invalid clip_threshold: 0 (must be > 0)")
+    decay_rate = group["decay_rate"]
+    if not isinstance(decay_rate, (int, float)) or isinstance(decay_rate, bool) or not decay_rate <= 0:
+        # beta2_t = 1 - t^decay_rate would be negative for t > 1 (torch's Adafactor checks this too).
+        raise ValueError(f"Invalid decay_rate: {decay_rate!r} (must be <= 0)")
+    if group["beta1"] is not None:
+        check_beta("beta1", group["beta1"])
+    check_nonnegative("weight_decay", group["weight_decay"])
