@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from leanopt.kernels import reference
+from leanopt import kernels
 from leanopt.optim.base import LeanOptimizer, check_beta, check_nonnegative
 from leanopt.optim.layout import StateSpec
 
@@ -44,6 +44,8 @@ class AdamW(LeanOptimizer):
         weight_decay: decoupled weight decay (default 1e-2).
         amsgrad: use the maximum of past second moments (default False).
         maximize: maximize the objective instead of minimizing it (default False).
+        backend: ``"auto"`` (Triton on CUDA, the fast CPU path on CPU), ``"reference"``
+            (plain tensor maths, for debugging), ``"cpu"`` or ``"triton"``.
 
     Example:
         >>> import torch, leanopt
@@ -65,10 +67,11 @@ class AdamW(LeanOptimizer):
         *,
         amsgrad: bool = False,
         maximize: bool = False,
+        backend: str = "auto",
     ) -> None:
         validate_adam_hparams(lr, betas, eps, weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, backend=backend)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         for key in ("lr", "eps", "weight_decay"):
@@ -100,8 +103,9 @@ class AdamW(LeanOptimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = self._closure_loss(closure)
-        for group in self.param_groups:
+        for gi, group in enumerate(self.param_groups):
             beta1, beta2 = group["betas"]
+            by_backend: dict[tuple[str, torch.device], list[torch.Tensor]] = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -109,13 +113,18 @@ class AdamW(LeanOptimizer):
                     raise RuntimeError("leanopt.AdamW does not support sparse gradients")
                 state = self._init_state(p, group)
                 state["step"] += 1
-                reference.adamw_(
-                    p,
-                    p.grad,
-                    state["exp_avg"],
-                    state["exp_avg_sq"],
-                    state.get("max_exp_avg_sq") if group["amsgrad"] else None,
-                    int(state["step"].item()),
+                by_backend.setdefault((self._backend_for(p), p.device), []).append(p)
+            for (backend, _), params in by_backend.items():
+                kernels.adamw(
+                    backend,
+                    self._tables,
+                    f"group{gi}",
+                    params,
+                    [p.grad for p in params],
+                    [self.state[p]["exp_avg"] for p in params],
+                    [self.state[p]["exp_avg_sq"] for p in params],
+                    [self.state[p]["max_exp_avg_sq"] for p in params] if group["amsgrad"] else None,
+                    [self.state[p]["step"] for p in params],
                     lr=group["lr"],
                     beta1=beta1,
                     beta2=beta2,

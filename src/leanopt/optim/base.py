@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from leanopt import kernels
+from leanopt.kernels.multi_tensor import TableCache
 from leanopt.optim.layout import StateSpec
 from leanopt.quant import QuantizedState
 
@@ -35,8 +37,23 @@ def check_beta(name: str, value: float) -> None:
 class LeanOptimizer(torch.optim.Optimizer):
     """Base class of leanopt's optimizers (bookkeeping only; the maths is in ``kernels``)."""
 
-    def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
+    def __init__(self, params: Iterable[Any], defaults: dict[str, Any], *, backend: str = "auto") -> None:
+        # The backend is how to compute, not what: it is not a hyper-parameter and is not saved.
+        self.backend = kernels.check_backend(backend)
+        self._tables = TableCache()
         super().__init__(params, defaults)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("backend", "auto")
+        self.__dict__.setdefault("_tables", TableCache())
+
+    def _backend_for(self, p: torch.Tensor) -> str:
+        """Which backend runs ``p``'s update (dtypes a backend lacks fall back to the reference)."""
+        backend = kernels.resolve_backend(self.backend, p.device)
+        if backend == "triton" and p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return "reference"
+        return backend
 
     # ---- layout -------------------------------------------------------------------------
     def state_layout(
