@@ -55,8 +55,19 @@ ADAFACTOR_INVALID = [
     {"weight_decay": -0.1},
 ]
 
+# Quantized AdamW: amsgrad is refused, storage options are validated.
+LOWBIT_INVALID = ADAM_INVALID + [
+    {"amsgrad": True},
+    {"block_size": 0},
+    {"block_size": 1.5},
+    {"min_quant_size": -1},
+]
+
 OPTIMIZERS: list[OptimizerCase] = [
     OptimizerCase("adamw", leanopt.AdamW, {"lr": 1e-2}, ADAM_INVALID),
+    # The generic model's first weight (8192 elements) is quantized, the rest keep fp32 states.
+    OptimizerCase("adamw8bit", leanopt.AdamW8bit, {"lr": 1e-2}, LOWBIT_INVALID),
+    OptimizerCase("adamw4bit", leanopt.AdamW4bit, {"lr": 1e-2}, LOWBIT_INVALID),
     OptimizerCase(
         "adafactor",
         leanopt.Adafactor,

@@ -144,3 +144,113 @@ def adafactor_(
 
 def _root_mean_square(t: Tensor) -> Tensor:
     return torch.linalg.vector_norm(t) / math.sqrt(t.numel())
+
+
+# ---- AdamW on quantized states ----------------------------------------------------------------
+
+# Slack on the second-moment floor below: fp32 rounding of an exact history may put m^2/K a few
+# ulps above v (at step 1 the bound is an equality), and the floor must never touch such a state.
+MOMENT_BOUND_SLACK = 1e-3
+
+
+def adam_moment_bound(beta1: float, beta2: float, step: int) -> float:
+    """``K_t``: the largest ``m_t^2 / v_t`` that Adam's moment estimates can reach at ``step``.
+
+    With ``m_t = (1-b1) sum b1^(t-k) g_k`` and ``v_t = (1-b2) sum b2^(t-k) g_k^2``, Cauchy-Schwarz
+    gives ``m_t^2 <= K_t v_t`` with ``K_t = (1-b1)^2/(1-b2) * sum_{j<t} (b1^2/b2)^j`` -- and
+    ``K_{t+1} = (b1^2/b2) K_t + (1-b1)^2/(1-b2)``, so one exact step from a state that satisfies
+    the bound satisfies the next one. ``inf`` when there is no finite bound (``b2 = 0``, or
+    ``b1^2 >= b2`` for long enough to overflow).
+    """
+    if beta2 == 0.0:
+        return math.inf
+    base = (1.0 - beta1) ** 2 / (1.0 - beta2)
+    r = beta1 * beta1 / beta2
+    if r == 1.0:
+        return base * step
+    try:
+        return base * (1.0 - r**step) / (1.0 - r)
+    except OverflowError:
+        return math.inf
+
+
+def adamw_quantized_(
+    param: Tensor,
+    grad: Tensor,
+    exp_avg: "QuantizedState | Tensor",
+    exp_avg_sq: "QuantizedState | Tensor",
+    step: int,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    maximize: bool,
+) -> None:
+    """One AdamW update of ``param`` whose moments may be block-quantized; the rule of
+    ``leanopt.AdamW8bit``/``AdamW4bit``.
+
+    Each state is a :class:`~leanopt.quant.QuantizedState` or a dense tensor in the compute
+    dtype (updated in place). The moments are dequantized to fp32 (fp64 for fp64 params), the
+    update runs in :func:`adamw_`'s order, and the new moments are requantized last: the step
+    itself uses the fp32 moments, so quantization error enters only through the stored state.
+    With dense states and finite gradients the result is bit-identical to :func:`adamw_`.
+
+    Additions to the fp32 rule (the first is a no-op on any state fp32 AdamW can reach):
+
+    * **Second-moment floor (the v->0 hazard).** After the moment updates,
+      ``v <- max(v, m^2 / K_t)`` with ``K_t`` from :func:`adam_moment_bound` (plus a 1e-3
+      slack). Exact moments always satisfy ``m^2 <= K_t v``; quantized ones need not: when
+      ``v / absmax`` falls under a code's smallest value it may round to 0 while ``m`` does
+      not, and a later zero gradient then moves the weight by ``lr * m_hat / eps`` (19.5 seen
+      in torchao 8-bit on CPU, 330 for bitsandbytes/torchao on a GPU). With the floor every
+      step obeys fp32 AdamW's own worst case, ``|dp| <= lr * sqrt(K_t) * sqrt(1-b2^t) / (1-b1^t)``
+      (about ``lr`` in the first steps, ``7.3 lr`` for betas (0.9, 0.999) later), whatever the
+      code book and however the state was rounded or converted. The floored ``v`` is stored.
+    * **Zero gradients.** Elements whose gradient is exactly 0 (sparse rows, dead units)
+      store their decayed first moment rounded toward zero, not to the nearest code, so
+      momentum dies out instead of sticking on a code and moving the weight forever.
+    * **Non-finite gradients.** An element whose gradient is NaN/Inf, or whose new moments
+      overflow (``|g|`` above ~1.8e19 squares to Inf), is left untouched for this step (no
+      decay, no update) and both of its moments are reset to 0. It is excluded before the
+      block scales are computed, so its block neighbours' scale, codes and params are exactly
+      what they would be without it (bitsandbytes does the same on CUDA; torchao 4-bit turns
+      the whole block to NaN).
+    """
+    from leanopt.quant import QuantizedState
+
+    ct = _compute_dtype(param)
+    p = param.to(dtype=ct, copy=True)
+    g = grad.to(ct)
+    if maximize:
+        g = -g
+    m = exp_avg.dequantize().to(ct) if isinstance(exp_avg, QuantizedState) else exp_avg
+    v = exp_avg_sq.dequantize().to(ct) if isinstance(exp_avg_sq, QuantizedState) else exp_avg_sq
+    if weight_decay != 0:
+        p.mul_(1 - lr * weight_decay)
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    bound = adam_moment_bound(beta1, beta2, step)
+    if math.isfinite(bound):
+        torch.maximum(v, m.square().div_(bound * (1 + MOMENT_BOUND_SLACK)), out=v)
+    bad = ~(torch.isfinite(m) & torch.isfinite(v))
+    any_bad = bool(bad.any())
+    if any_bad:
+        m.masked_fill_(bad, 0.0)
+        v.masked_fill_(bad, 0.0)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+    denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
+    p.addcdiv_(m, denom, value=-lr / bias_correction1)
+    if any_bad:
+        p = torch.where(bad, param.to(ct), p)
+    param.copy_(p)
+    if isinstance(exp_avg, QuantizedState):
+        # Where the gradient is 0 the first moment only decays, by b1 per step; nearest
+        # rounding would put 0.9 m back on m's code wherever codes are more than ~20% apart
+        # (near 0 in every code), and the weight would keep moving at a constant speed with no
+        # gradient. Rounding those elements toward zero lets momentum die out as in fp32.
+        exp_avg.quantize_(m, toward_zero=g == 0)
+    if isinstance(exp_avg_sq, QuantizedState):
+        exp_avg_sq.quantize_(v)

@@ -2,7 +2,8 @@
 
 from leanopt.optim.adafactor import Adafactor
 from leanopt.optim.adamw import AdamW
+from leanopt.optim.adamw_lowbit import AdamW4bit, AdamW8bit
 from leanopt.optim.base import LeanOptimizer
 from leanopt.optim.layout import StateSpec
 
-__all__ = ["Adafactor", "AdamW", "LeanOptimizer", "StateSpec"]
+__all__ = ["Adafactor", "AdamW", "AdamW4bit", "AdamW8bit", "LeanOptimizer", "StateSpec"]

@@ -46,9 +46,12 @@ class QuantizedState:
         """fp32 tensor of ``shape``."""
         return self.format.decode(self.codes, self.absmax, self.numel).view(self.shape)
 
-    def quantize_(self, x: torch.Tensor) -> None:
-        """Store ``x`` (any float dtype, ``shape``) in place."""
-        self.format.encode_(x.reshape(-1), self.codes, self.absmax)
+    def quantize_(self, x: torch.Tensor, toward_zero: torch.Tensor | None = None) -> None:
+        """Store ``x`` (any float dtype, ``shape``) in place: each element becomes the nearest
+        code, or, where the boolean mask ``toward_zero`` is set, the nearest code no larger in
+        magnitude."""
+        mask = None if toward_zero is None else toward_zero.reshape(-1)
+        self.format.encode_(x.reshape(-1), self.codes, self.absmax, toward_zero=mask)
 
     def to(self, device: torch.device | str) -> "QuantizedState":
         return QuantizedState(self.codes.to(device), self.absmax.to(device), self.format, self.shape)

@@ -1,0 +1,153 @@
+"""Code books: the sorted values a quantized state's codes stand for, per block, in [-1, 1].
+
+A code book is a list of values; a block of ``block_size`` elements is divided by its absolute
+maximum and each element becomes the index of the nearest value. Two families live here:
+
+* **power codes** (leanopt's defaults): ``x_k = (k/K)^a`` -- signed ``±(k/K)^a`` with zero for
+  the first moment, unsigned ``(k/K)^a`` *without* zero for the second moment. ``a`` trades
+  resolution in the bulk of a block against reach towards tiny values.
+* **dynamic tree** codes (Dettmers 2016, "8-bit approximations for parallelism in deep
+  learning", used block-wise by Dettmers et al. 2022 and by bitsandbytes/torchao): a sign bit,
+  then a run of zero bits giving a decimal exponent, an indicator bit, and the remaining bits as
+  a linear fraction -- decade ``10^-e`` holds ``2^(F-e)`` evenly spaced values. Kept as the
+  baseline that the power codes were measured against (``benchmarks/accuracy_vs_peers.py``).
+
+Why power codes. Measured with ``benchmarks/accuracy_vs_peers.py`` (one 1024x1024 tensor,
+20 steps at lr 1e-3, distance from fp32 ``torch.optim.AdamW``; "heavy": each element's gradient
+scale log-normal with sigma 1.5, like the mix of busy and quiet features in a real layer):
+
+=================================  =================  =================  ===========
+codes (m | v), blocks of 256        randn*0.01 max/mean heavy max/mean      hazard mean
+=================================  =================  =================  ===========
+dynamic tree | dynamic tree         6.8e-4 / 6.7e-5    1.3e-2 / 3.7e-4    (v->0: 116)
+dynamic tree | same, no zero        6.8e-4 / 6.7e-5    1.2e-2 / 3.2e-4    4.8e-3
+pow3 | pow6 (leanopt 8-bit)         5.5e-4 / 5.3e-5    4.7e-3 / 1.8e-4    1.5e-3
+4-bit dyn | linear (torchao)        1.1e-2 / 9.1e-4    1.7e-2 / 3.3e-3    9.8e-3
+4-bit pow2 | pow3 (leanopt 4-bit)   8.2e-3 / 7.3e-4    1.7e-2 / 2.4e-3    8.9e-3
+=================================  =================  =================  ===========
+
+The first moment's error dominates the update's; the dynamic tree spends half its codes on
+``[0.1, 1]`` of the block maximum and is coarse around ``0.05-0.3`` where most of a block's
+``m`` lies, while ``(k/127)^3`` is finer there and still reaches ``5e-7`` (the tree's floor is
+``~3e-7``). For the second moment ``(k/256)^6`` means ``sqrt(v)`` sits on a cubic grid just
+like ``m``; its smallest value ``3.5e-15`` covers the squared range of ``m``, and it has no
+zero, so a stored ``v`` is never 0 while its block is not (see the hazard note in
+:func:`leanopt.kernels.reference.adamw_quantized_` for the guarantee that does not depend on
+the code at all).
+
+Code books are built once per (name, device) and shared by every state: a state stores codes
+and block scales only (:func:`codebook`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CodeBook:
+    """``values``: sorted fp32 code values (length ``2**bits``); ``thresholds``: the midpoints
+    between consecutive *distinct* values, so ``searchsorted(thresholds, x)`` is the index of
+    the nearest value. ``zero_index`` is the code of 0 (signed) or of the smallest value."""
+
+    name: str
+    bits: int
+    signed: bool
+    values: torch.Tensor
+    thresholds: torch.Tensor
+    zero_index: int
+
+
+def power_values(bits: int, signed: bool, power: float) -> list[float]:
+    """``±(k/K)^power`` with zero (signed, ``K = 2^(bits-1) - 1``) or ``(k/K)^power``,
+    ``k = 1..K`` without zero (unsigned, ``K = 2^bits``)."""
+    if signed:
+        k_max = 2 ** (bits - 1) - 1
+        pos = [(k / k_max) ** power for k in range(1, k_max + 1)]
+        return [-x for x in reversed(pos)] + [0.0] + pos
+    k_max = 2**bits
+    return [(k / k_max) ** power for k in range(1, k_max + 1)]
+
+
+def dynamic_tree_values(bits: int, signed: bool, zero: bool = True) -> list[float]:
+    """Dynamic tree code (Dettmers 2016): after the sign bit (signed only), ``e`` zero bits set
+    the decimal exponent ``10^-e``, a one bit ends them, and the ``F - e`` bits left are a linear
+    fraction over ``(0.1, 1]`` of that decade, ``F = bits - 2`` for signed codes and
+    ``bits - 1`` for unsigned ones. The all-zero pattern is 0 (or, with ``zero=False``, dropped).
+    Fraction values are the upper ends of their intervals, so every decade's top -- and 1.0 --
+    is exact."""
+    fraction_bits = bits - 2 if signed else bits - 1
+    pos: list[float] = []
+    for e in range(fraction_bits + 1):
+        n = 2 ** (fraction_bits - e)
+        scale = 10.0**-e
+        pos += [scale * (0.1 + 0.9 * i / n) for i in range(1, n + 1)]
+    pos = sorted(pos)
+    if signed:
+        return [-x for x in reversed(pos)] + [0.0] + pos
+    return ([0.0] if zero else []) + pos
+
+
+# name -> (bits, signed, values); the names are part of the checkpoint format: never reuse one.
+_CODES: dict[str, tuple[int, bool, Callable[[], list[float]]]] = {
+    "pow3-s8": (8, True, lambda: power_values(8, True, 3.0)),
+    "pow6-u8": (8, False, lambda: power_values(8, False, 6.0)),
+    "pow2-s4": (4, True, lambda: power_values(4, True, 2.0)),
+    "pow3-u4": (4, False, lambda: power_values(4, False, 3.0)),
+    "dyn-s8": (8, True, lambda: dynamic_tree_values(8, True)),
+    "dyn-u8": (8, False, lambda: dynamic_tree_values(8, False, zero=True)),
+    "dyn-u8nz": (8, False, lambda: dynamic_tree_values(8, False, zero=False)),
+    "dyn-s4": (4, True, lambda: dynamic_tree_values(4, True)),
+}
+
+_CACHE: dict[tuple[str, torch.device], CodeBook] = {}
+
+
+def code_names() -> list[str]:
+    return sorted(_CODES)
+
+
+def code_bits(name: str) -> int:
+    return _spec(name)[0]
+
+
+def _spec(name: str) -> tuple[int, bool, Callable[[], list[float]]]:
+    try:
+        return _CODES[name]
+    except KeyError:
+        raise ValueError(f"unknown code book {name!r} (known: {', '.join(code_names())})") from None
+
+
+def codebook(name: str, device: torch.device | str = "cpu") -> CodeBook:
+    """The shared code book ``name`` on ``device`` (built on first use, then cached)."""
+    device = torch.device(device)
+    key = (name, device)
+    book = _CACHE.get(key)
+    if book is None:
+        book = _CACHE[key] = _build(name, device)
+    return book
+
+
+def _build(name: str, device: torch.device) -> CodeBook:
+    bits, signed, make = _spec(name)
+    vals = sorted(make())
+    size = 2**bits
+    if len(vals) > size or len(set(vals)) != len(vals):
+        raise AssertionError(f"code book {name} has {len(vals)} values for {size} codes")
+    distinct = torch.tensor(vals, dtype=torch.float64)
+    thresholds = (distinct[1:] + distinct[:-1]) / 2
+    # Spare codes (a symmetric signed code has 2^bits - 1 values) repeat the largest value, so
+    # that any byte decodes to something finite; the encoder never produces them.
+    padded = vals + [vals[-1]] * (size - len(vals))
+    zero_index = min(range(len(vals)), key=lambda i: abs(vals[i]))
+    return CodeBook(
+        name=name,
+        bits=bits,
+        signed=signed,
+        values=torch.tensor(padded, dtype=torch.float32, device=device),
+        thresholds=thresholds.to(dtype=torch.float32, device=device),
+        zero_index=zero_index,
+    )
