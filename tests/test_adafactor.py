@@ -17,6 +17,9 @@ HFAdafactor = hf_optimization.Adafactor
 
 RTOL = 1e-5
 STEPS = 20
+# The rule itself is compared with transformers here; the fast backends ("cpu", "triton") sum
+# in other orders and are compared with the reference in test_backends_adafactor.py.
+BACKEND = "reference"
 # (shape, init scale): 1-D, 2-D, 3-D, and a 2-D one whose RMS stays under eps2 = 1e-3, so
 # scale_parameter takes its floor branch.
 PARAM_SPECS = [((7,), 1.0), ((5, 6), 1.0), ((3, 4, 5), 1.0), ((4, 3), 1e-4)]
@@ -110,7 +113,7 @@ def _run_both(kw: dict, seed: int, steps: int = STEPS) -> float:
     init = _make_params(gen)
     ours_params = [p.clone().requires_grad_() for p in init]
     hf_params = [p.clone().requires_grad_() for p in init]
-    ours, hf = leanopt.Adafactor(ours_params, **kw), HFAdafactor(hf_params, **kw)
+    ours, hf = leanopt.Adafactor(ours_params, backend=BACKEND, **kw), HFAdafactor(hf_params, **kw)
     for t in range(1, steps + 1):
         grads = _grads(gen, init, t)
         _set_grads(ours_params, grads)
@@ -129,8 +132,10 @@ def test_matches_transformers(kw: dict, request: pytest.FixtureRequest) -> None:
 def test_defaults_match_transformers() -> None:
     import inspect
 
-    ours = inspect.signature(leanopt.Adafactor).parameters
+    ours = dict(inspect.signature(leanopt.Adafactor).parameters)
     theirs = inspect.signature(HFAdafactor).parameters
+    # leanopt's one addition is keyword-only, after transformers' parameters.
+    assert ours.pop("backend").kind is inspect.Parameter.KEYWORD_ONLY
     assert list(ours) == list(theirs)
     assert {k: v.default for k, v in ours.items()} == {k: v.default for k, v in theirs.items()}
 
@@ -207,7 +212,7 @@ def test_low_precision_params_follow_transformers(dtype: torch.dtype, request: p
     ours_params = [p.clone().requires_grad_() for p in init]
     hf_params = [p.clone().requires_grad_() for p in init]
     kw = dict(beta1=0.9, weight_decay=0.01)
-    ours, hf = leanopt.Adafactor(ours_params, **kw), HFAdafactor(hf_params, **kw)
+    ours, hf = leanopt.Adafactor(ours_params, backend=BACKEND, **kw), HFAdafactor(hf_params, **kw)
     for t in range(1, 11):
         grads = _grads(gen, init, t)
         _set_grads(ours_params, grads)
@@ -233,7 +238,7 @@ def test_loads_transformers_state_dict_and_continues(kw: dict, request: pytest.F
     sd = _save_load(hf.state_dict())
     assert isinstance(sd["state"][0]["step"], int)  # what transformers saves: a python int step
     ours_params = [p.detach().clone().requires_grad_() for p in hf_params]
-    ours = leanopt.Adafactor(ours_params, **kw)
+    ours = leanopt.Adafactor(ours_params, backend=BACKEND, **kw)
     ours.load_state_dict(sd)
     for p, q in zip(ours_params, hf_params):
         assert "RMS" not in ours.state[p]

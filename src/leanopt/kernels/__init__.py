@@ -8,6 +8,7 @@ runnable on the CPU under ``TRITON_INTERPRET=1``, which is how CI tests them).
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 
 import torch
@@ -63,3 +64,124 @@ def adamw(backend: str, tables, key: str, params, grads, exp_avgs, exp_avg_sqs, 
         for i, p in enumerate(params):
             vmax = max_exp_avg_sqs[i] if max_exp_avg_sqs is not None else None
             reference.adamw_(p, grads[i], exp_avgs[i], exp_avg_sqs[i], vmax, int(step_tensors[i].item()), **hp)
+
+
+def adafactor_schedule(step: int, *, lr: float | None, decay_rate: float, relative_step: bool, warmup_init: bool) -> tuple[float, float]:
+    """``(rho_t, beta2_t)`` of step ``step`` (1-based), formed in double as ``reference.adafactor_`` does."""
+    if relative_step:
+        rho = min(1e-6 * step if warmup_init else 1e-2, 1.0 / math.sqrt(step))
+    else:
+        assert lr is not None
+        rho = lr
+    return rho, 1.0 - math.pow(step, decay_rate)
+
+
+def adafactor(
+    backend: str, tables, key: str, params, grads, exp_avgs, exp_avg_sq_rows, exp_avg_sq_cols, exp_avg_sqs, step_tensors, **hp
+) -> None:
+    """Adafactor on lists of tensors of one device; ``step_tensors`` already hold the new step.
+
+    State lists hold ``None`` where a param has no such state (``exp_avg`` without ``beta1``, the
+    row/column pair of a < 2-D param, ``exp_avg_sq`` of a factored one). The fast backends take
+    plain (not DTensor), contiguous, non-empty tensors; the rest runs the reference.
+    """
+    from leanopt.kernels import reference
+
+    steps = [int(s.item()) for s in step_tensors]  # host tensors: no device sync
+    states = (exp_avgs, exp_avg_sq_rows, exp_avg_sq_cols, exp_avg_sqs)
+    fast: list[int] = []
+    for i, p in enumerate(params):
+        if backend != "reference" and _adafactor_fast_path_takes(backend, p, grads[i], [s[i] for s in states]):
+            fast.append(i)
+        else:
+            reference.adafactor_(p, grads[i], *(s[i] for s in states), steps[i], **hp)
+    if not fast:
+        return
+    schedule = {k: hp.pop(k) for k in ("lr", "decay_rate", "relative_step", "warmup_init")}
+    scalars = [adafactor_schedule(steps[i], **schedule) for i in fast]
+    pick = lambda seq, idx: [seq[i] for i in idx]  # noqa: E731
+    if backend == "triton":
+        from leanopt.kernels import triton_adafactor
+
+        triton_adafactor.adafactor(
+            tables, key, pick(params, fast), pick(grads, fast), *(pick(s, fast) for s in states),
+            [r for r, _ in scalars], [b for _, b in scalars], **hp,
+        )  # fmt: skip
+        return
+    from leanopt.kernels import cpu
+
+    # One call per (compute dtype, step): params that skipped steps have their own rho_t, beta2_t.
+    cohorts: dict[tuple, list[int]] = {}
+    for i, (rho, beta2t) in zip(fast, scalars):
+        cohorts.setdefault((params[i].dtype == torch.float64, rho, beta2t), []).append(i)
+    for (_, rho, beta2t), idx in cohorts.items():
+        cpu.adafactor(pick(params, idx), pick(grads, idx), *(pick(s, idx) for s in states), rho, beta2t, **hp)
+
+
+def _adafactor_fast_path_takes(backend: str, p: torch.Tensor, g: torch.Tensor, states: list) -> bool:
+    dtypes = (torch.float32, torch.bfloat16, torch.float16) + ((torch.float64,) if backend == "cpu" else ())
+    return (
+        type(p) in (torch.Tensor, torch.nn.Parameter)
+        and type(g) is torch.Tensor
+        and p.numel() > 0
+        and p.dtype in dtypes
+        and g.dtype in dtypes
+        and g.shape == p.shape
+        and p.is_contiguous()
+        and g.is_contiguous()
+        and all(s is None or s.is_contiguous() for s in states)
+    )
+
+
+def _quantized_kernel_takes(m, v, p: torch.Tensor) -> bool:
+    """Whether the fused quantized kernels handle these moments (else the reference runs)."""
+    from leanopt.quant import QuantizedState
+
+    if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    if isinstance(m, QuantizedState) and isinstance(v, QuantizedState):
+        fm, fv = m.format, v.format
+        books = (fm.book("cpu"), fv.book("cpu"))
+        return (
+            fm.bits == fv.bits
+            and fm.block_size == fv.block_size
+            and fm.block_size % 2 == 0
+            and 2048 % fm.block_size == 0
+            # code index == value index (no repeated values in the code book)
+            and all(b.values.numel() == b.thresholds.numel() + 1 for b in books)
+        )
+    return isinstance(m, torch.Tensor) and isinstance(v, torch.Tensor) and m.dtype == v.dtype == torch.float32
+
+
+def adamw_quantized(backend: str, tables, key: str, params, grads, exp_avgs, exp_avg_sqs, step_tensors, **hp) -> None:
+    """AdamW8bit/AdamW4bit's rule on lists of one device; moments are QuantizedStates or dense."""
+    from leanopt.kernels import reference
+
+    steps = [int(s.item()) for s in step_tensors]  # host tensors: no device sync
+    slack = 1 + reference.MOMENT_BOUND_SLACK
+    floor_divs = [reference.adam_moment_bound(hp["beta1"], hp["beta2"], s) * slack for s in steps]
+    fast = [] if backend == "reference" else [i for i, p in enumerate(params) if _quantized_kernel_takes(exp_avgs[i], exp_avg_sqs[i], p)]
+    if fast and backend == "triton":
+        from leanopt.kernels import triton_adamw, triton_quant
+
+        quant = [i for i in fast if not isinstance(exp_avgs[i], torch.Tensor)]
+        dense = [i for i in fast if isinstance(exp_avgs[i], torch.Tensor)]
+        for idx, launch in ((quant, triton_quant.adamw_quantized), (dense, triton_adamw.adamw)):
+            if not idx:
+                continue
+            pick = lambda seq: [seq[i] for i in idx]  # noqa: E731
+            if launch is triton_adamw.adamw:
+                launch(tables, key + "/dense", pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), None,
+                       pick(steps), pick(floor_divs), **hp)  # fmt: skip
+            else:
+                launch(tables, key, pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), pick(steps),
+                       pick(floor_divs), **hp)  # fmt: skip
+    elif fast and backend == "cpu":
+        from leanopt.kernels import cpu
+
+        pick = lambda seq: [seq[i] for i in fast]  # noqa: E731
+        cpu.adamw_quantized(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), pick(steps), pick(floor_divs), **hp)
+    taken = set(fast)
+    for i, p in enumerate(params):
+        if i not in taken:
+            reference.adamw_quantized_(p, grads[i], exp_avgs[i], exp_avg_sqs[i], steps[i], **hp)

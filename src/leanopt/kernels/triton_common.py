@@ -25,3 +25,27 @@ def to_param_dtype(x, P_DTYPE: tl.constexpr):
         return (rounded >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return x.to(P_DTYPE)
+
+
+@triton.jit
+def is_finite(x):
+    return (x == x) & (tl.abs(x) < float("inf"))
+
+
+@triton.jit
+def adam_safe_elementwise(p, g, m, v, decay, one_minus_beta1, beta2, one_minus_beta2, floor_div, step_size, bc2_sqrt, eps,
+                      MAXIMIZE: tl.constexpr):  # fmt: skip
+    """The rule of reference.adamw_quantized_ on fp32 values: decay, moments, second-moment
+    floor, non-finite elements skipped (param kept, moments zeroed). Returns (p, m, v)."""
+    if MAXIMIZE:
+        g = -g
+    p_new = p * decay
+    m = m + one_minus_beta1 * (g - m)
+    v = v * beta2 + one_minus_beta2 * g * g
+    v = tl.maximum(v, m * m / floor_div)  # the second-moment floor (no v->0 hazard)
+    bad = ~(is_finite(m) & is_finite(v))
+    m = tl.where(bad, 0.0, m)
+    v = tl.where(bad, 0.0, v)
+    p_new = p_new - step_size * (m / (tl.sqrt(v) / bc2_sqrt + eps))
+    p_new = tl.where(bad, p, p_new)
+    return p_new, m, v

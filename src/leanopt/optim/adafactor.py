@@ -7,9 +7,10 @@ from typing import Any
 
 import torch
 
-from leanopt.kernels import reference
+from leanopt import kernels
 from leanopt.optim.adamw import state_dtype
 from leanopt.optim.base import LeanOptimizer, check_beta, check_nonnegative
+from leanopt.optim.sharding import is_dtensor, shardable, update_whole
 from leanopt.optim.layout import StateSpec
 
 
@@ -68,6 +69,9 @@ class Adafactor(LeanOptimizer):
         relative_step: use the time-dependent step size instead of ``lr`` (default True).
         warmup_init: with ``relative_step``, warm the step size up as :math:`10^{-6}t`
             (default False).
+        backend: ``"auto"`` (Triton on CUDA, the fast CPU path on CPU), ``"reference"``
+            (plain tensor maths, for debugging), ``"cpu"`` or ``"triton"`` (keyword-only; not
+            in transformers' signature). The fast paths agree with the reference to rounding.
 
     Example:
         >>> import torch, leanopt
@@ -93,6 +97,8 @@ class Adafactor(LeanOptimizer):
         scale_parameter: bool = True,
         relative_step: bool = True,
         warmup_init: bool = False,
+        *,
+        backend: str = "auto",
     ) -> None:
         # Positional order and defaults are transformers', so it is a drop-in replacement.
         defaults = dict(
@@ -107,7 +113,7 @@ class Adafactor(LeanOptimizer):
             warmup_init=warmup_init,
         )
         validate_adafactor_hparams(defaults)
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, backend=backend)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         # lr/relative_step/warmup_init constrain each other: check the group as it will run.
@@ -124,8 +130,8 @@ class Adafactor(LeanOptimizer):
         if group["beta1"] is not None:
             specs.append(StateSpec("exp_avg", shape, sd))
         if len(shape) >= 2:
-            specs.append(StateSpec("exp_avg_sq_row", shape[:-1], sd))
-            specs.append(StateSpec("exp_avg_sq_col", shape[:-2] + shape[-1:], sd))
+            specs.append(StateSpec("exp_avg_sq_row", shape[:-1], sd, reduced_dim=-1))
+            specs.append(StateSpec("exp_avg_sq_col", shape[:-2] + shape[-1:], sd, reduced_dim=-2))
         else:
             specs.append(StateSpec("exp_avg_sq", shape, sd))
         return specs
@@ -133,8 +139,8 @@ class Adafactor(LeanOptimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = self._closure_loss(closure)
-        for group in self.param_groups:
-            eps1, eps2 = group["eps"]
+        for gi, group in enumerate(self.param_groups):
+            by_backend: dict[tuple[str, torch.device], list[torch.Tensor]] = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -142,26 +148,40 @@ class Adafactor(LeanOptimizer):
                     raise RuntimeError("leanopt.Adafactor does not support sparse gradients")
                 state = self._init_state(p, group)
                 state["step"] += 1
-                reference.adafactor_(
-                    p,
-                    p.grad,
-                    state.get("exp_avg"),
-                    state.get("exp_avg_sq_row"),
-                    state.get("exp_avg_sq_col"),
-                    state.get("exp_avg_sq"),
-                    int(state["step"].item()),
-                    lr=group["lr"],
-                    eps1=eps1,
-                    eps2=eps2,
-                    clip_threshold=group["clip_threshold"],
-                    decay_rate=group["decay_rate"],
-                    beta1=group["beta1"],
-                    weight_decay=group["weight_decay"],
-                    scale_parameter=group["scale_parameter"],
-                    relative_step=group["relative_step"],
-                    warmup_init=group["warmup_init"],
-                )
+                if is_dtensor(p) and not shardable(p):
+                    # Fewer rows than ranks: DTensor has no sharding for Adafactor's ops on this
+                    # param, so every rank updates it whole and keeps its shard.
+                    update_whole(lambda q, g, st: self._update("reference", gi, group, [q], [g], [st]), p, state)
+                    continue
+                by_backend.setdefault((self._backend_for(p), p.device), []).append(p)
+            for (backend, _), params in by_backend.items():
+                self._update(backend, gi, group, params, [p.grad for p in params], [self.state[p] for p in params])
         return loss
+
+    def _update(self, backend: str, gi: int, group: Mapping[str, Any], params, grads, states) -> None:
+        eps1, eps2 = group["eps"]
+        kernels.adafactor(
+            backend,
+            self._tables,
+            f"group{gi}",
+            params,
+            grads,
+            [s.get("exp_avg") for s in states],
+            [s.get("exp_avg_sq_row") for s in states],
+            [s.get("exp_avg_sq_col") for s in states],
+            [s.get("exp_avg_sq") for s in states],
+            [s["step"] for s in states],
+            lr=group["lr"],
+            eps1=eps1,
+            eps2=eps2,
+            clip_threshold=group["clip_threshold"],
+            decay_rate=group["decay_rate"],
+            beta1=group["beta1"],
+            weight_decay=group["weight_decay"],
+            scale_parameter=group["scale_parameter"],
+            relative_step=group["relative_step"],
+            warmup_init=group["warmup_init"],
+        )
 
 
 def validate_adafactor_hparams(group: Mapping[str, Any]) -> None:
