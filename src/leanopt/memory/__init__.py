@@ -9,15 +9,19 @@ from leanopt.memory.estimate import (
     resolve_optimizer,
 )
 from leanopt.memory.measure import StateMeasurement, compute_optimizer_size, measure
+from leanopt.memory.training import PRECISIONS, TrainingMemory, training_memory
 
 __all__ = [
     "OPTIMIZER_NAMES",
+    "PRECISIONS",
     "StateEstimate",
     "StateMeasurement",
+    "TrainingMemory",
     "available_optimizers",
     "compute_optimizer_size",
     "estimate",
     "measure",
     "register_layout",
     "resolve_optimizer",
+    "training_memory",
 ]

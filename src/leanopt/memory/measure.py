@@ -40,7 +40,7 @@ class StateMeasurement:
         return f"{self.bytes:,} bytes ({self.megabytes:.0f} MB), {self.elements:,} elements [{keys}]"
 
 
-def _leaf_tensors(value: Any) -> Iterator[torch.Tensor]:
+def leaf_tensors(value: Any) -> Iterator[torch.Tensor]:
     """Plain tensors holding the memory of a state value."""
     if isinstance(value, QuantizedState):
         yield from value.tensors()
@@ -48,18 +48,18 @@ def _leaf_tensors(value: Any) -> Iterator[torch.Tensor]:
         if type(value) not in (torch.Tensor, torch.nn.Parameter) and hasattr(value, "__tensor_flatten__"):
             attrs, _ = value.__tensor_flatten__()
             for name in attrs:
-                yield from _leaf_tensors(getattr(value, name))
+                yield from leaf_tensors(getattr(value, name))
         else:
             yield value
     elif isinstance(value, Mapping):
         for v in value.values():
-            yield from _leaf_tensors(v)
+            yield from leaf_tensors(v)
     elif isinstance(value, (list, tuple)):
         for v in value:
-            yield from _leaf_tensors(v)
+            yield from leaf_tensors(v)
 
 
-class _Counter:
+class StateCounter:
     """Adds tensors to a measurement, counting each storage once."""
 
     def __init__(self) -> None:
@@ -69,7 +69,7 @@ class _Counter:
 
     def add(self, value: Any, key: str, group: int) -> None:
         r = self.result
-        for t in _leaf_tensors(value):
+        for t in leaf_tensors(value):
             nbytes, elements = self._new_bytes_and_elements(t)
             if nbytes == 0 and elements == 0:
                 continue
@@ -105,7 +105,7 @@ def measure(optimizer: torch.optim.Optimizer) -> StateMeasurement:
     8004
     """
     group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
-    counter = _Counter()
+    counter = StateCounter()
     for param, state in optimizer.state.items():
         group = group_of.get(id(param), -1)
         if isinstance(state, Mapping):
@@ -122,7 +122,7 @@ def compute_optimizer_size(states: Iterable[Any]) -> tuple[float, int]:
     The lesson's helper, made correct: shared storages count once, tensor subclasses and
     nested dicts are followed, and no tensor is copied. Megabytes are MiB (bytes / 1024²).
     """
-    counter = _Counter()
+    counter = StateCounter()
     for state in states:
         if isinstance(state, Mapping):
             for key, value in state.items():

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from leanopt import kernels
+from leanopt.optim.sharding import local
 from leanopt.optim.base import LeanOptimizer, check_beta, check_nonnegative
 from leanopt.optim.layout import StateSpec
 
@@ -119,11 +120,12 @@ class AdamW(LeanOptimizer):
                     backend,
                     self._tables,
                     f"group{gi}",
-                    params,
-                    [p.grad for p in params],
-                    [self.state[p]["exp_avg"] for p in params],
-                    [self.state[p]["exp_avg_sq"] for p in params],
-                    [self.state[p]["max_exp_avg_sq"] for p in params] if group["amsgrad"] else None,
+                    # Elementwise: a DTensor (FSDP2) param updates its own shard, in any backend.
+                    [local(p) for p in params],
+                    [local(p.grad) for p in params],
+                    [local(self.state[p]["exp_avg"]) for p in params],
+                    [local(self.state[p]["exp_avg_sq"]) for p in params],
+                    [local(self.state[p]["max_exp_avg_sq"]) for p in params] if group["amsgrad"] else None,
                     [self.state[p]["step"] for p in params],
                     lr=group["lr"],
                     beta1=beta1,

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from leanopt import kernels
+from leanopt.optim.sharding import allocate_state, checkpoint_value, is_dtensor, load_value
 from leanopt.kernels.multi_tensor import TableCache
 from leanopt.optim.layout import StateSpec
 from leanopt.quant import QuantizedState
@@ -70,7 +71,7 @@ class LeanOptimizer(torch.optim.Optimizer):
         state = self.state[p]
         if not state:
             for spec in self._param_layout(p, group):
-                state[spec.key] = spec.allocate(p.device)
+                state[spec.key] = allocate_state(spec, p) if is_dtensor(p) else spec.allocate(p.device)
         return state
 
     # ---- helpers for step ---------------------------------------------------------------
@@ -83,6 +84,12 @@ class LeanOptimizer(torch.optim.Optimizer):
     # ---- save / load --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
+        # A sharded (DTensor) param's quantized shards are saved as a DTensor, for DCP to reshard.
+        params = [p for g in self.param_groups for p in g["params"]]
+        sd["state"] = {
+            pid: {k: checkpoint_value(v, params[pid]) for k, v in st.items()} if is_dtensor(params[pid]) else st
+            for pid, st in sd["state"].items()
+        }
         # Quantized entries become plain dicts of tensors/ints/strings: weights_only-safe.
         sd["state"] = {
             pid: {k: (v.to_state_dict() if isinstance(v, QuantizedState) else v) for k, v in st.items()}
@@ -146,7 +153,9 @@ class LeanOptimizer(torch.optim.Optimizer):
                     raise ValueError(f"{cls}.load_state_dict: state of {label} has no {spec.key!r}")
                 out[spec.key] = alt
                 continue
-            out[spec.key] = _convert_entry(spec, saved[spec.key], p, f"{cls}.load_state_dict: {spec.key!r} of {label}")
+            where = f"{cls}.load_state_dict: {spec.key!r} of {label}"
+            convert = load_value if is_dtensor(p) else _convert_entry
+            out[spec.key] = convert(spec, saved[spec.key], p, where)
         return out
 
     def _missing_state(self, spec: StateSpec, p: torch.Tensor, saved: Mapping[str, Any]) -> Any:

@@ -34,7 +34,8 @@ class StateSpec:
     ``key`` is the state-dict key, ``shape`` and ``dtype`` describe a dense tensor (for a
     quantized entry: the logical shape and the dtype it dequantizes to). ``host`` marks
     entries torch keeps on the CPU whatever the parameter's device (AdamW's ``step``).
-    ``quant`` is a quantized format, or ``None`` for a plain tensor.
+    ``quant`` is a quantized format, or ``None`` for a plain tensor. ``reduced_dim``: for a
+    state that is the param reduced over one dim, that dim (it places a sharded param's state).
     """
 
     key: str
@@ -42,6 +43,9 @@ class StateSpec:
     dtype: torch.dtype
     host: bool = False
     quant: QuantFormat | None = None
+    # A statistic of the param reduced over this dim (Adafactor's row/column second moments):
+    # the state of a sharded (DTensor) param is replicated over that dim, sharded like the rest.
+    reduced_dim: int | None = None
 
     @property
     def numel(self) -> int:

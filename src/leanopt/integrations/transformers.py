@@ -1,0 +1,130 @@
+"""leanopt in Hugging Face ``Trainer``: the optimizer from a name, and its state memory in the logs.
+
+``Trainer`` takes a custom optimizer two ways, and both work with every leanopt optimizer::
+
+    Trainer(..., optimizers=(leanopt.AdamW(model.parameters(), lr=5e-5), None))
+    Trainer(..., optimizer_cls_and_kwargs=optimizer_cls_and_kwargs("adamw8bit", args))
+
+With ``optimizer_cls_and_kwargs`` Trainer builds two param groups (weight decay, and no decay
+for biases and norms) and passes its kwargs unchanged: it does not inject
+``TrainingArguments.learning_rate``. :func:`optimizer_cls_and_kwargs` fills the kwargs from the
+``TrainingArguments`` the way Trainer does for its own ``optim`` names.
+
+Checkpoints resume exactly: leanopt's ``state_dict`` holds only tensors, numbers, strings, lists
+and dicts (quantized states included), so Trainer's ``torch.load(weights_only=True)`` reads it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from leanopt.memory import measure, resolve_optimizer
+
+logger = logging.getLogger("leanopt")
+
+__all__ = ["OptimizerStateCallback", "optimizer_cls_and_kwargs", "unwrap_optimizer"]
+
+
+def optimizer_cls_and_kwargs(name: str | type, args: Any = None, **kwargs: Any) -> tuple[type, dict[str, Any]]:
+    """``(class, kwargs)`` for ``Trainer(optimizer_cls_and_kwargs=...)`` from a name like ``"adamw8bit"``.
+
+    Args:
+        name: a name of :data:`leanopt.memory.OPTIMIZER_NAMES` or an optimizer class.
+        args: ``TrainingArguments``, or ``None``. When given, ``lr`` comes from
+            ``args.learning_rate`` and, for the AdamW family, ``betas``/``eps`` from
+            ``args.adam_beta1``/``adam_beta2``/``adam_epsilon``. (``weight_decay`` is set per
+            param group by Trainer itself, from ``args.weight_decay``.)
+        **kwargs: override or extend the above.
+
+    Adafactor gets ``relative_step=False, scale_parameter=False`` (what Trainer does for
+    ``optim="adafactor"``): Trainer's learning-rate scheduler multiplies each group's ``lr``, which
+    a relative-step Adafactor doesn't have. Without ``args`` and ``lr`` it raises, for that reason.
+
+    >>> from leanopt.integrations.transformers import optimizer_cls_and_kwargs
+    >>> optimizer_cls_and_kwargs("adamw", lr=3e-4)
+    (<class 'leanopt.optim.adamw.AdamW'>, {'lr': 0.0003})
+    """
+    cls = resolve_optimizer(name)
+    out: dict[str, Any] = {}
+    if args is not None:
+        out["lr"] = args.learning_rate
+        if cls.__name__.lower().startswith("adam"):
+            out["betas"] = (args.adam_beta1, args.adam_beta2)
+            out["eps"] = args.adam_epsilon
+    if cls.__name__ == "Adafactor":
+        out.update(relative_step=False, scale_parameter=False)
+        if "lr" not in out and kwargs.get("lr") is None and kwargs.get("relative_step", False) is False:
+            raise ValueError(
+                "Adafactor in Trainer needs a learning rate: pass args=TrainingArguments(...) or lr=... "
+                "(Trainer's LR scheduler scales each group's lr; relative_step=True has none)"
+            )
+    out.update(kwargs)
+    return cls, out
+
+
+def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The optimizer inside Accelerate's (and so Trainer's) ``AcceleratedOptimizer`` wrappers."""
+    seen = 0
+    while hasattr(optimizer, "optimizer") and isinstance(optimizer.optimizer, torch.optim.Optimizer) and seen < 8:
+        optimizer, seen = optimizer.optimizer, seen + 1
+    return optimizer
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+class OptimizerStateCallback(TrainerCallback):
+    """Logs the optimizer's measured state memory once, after its first step.
+
+    The measurement (:func:`leanopt.measure`, so quantized and factored states are counted as
+    they are stored) goes to the ``leanopt`` logger, to ``trainer.state.log_history`` as one
+    record ``{"optimizer_state_bytes": ..., "optimizer_state_mb": ..., "step": ...}`` (kept in
+    checkpoints, so a resumed run does not log it again), and to :attr:`measurement`. Under
+    ``torch.distributed`` with more than one rank it adds ``optimizer_state_bytes_all_ranks``
+    (every rank calls callbacks, so the all-reduce is collective).
+
+    >>> from leanopt.integrations.transformers import OptimizerStateCallback
+    >>> cb = OptimizerStateCallback()   # Trainer(..., callbacks=[cb]); cb.measurement after a step
+    """
+
+    KEY = "optimizer_state_bytes"
+
+    def __init__(self) -> None:
+        self.measurement = None
+        self.record: dict[str, Any] | None = None
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        if self.record is not None or optimizer is None:
+            return
+        if any(self.KEY in entry for entry in state.log_history):  # resumed: logged before
+            self.record = next(entry for entry in state.log_history if self.KEY in entry)
+            return
+        opt = unwrap_optimizer(optimizer)
+        self.measurement = measure(opt)
+        # Bytes per param on this rank: a DTensor param counts its local shard, as measure() does.
+        params = sum(_local(p).numel() for g in opt.param_groups for p in g["params"])
+        record: dict[str, Any] = {
+            "optimizer": type(opt).__name__,
+            self.KEY: self.measurement.bytes,
+            "optimizer_state_mb": round(self.measurement.megabytes, 3),
+            "optimizer_state_bytes_per_param": round(self.measurement.bytes / params, 4) if params else 0.0,
+        }
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            from leanopt.integrations.distributed import measure_global
+
+            record["optimizer_state_bytes_all_ranks"] = measure_global(opt).total_bytes
+        record["step"] = state.global_step + 1
+        self.record = record
+        state.log_history.append(record)
+        logger.info(
+            "%s state: %s bytes (%.1f MB, %.3f B/param)",
+            record["optimizer"],
+            f"{record[self.KEY]:,}",
+            self.measurement.megabytes,
+            record["optimizer_state_bytes_per_param"],
+        )

@@ -1,0 +1,323 @@
+"""What a saved optimizer ``state_dict`` holds: bytes per key and per group, and whose layout it is.
+
+``load_optimizer_state(path)`` reads a file such as a Trainer checkpoint's ``optimizer.pt`` with
+``torch.load(weights_only=True)`` (memory-mapped when the file allows it), and
+``inspect_state_dict(sd)`` reports on it without building an optimizer. Bytes are counted as
+:func:`leanopt.measure` counts them: each storage once, nested dicts (bitsandbytes) followed,
+leanopt's quantized entries through their codes and scales, Python numbers as 0 bytes.
+"""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+import zipfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from leanopt.memory.estimate import MiB
+from leanopt.memory.measure import StateCounter
+from leanopt.quant import QuantizedState
+
+__all__ = ["InspectError", "StateDictReport", "inspect_file", "inspect_state_dict", "load_optimizer_state", "recognize_layout"]
+
+_BNB_KEY = "__bnb_optimizer_quant_state__"
+# Options torch's own optimizers put in every param group (leanopt's don't).
+_TORCH_GROUP_FLAGS = {"foreach", "fused", "capturable", "differentiable"}
+
+
+class InspectError(ValueError):
+    """The file is missing, not a torch file, or not an optimizer state_dict."""
+
+
+@dataclass
+class StateDictReport:
+    """Breakdown of one optimizer ``state_dict``.
+
+    ``params`` is the number of parameter tensors the param groups list and
+    ``params_with_state`` those that have state; ``param_elements`` is inferred from the state
+    shapes (None when a layout does not reveal them). ``complete`` is False when only the
+    total could be read (torchao's tensor-subclass states do not load with weights_only).
+    """
+
+    layout: str
+    bytes: int = 0
+    elements: int = 0
+    params: int = 0
+    params_with_state: int = 0
+    param_elements: int | None = None
+    by_key: dict[str, int] = field(default_factory=dict)
+    elements_by_key: dict[str, int] = field(default_factory=dict)
+    dtypes_by_key: dict[str, list[str]] = field(default_factory=dict)
+    groups: list[dict[str, Any]] = field(default_factory=list)
+    formats: list[str] = field(default_factory=list)
+    complete: bool = True
+
+    @property
+    def megabytes(self) -> float:
+        return self.bytes / MiB
+
+    @property
+    def bytes_per_param(self) -> float | None:
+        return self.bytes / self.param_elements if self.param_elements else None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "layout": self.layout,
+            "complete": self.complete,
+            "bytes": self.bytes,
+            "megabytes": round(self.megabytes, 3),
+            "elements": self.elements,
+            "params": self.params,
+            "params_with_state": self.params_with_state,
+            "param_elements": self.param_elements,
+            "bytes_per_param": None if self.bytes_per_param is None else round(self.bytes_per_param, 6),
+            "by_key": {
+                k: {"bytes": b, "elements": self.elements_by_key.get(k, 0), "dtypes": self.dtypes_by_key.get(k, [])}
+                for k, b in self.by_key.items()
+            },
+            "groups": self.groups,
+            "formats": self.formats,
+        }
+
+
+# ---- loading ---------------------------------------------------------------------------------
+def load_optimizer_state(path: str | Path) -> dict[str, Any]:
+    """``torch.load(path, weights_only=True)`` on the CPU, checked to be an optimizer state_dict.
+
+    A folder is searched for ``optimizer.pt`` (a Trainer checkpoint folder). A dict that holds
+    the state_dict under ``"optimizer"`` (or a one-element ``"optimizer_states"`` list) is unwrapped.
+    Raises :class:`InspectError` with a one-line message otherwise.
+    """
+    file = _resolve_file(Path(path))
+    try:
+        with warnings.catch_warnings():  # torch warns about pickle protocols of non-torch files
+            warnings.simplefilter("ignore")
+            obj = torch.load(file, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(file))
+    except pickle.UnpicklingError as err:
+        raise InspectError(_unpickling_message(file, err)) from None
+    except Exception as err:  # torch raises RuntimeError, EOFError, ... for non-torch files
+        raise InspectError(f"{file}: not a torch checkpoint ({_first_line(err)})") from None
+    return _optimizer_state(obj, file)
+
+
+def _resolve_file(path: Path) -> Path:
+    if path.is_dir():
+        if (path / "optimizer.pt").is_file():
+            return path / "optimizer.pt"
+        raise InspectError(f"{path}: a folder without optimizer.pt")
+    if not path.is_file():
+        raise InspectError(f"{path}: no such file")
+    return path
+
+
+def _optimizer_state(obj: Any, file: Path) -> dict[str, Any]:
+    if isinstance(obj, Mapping) and "state" not in obj:
+        if isinstance(obj.get("optimizer"), Mapping):
+            obj = obj["optimizer"]
+        elif isinstance(obj.get("optimizer_states"), list) and len(obj["optimizer_states"]) == 1:
+            obj = obj["optimizer_states"][0]
+    if (
+        not isinstance(obj, Mapping)
+        or not isinstance(obj.get("state"), Mapping)
+        or not isinstance(obj.get("param_groups"), list)
+        or not all(isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in obj["param_groups"])
+    ):
+        what = f"a dict with keys {sorted(map(str, obj))[:6]}" if isinstance(obj, Mapping) else f"a {type(obj).__name__}"
+        raise InspectError(f"{file}: not an optimizer state_dict (it holds {what}; expected 'state' and 'param_groups')")
+    return dict(obj)
+
+
+def _unpickling_message(file: Path, err: Exception) -> str:
+    unsafe = _unsafe_globals(file)
+    if unsafe:
+        return (
+            f"{file}: holds classes that torch.load(weights_only=True) refuses ({', '.join(unsafe[:3])}); "
+            "leanopt does not run a checkpoint's code to inspect it"
+        )
+    return f"{file}: not a torch checkpoint that torch.load(weights_only=True) reads"
+
+
+def _unsafe_globals(file: Path) -> list[str]:
+    try:
+        return list(torch.serialization.get_unsafe_globals_in_checkpoint(file))
+    except Exception:
+        return []
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0][:120]}" if text else type(err).__name__
+
+
+def inspect_file(path: str | Path) -> StateDictReport:
+    """Report on a saved optimizer state_dict (see :func:`load_optimizer_state`).
+
+    torchao's quantized states are tensor subclasses that torchao allowlists for weights_only
+    loading when it is imported: a file that needs them imports ``torchao.optim`` (if
+    installed) and loads again. Without torchao the report has the layout and the total bytes
+    of the file's tensor data only (``complete=False``).
+    """
+    try:
+        return inspect_state_dict(load_optimizer_state(path))
+    except InspectError:
+        file = _resolve_file(Path(path))
+        torchao = [g for g in _unsafe_globals(file) if g.startswith("torchao.")]
+        if not torchao:
+            raise
+    try:
+        import torchao.optim  # noqa: F401  (registers its state classes as safe globals)
+    except Exception:
+        names = sorted({g.rsplit(".", 1)[-1] for g in torchao})
+        report = StateDictReport(layout=f"torchao tensor-subclass states ({', '.join(names)})", complete=False)
+        with zipfile.ZipFile(file) as archive:
+            report.bytes = sum(i.file_size for i in archive.infolist() if "/data/" in i.filename)
+        return report
+    return inspect_state_dict(load_optimizer_state(file))
+
+
+# ---- the report ------------------------------------------------------------------------------
+def inspect_state_dict(state_dict: Mapping[str, Any]) -> StateDictReport:
+    """Bytes per state key and per param group, and the recognized layout, of a state_dict."""
+    sd = _optimizer_state(state_dict, Path("<state_dict>"))
+    groups = sd["param_groups"]
+    group_of = {pid: gi for gi, g in enumerate(groups) for pid in g["params"]}
+    counter = StateCounter()
+    dtypes: dict[str, set[str]] = {}
+    formats: set[str] = set()
+    param_elements: int | None = 0
+    for pid, state in sd["state"].items():
+        gi = group_of.get(pid, -1)
+        if not isinstance(state, Mapping):
+            counter.add(state, "<state>", gi)
+            continue
+        for key, value in _entries(state):
+            counter.add(value, key, gi)
+            dtypes.setdefault(key, set()).update(_dtype_names(value))
+            if isinstance(value, Mapping) and QuantizedState.is_state_dict(value):
+                formats.add(str(value["format"]))
+        n = _param_numel(state)
+        param_elements = None if n is None or param_elements is None else param_elements + n
+
+    m = counter.result
+    report = StateDictReport(
+        layout=recognize_layout(sd),
+        bytes=m.bytes,
+        elements=m.elements,
+        params=sum(len(g["params"]) for g in groups),
+        params_with_state=len(sd["state"]),
+        param_elements=param_elements if sd["state"] else None,
+        by_key=dict(m.by_key),
+        elements_by_key=dict(m.elements_by_key),
+        dtypes_by_key={k: sorted(v) for k, v in dtypes.items()},
+        formats=sorted(formats),
+    )
+    for gi, g in enumerate(groups):
+        options = {k: _plain(v) for k, v in g.items() if k not in ("params", "param_names")}
+        report.groups.append({"params": len(g["params"]), "bytes": m.by_group.get(gi, 0), "options": options})
+    return report
+
+
+def _entries(state: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """(key, value) pairs to count; bitsandbytes' nested dict is opened into its own keys."""
+    out = []
+    for key, value in state.items():
+        if key == _BNB_KEY and isinstance(value, Mapping):
+            out.extend((str(k), v) for k, v in value.items())
+        else:
+            out.append((str(key), value))
+    return out
+
+
+def _dtype_names(value: Any) -> set[str]:
+    if isinstance(value, Mapping) and QuantizedState.is_state_dict(value):
+        return {f"quantized:{value['format']}"}
+    if isinstance(value, torch.Tensor):
+        if type(value) not in (torch.Tensor, torch.nn.Parameter):
+            return {type(value).__name__}
+        return {str(value.dtype).removeprefix("torch.")}
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return {f"python {type(value).__name__}"}
+    return set()
+
+
+def _param_numel(state: Mapping[str, Any]) -> int | None:
+    """Elements of the parameter a state belongs to, read off the state's shapes."""
+    nested = state.get(_BNB_KEY)
+    flat = {**state, **nested} if isinstance(nested, Mapping) else state
+    for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "variance", "state1", "momentum_buffer"):
+        value = flat.get(key)
+        if isinstance(value, Mapping) and QuantizedState.is_state_dict(value):
+            return int(torch.Size([int(s) for s in value["shape"]]).numel())
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return value.numel()
+    for row_key, col_key in (("exp_avg_sq_row", "exp_avg_sq_col"), ("row_var", "col_var")):
+        row, col = flat.get(row_key), flat.get(col_key)
+        if isinstance(row, torch.Tensor) and isinstance(col, torch.Tensor) and col.dim() > 0:
+            return row.numel() * col.shape[-1]
+    return None
+
+
+def _plain(value: Any) -> Any:
+    """A group option as JSON: tensors (torchao keeps lr as one) become numbers."""
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else f"tensor{tuple(value.shape)}"
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
+
+
+def recognize_layout(state_dict: Mapping[str, Any]) -> str:
+    """Name the optimizer whose ``state_dict`` this is, from its state keys and group options."""
+    states = [s for s in state_dict["state"].values() if isinstance(s, Mapping)]
+    keys = {str(k) for s in states for k in s}
+    options = {str(k) for g in state_dict["param_groups"] for k in g}
+    formats = sorted(
+        {str(v["format"]) for s in states for v in s.values() if isinstance(v, Mapping) and QuantizedState.is_state_dict(v)}
+    )
+    empty = "" if states else " (no state yet: saved before the first step)"
+
+    if _BNB_KEY in keys:
+        nested = [s[_BNB_KEY] for s in states if isinstance(s.get(_BNB_KEY), Mapping)]
+        bits = "8-bit" if any(isinstance(n.get("state1"), torch.Tensor) and n["state1"].dtype == torch.uint8 for n in nested) else "32-bit"
+        two = any("state2" in n for n in nested)
+        return f"bitsandbytes {bits} ({'Adam-family, 2 states' if two else '1 state'})"
+    subclasses = sorted(
+        {f"{type(v).__module__}.{type(v).__name__}" for s in states for v in s.values()
+         if isinstance(v, torch.Tensor) and type(v) not in (torch.Tensor, torch.nn.Parameter)}
+    )
+    if any(name.startswith("torchao.") for name in subclasses):
+        names = ", ".join(n.rsplit(".", 1)[-1] for n in subclasses)
+        return f"torchao low-bit {'AdamW' if 'exp_avg_sq' in keys else 'optimizer'} ({names})"
+    bits = sorted({g["state_bits"] for g in state_dict["param_groups"] if isinstance(g.get("state_bits"), int)})
+    if bits and "betas" in options:
+        quantized = f" ({', '.join(formats)})" if formats else ""
+        return f"leanopt {'/'.join(f'AdamW{b}bit' for b in bits)}{quantized}" + empty
+    if formats:
+        base = "AdamW " if "exp_avg" in keys and "exp_avg_sq" in keys else ""
+        return f"leanopt quantized {base}({', '.join(formats)})"
+    adam_keys = bool(keys & {"exp_avg", "exp_avg_sq"}) and not keys & {"exp_avg_sq_row", "RMS"}
+    if "betas" in options and (adam_keys or not states):
+        if "decoupled_weight_decay" in options:
+            decoupled = any(g.get("decoupled_weight_decay") for g in state_dict["param_groups"])
+            return f"torch.optim.{'AdamW' if decoupled else 'Adam'}" + empty
+        if options & _TORCH_GROUP_FLAGS:
+            return "torch.optim.AdamW or Adam" + empty
+        return ("leanopt AdamW" if states else "Adam-family") + empty
+    if "RMS" in keys or (options >= {"scale_parameter", "relative_step"} and states and _int_steps(states)):
+        return "Adafactor (transformers)" + empty
+    if options >= {"scale_parameter", "relative_step", "clip_threshold"}:
+        return ("leanopt Adafactor" if states else "Adafactor (transformers or leanopt)") + empty
+    if keys & {"row_var", "col_var", "variance"} or "beta2_decay" in options:
+        return "torch.optim.Adafactor" + empty
+    return f"unrecognized (state keys: {', '.join(sorted(keys)) or 'none'})"
+
+
+def _int_steps(states: list[Mapping[str, Any]]) -> bool:
+    return any(isinstance(s.get("step"), int) for s in states)

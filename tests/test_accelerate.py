@@ -1,0 +1,108 @@
+"""leanopt in an Accelerate loop: prepare, accumulate, bf16 autocast on the CPU, save_state/load_state.
+
+The loop under test is the one in ``examples/accelerate_train.py``: running it here is what keeps
+the example honest.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+import torch
+
+from leanopt.memory import resolve_optimizer
+
+pytest.importorskip("accelerate")
+from accelerate import Accelerator  # noqa: E402
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+
+EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "accelerate_train.py"
+_spec = importlib.util.spec_from_file_location("accelerate_train", EXAMPLE)
+example = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(example)
+
+
+def _available(names: tuple[str, ...]) -> list[str]:
+    out = []
+    for name in names:
+        try:
+            resolve_optimizer(name)
+        except ValueError:
+            continue
+        out.append(name)
+    return out
+
+
+names = pytest.mark.parametrize("name", _available(("adamw", "adafactor", "adamw8bit", "adamw4bit")))
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+@names
+def test_bf16_accumulated_run_resumes_exactly_from_save_state(name: str, tmp_path) -> None:
+    model, opt, losses = example.train(name, steps=8, grad_accum=2, save_at=4, checkpoint_dir=str(tmp_path))
+    inner = opt.optimizer
+    assert type(inner) is resolve_optimizer(name)
+    # Accumulation: 16 micro-batches, 8 optimizer steps.
+    assert {int(st["step"]) for st in inner.state.values()} == {8}
+    assert len(losses) == 8 and all(torch.isfinite(torch.tensor(losses)))
+    resumed, resumed_opt, resumed_losses = example.train(name, steps=8, grad_accum=2, resume_from=str(tmp_path), model_seed=1)
+    assert resumed_losses == losses[4:]
+    for (n, a), b in zip(model.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), n
+    for st, rst in zip(inner.state.values(), resumed_opt.optimizer.state.values()):
+        assert st.keys() == rst.keys()
+
+
+def test_prepared_model_runs_in_bf16_autocast_on_the_cpu() -> None:
+    accelerator = Accelerator(mixed_precision="bf16", cpu=True)
+    model = accelerator.prepare(example.make_model())
+    seen = []
+    model[0].register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    x, _ = example.make_data(4)[:]
+    out = model(x)
+    # Layers compute in bf16; Accelerate hands the output back in fp32; params stay fp32.
+    assert seen == [torch.bfloat16] and out.dtype == torch.float32
+    assert next(model.parameters()).dtype == torch.float32
+
+
+@names
+def test_accumulating_two_micro_batches_matches_one_double_batch(name: str) -> None:
+    _, _, accumulated = example.train(name, steps=4, grad_accum=2, batch_size=16, mixed_precision="no")
+    _, _, whole = example.train(name, steps=4, grad_accum=1, batch_size=32, mixed_precision="no")
+    assert torch.allclose(torch.tensor(accumulated), torch.tensor(whole), rtol=1e-5, atol=0)
+
+
+@names
+def test_bf16_params_keep_fp32_state_through_save_and_load_state(name: str, tmp_path) -> None:
+    def prepared(seed: int):
+        accelerator = Accelerator(mixed_precision="bf16", cpu=True)
+        model = example.make_model(seed).to(torch.bfloat16)
+        cls = resolve_optimizer(name)
+        kwargs = {"lr": 1e-3, "relative_step": False} if name == "adafactor" else {"lr": 1e-3}
+        model, opt = accelerator.prepare(model, cls(model.parameters(), **kwargs))
+        return accelerator, model, opt
+
+    accelerator, model, opt = prepared(0)
+    x, y = example.make_data(16)[:]
+    accelerator.backward(torch.nn.functional.cross_entropy(model(x.bfloat16()).float(), y))
+    opt.step()
+    accelerator.save_state(str(tmp_path))
+    dtypes = {k: v.dtype for st in opt.state.values() for k, v in st.items() if isinstance(v, torch.Tensor)}
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    accelerator, _, loaded = prepared(1)
+    accelerator.load_state(str(tmp_path))
+    loaded_dtypes = {k: v.dtype for st in loaded.state.values() for k, v in st.items() if isinstance(v, torch.Tensor)}
+    assert loaded_dtypes == dtypes and torch.float32 in dtypes.values() and torch.bfloat16 not in dtypes.values()
+
+
+def test_example_script_runs() -> None:
+    assert example.main(["--optimizer", "adamw", "--steps", "4"]) == 0

@@ -1,0 +1,207 @@
+"""leanopt under torch.distributed (gloo, CPU): DDP and FSDP2 against one process, DCP checkpoints.
+
+One ``torchrun --nproc_per_node 2`` launch (``dist_scripts/parity.py``) runs every check for every
+importable optimizer and writes its measurements; the tests below read them. A launch costs
+more than all the checks together (three Python processes importing torch on 2 shared cores).
+Loading the 2-rank checkpoint into one process runs here, in the pytest process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import leanopt
+from leanopt.integrations.distributed import measure_global
+from leanopt.memory import resolve_optimizer
+from leanopt.quant import QuantizedState
+
+SCRIPTS = pathlib.Path(__file__).resolve().parent / "dist_scripts"
+sys.path.insert(0, str(SCRIPTS))
+import parity  # noqa: E402
+
+LAUNCH_TIMEOUT_S = 300
+# Against the same run on the whole batch in one process only the rounding of the gradient's
+# sum differs (two half-batch means averaged vs one mean): ~1e-7 relative is measured for fp32
+# states, ~3e-6 for 8-bit ones (a code here and there rounds the other way); 1e-3 is the bar.
+LOSS_RTOL = 1e-3
+# Against the one-process run that accumulates the same two half-batches (the ranks' exact
+# gradient arithmetic) every optimizer is measured bit-identical under DDP and FSDP2, except
+# Adafactor under FSDP2 (DTensor sums its column statistics shard by shard: ~1e-7 relative)
+# and AdamW's fused CPU kernel, whose vectorized body and scalar tail round a few v elements
+# differently when a tensor is cut in two (~1e-7 relative, never the params).
+EXACT_ATOL = 1e-6
+EXACT_STATE_RTOL = 1e-5
+
+
+def _available(names: tuple[str, ...]) -> list[str]:
+    out = []
+    for name in names:
+        try:
+            resolve_optimizer(name)
+        except ValueError:
+            continue
+        out.append(name)
+    return out
+
+
+NAMES = _available(tuple(parity.KWARGS))
+names = pytest.mark.parametrize("name", NAMES)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed is not available in this build")
+    out = tmp_path_factory.mktemp("dist")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LEANOPT_DIST_TIMEOUT": "120"}
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+        str(SCRIPTS / "parity.py"), str(out), *NAMES,
+    ]  # fmt: skip
+    # Its own session, so that a timeout ends torchrun's workers too, not only torchrun.
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
+        pytest.fail(f"torchrun timed out after {LAUNCH_TIMEOUT_S} s:\n{stderr[-4000:]}")
+    if proc.returncode != 0:
+        pytest.fail(f"torchrun failed ({proc.returncode}):\n{stderr[-6000:]}")
+    data = json.loads((out / "results.json").read_text())
+    assert data["world_size"] == 2
+    yield data
+    shutil.rmtree(out, ignore_errors=True)
+
+
+def case(results: dict, name: str, mode: str) -> dict:
+    out = results[name][mode]
+    assert "error" not in out, out["error"]
+    return out
+
+
+def assert_matches_one_process(out: dict) -> None:
+    full, accumulated = out["vs_full"], out["vs_accumulated"]
+    assert len(full["losses"]) == parity.STEPS
+    assert full["max_loss_rel_diff"] <= LOSS_RTOL, full["max_loss_rel_diff"]
+    assert accumulated["same_state_keys"]
+    assert accumulated["max_loss_rel_diff"] <= EXACT_ATOL, accumulated["max_loss_rel_diff"]
+    assert accumulated["max_param_abs_diff"] <= EXACT_ATOL, accumulated["max_param_abs_diff"]
+    assert accumulated["max_state_abs_diff"]["step"] == 0.0
+    for key, rel in accumulated["max_state_rel_diff"].items():
+        assert rel <= EXACT_STATE_RTOL, (key, rel)
+
+
+@names
+def test_ddp_matches_one_process(results: dict, name: str) -> None:
+    out = case(results, name, "ddp")
+    assert_matches_one_process(out)
+    # DDP: every rank holds whole params and state, and does exactly one process's arithmetic.
+    assert out["vs_accumulated"]["max_param_abs_diff"] == 0.0
+
+
+@names
+def test_fsdp2_matches_one_process(results: dict, name: str) -> None:
+    assert_matches_one_process(case(results, name, "fsdp"))
+
+
+@names
+def test_fsdp2_state_is_sharded_like_its_param(results: dict, name: str) -> None:
+    placements = case(results, name, "fsdp")["state_placements"]
+    quantized = []
+    for pname, entries in placements.items():
+        assert entries.pop("step") == "Tensor"  # a plain CPU scalar, the same on every rank
+        for key, where in entries.items():
+            if where.endswith("QuantizedState"):  # this rank's shard, on the whole tensor's blocks
+                quantized.append(pname)
+                continue
+            # Adafactor's column statistics of a matrix reduce over the sharded rows: replicated.
+            expected = "(Replicate(),)" if key == "exp_avg_sq_col" else "(Shard(dim=0),)"
+            assert where == expected, (pname, key, where)
+    # The quantize-or-not decision is the one-process one (global shape), not the shard's.
+    model = parity.make_model()
+    opt = resolve_optimizer(name)(model.parameters(), **parity.KWARGS[name])
+    parity.train(model, opt, range(1), 0, 1)
+    expected = [n for n, p in model.named_parameters() for v in opt.state[p].values() if isinstance(v, QuantizedState)]
+    assert sorted(quantized) == sorted(expected)
+
+
+@names
+def test_measure_global_adds_up_ranks_and_equals_the_estimate_unsharded(results: dict, name: str) -> None:
+    fsdp = case(results, name, "fsdp")
+    m = fsdp["measure"]
+    assert fsdp["estimate"] == fsdp["reference_measure"]
+    # A quantization block that straddles the two shards keeps a scale on both ranks.
+    assert m["unsharded"] == fsdp["estimate"] + 4 * fsdp["shared_blocks"]
+    assert m["total"] == sum(m["rank_bytes"])
+    assert all(b < 0.6 * m["unsharded"] for b in m["rank_bytes"])  # each rank holds about half
+    ddp = case(results, name, "ddp")["measure"]
+    assert ddp["rank_bytes"] == [ddp["unsharded"]] * 2 and ddp["unsharded"] == fsdp["reference_measure"]
+
+
+@names
+def test_dcp_checkpoint_resumes_identically_on_two_ranks(results: dict, name: str) -> None:
+    out = case(results, name, "dcp")
+    assert out["identical_losses"] and out["identical_weights"] and out["identical_state"]
+
+
+@names
+def test_dcp_checkpoint_of_two_ranks_continues_in_one_process(results: dict, name: str) -> None:
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    from leanopt.integrations.distributed import get_state_dict  # quantized states dense, as saved
+
+    dcp_case = case(results, name, "dcp")
+    model = parity.make_model(seed=1)
+    opt = resolve_optimizer(name)(model.parameters(), **parity.KWARGS[name])
+    model_sd, optim_sd = get_state_dict(model, opt)
+    sd = {"model": model_sd, "optim": optim_sd}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        load(sd, checkpoint_id=dcp_case["checkpoint"])
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    assert {int(st["step"]) for st in opt.state.values()} == {parity.SAVE_AT}
+    losses = parity.train(model, opt, range(parity.SAVE_AT, parity.STEPS), 0, 1)
+    two_ranks = dcp_case["continued_losses"]
+    worst = max(abs(a - b) / abs(b) for a, b in zip(losses, two_ranks))
+    assert worst <= LOSS_RTOL, worst
+
+
+@names
+def test_one_process_state_dict_loads_into_fsdp2_shards(results: dict, name: str) -> None:
+    out = case(results, name, "load_one_process")
+    assert out["sharded"] and out["same_state_keys"] and out["max_state_abs_diff"] == 0.0
+
+
+def test_fsdp2_example_runs_and_resumes_to_the_same_weights(results: dict) -> None:
+    (out,) = results["example"].values()
+    assert "error" not in out, out["error"]
+    assert out["same_final_weights"]
+
+
+def test_measure_global_without_a_process_group_is_this_process() -> None:
+    model = parity.make_model()
+    opt = leanopt.AdamW(model.parameters())
+    parity.train(model, opt, range(1), 0, 1)
+    m = measure_global(opt)
+    assert m.rank_bytes == [leanopt.measure(opt).bytes] and m.world_size == 1
+    assert m.total_bytes == m.unsharded_bytes == leanopt.estimate(model, "adamw").bytes

@@ -1,0 +1,188 @@
+"""leanopt in Hugging Face Trainer: both plug-ins, exact checkpoint resume, the state-memory callback.
+
+A DistilBERT built from a tiny config (81,602 params; its 4096+-element matrices are large enough
+for the low-bit optimizers to quantize) on synthetic token data, on the CPU: a few seconds a test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import leanopt
+from leanopt.memory import resolve_optimizer
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+from leanopt.integrations.transformers import (  # noqa: E402
+    OptimizerStateCallback,
+    optimizer_cls_and_kwargs,
+    unwrap_optimizer,
+)
+
+
+def _available(names: tuple[str, ...]) -> list[str]:
+    out = []
+    for name in names:
+        try:
+            resolve_optimizer(name)
+        except ValueError:
+            continue
+        out.append(name)
+    return out
+
+
+NAMES = _available(("adamw", "adafactor", "adamw8bit", "adamw4bit"))
+names = pytest.mark.parametrize("name", NAMES)
+LR = 1e-3
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """Label 1 iff the second token is in the upper half of the vocabulary: learnable in a few steps."""
+
+    def __init__(self, n: int = 256, seq_len: int = 16, vocab: int = 128, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.input_ids = torch.randint(1, vocab, (n, seq_len), generator=g)
+        self.labels = (self.input_ids[:, 1] >= vocab // 2).long()
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.input_ids[i], "labels": self.labels[i]}
+
+
+def tiny_distilbert(seed: int = 0) -> torch.nn.Module:
+    config = transformers.DistilBertConfig(
+        vocab_size=128, dim=64, n_layers=2, n_heads=2, hidden_dim=128, max_position_embeddings=32, num_labels=2
+    )
+    torch.manual_seed(seed)
+    return transformers.DistilBertForSequenceClassification(config)
+
+
+def training_args(out, **kw) -> "transformers.TrainingArguments":
+    base = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=16,
+        learning_rate=LR,
+        weight_decay=0.01,
+        max_steps=8,
+        save_strategy="no",
+        logging_steps=100,
+        use_cpu=True,
+        report_to=[],
+        disable_tqdm=True,
+        seed=0,
+        dataloader_num_workers=0,
+    )
+    base.update(kw)
+    return transformers.TrainingArguments(**base)
+
+
+def make_optimizer(name: str, params) -> torch.optim.Optimizer:
+    cls, kwargs = optimizer_cls_and_kwargs(name, lr=LR)
+    return cls(params, **kwargs)
+
+
+def state_steps(opt: torch.optim.Optimizer) -> set[int]:
+    return {int(st["step"]) for st in opt.state.values()}
+
+
+@names
+def test_optimizers_tuple_trains_and_the_callback_logs_measured_bytes_once(name: str, tmp_path) -> None:
+    model = tiny_distilbert()
+    opt = make_optimizer(name, model.parameters())
+    callback = OptimizerStateCallback()
+    trainer = transformers.Trainer(
+        model=model,
+        args=training_args(tmp_path),
+        train_dataset=TokenDataset(),
+        optimizers=(opt, None),
+        callbacks=[callback],
+    )
+    result = trainer.train()
+    assert unwrap_optimizer(trainer.optimizer) is opt
+    assert trainer.state.global_step == 8 and state_steps(opt) == {8}
+    assert torch.isfinite(torch.tensor(result.training_loss))
+    records = [e for e in trainer.state.log_history if OptimizerStateCallback.KEY in e]
+    assert len(records) == 1 and records[0]["step"] == 1
+    # The state's size doesn't change after the first step: the record equals a measurement now.
+    assert records[0][OptimizerStateCallback.KEY] == leanopt.measure(opt).bytes
+    assert records[0][OptimizerStateCallback.KEY] == leanopt.estimate(model, name, **_kw(name)).bytes
+
+
+def _kw(name: str) -> dict:
+    return optimizer_cls_and_kwargs(name, lr=LR)[1]
+
+
+@names
+def test_optimizer_cls_and_kwargs_gets_trainers_decay_groups_and_args(name: str, tmp_path) -> None:
+    model = tiny_distilbert()
+    args = training_args(tmp_path, max_steps=4, lr_scheduler_type="constant")
+    trainer = transformers.Trainer(
+        model=model,
+        args=args,
+        train_dataset=TokenDataset(),
+        optimizer_cls_and_kwargs=optimizer_cls_and_kwargs(name, args),
+    )
+    trainer.train()
+    opt = unwrap_optimizer(trainer.optimizer)
+    assert type(opt) is resolve_optimizer(name)
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.01 and no_decay["weight_decay"] == 0.0
+    assert decay["lr"] == no_decay["lr"] == LR  # from TrainingArguments, which Trainer doesn't pass
+    assert len(no_decay["params"]) > 0 and state_steps(opt) == {4}
+
+
+def test_optimizer_cls_and_kwargs_fills_from_training_arguments(tmp_path) -> None:
+    args = training_args(tmp_path, learning_rate=3e-4, adam_beta1=0.8, adam_beta2=0.99, adam_epsilon=1e-6)
+    assert optimizer_cls_and_kwargs("adamw", args) == (
+        leanopt.AdamW,
+        {"lr": 3e-4, "betas": (0.8, 0.99), "eps": 1e-6},
+    )
+    assert optimizer_cls_and_kwargs("adamw", args, lr=1e-2)[1]["lr"] == 1e-2
+    cls, kwargs = optimizer_cls_and_kwargs("adafactor", args)
+    assert cls is leanopt.Adafactor
+    assert kwargs == {"lr": 3e-4, "relative_step": False, "scale_parameter": False}
+    with pytest.raises(ValueError, match="learning rate"):
+        optimizer_cls_and_kwargs("adafactor")
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        optimizer_cls_and_kwargs("adamw3bit")
+
+
+@names
+def test_resume_from_checkpoint_ends_with_the_uninterrupted_weights(name: str, tmp_path) -> None:
+    def run(out, resume: str | None = None):
+        model = tiny_distilbert(seed=1)  # resuming overwrites these weights from the checkpoint
+        args = training_args(out, max_steps=20, save_strategy="steps", save_steps=10)
+        trainer = transformers.Trainer(
+            model=model,
+            args=args,
+            train_dataset=TokenDataset(),
+            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs(name, args),
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        return model, unwrap_optimizer(trainer.optimizer)
+
+    full_model, full_opt = run(tmp_path / "full")
+    checkpoint = tmp_path / "full" / "checkpoint-10"
+    # Trainer reads it with torch.load(weights_only=True): only plain types in leanopt's state_dict.
+    saved = torch.load(checkpoint / "optimizer.pt", weights_only=True)
+    assert {int(st["step"]) for st in saved["state"].values()} == {10}
+    resumed_model, resumed_opt = run(tmp_path / "resumed", resume=str(checkpoint))
+    for (n, a), b in zip(full_model.named_parameters(), resumed_model.parameters()):
+        assert torch.equal(a, b), n
+    assert state_steps(resumed_opt) == {20}
+
+
+def test_example_script_runs_the_lesson_scenario_on_a_tiny_model(capsys) -> None:
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "trainer_distilbert.py"
+    spec = importlib.util.spec_from_file_location("trainer_distilbert", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    results = example.main(["--tiny", "--steps", "3", "--optimizer", NAMES[-1]])
+    assert results[NAMES[-1]]["state_bytes"] == results[NAMES[-1]]["estimate_bytes"]
+    assert "Number of model parameters: 81,602" in capsys.readouterr().out
