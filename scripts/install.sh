@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install leanopt (editable) into the current Python. With --test, also the test extras.
+# Install leanopt (editable) into the current Python, with transformers (the model presets of
+# `leanopt estimate` build models from their configs). With --test, also the test extras.
 #
 # torch: if none is installed and a CPU wheel of torch lies on this machine's disk (some
 # build machines keep one in a local wheel folder, see LEANOPT_TORCH_WHEELS), install that one
@@ -8,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-extras=""
+extras="[transformers]"
 if [[ "${1:-}" == "--test" ]]; then extras="[test]"; fi
 
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then

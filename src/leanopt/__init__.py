@@ -1,7 +1,9 @@
 """leanopt: memory-balanced training in PyTorch."""
 
 from leanopt.optim import Adafactor, AdamW
+from leanopt.optim import AdamW4bit, AdamW8bit
 from leanopt.memory import compute_optimizer_size, estimate, measure
+from leanopt.memory import training_memory
 
 __version__ = "0.1.0"
-__all__ = ["Adafactor", "AdamW", "compute_optimizer_size", "estimate", "measure"]
+__all__ = ["Adafactor", "AdamW", "AdamW4bit", "AdamW8bit", "compute_optimizer_size", "estimate", "measure", "training_memory"]

@@ -1,0 +1,5 @@
+"""``python -m leanopt``: the ``leanopt`` command."""
+
+from leanopt.cli import main
+
+raise SystemExit(main())

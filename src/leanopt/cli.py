@@ -1,0 +1,323 @@
+"""The ``leanopt`` command: argument parsing and printing only; the work is in :mod:`leanopt.memory`.
+
+    leanopt estimate MODEL [--optimizers adamw,adafactor,...] [--json]
+    leanopt inspect optimizer.pt [--json]
+
+Every error exits with status 2 and one line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from rich.console import Console
+from rich.table import Table
+
+from leanopt.memory.estimate import MiB, OPTIMIZER_NAMES, available_optimizers, resolve_optimizer
+from leanopt.memory.inspect import StateDictReport, inspect_file, inspect_state_dict, load_optimizer_state
+from leanopt.memory.presets import ModelSource, resolve_model, shape_dependent
+from leanopt.memory.training import TrainingMemory, training_memory
+
+TABLE_PRECISIONS = ("fp32", "bf16-mixed")
+NOTES = (
+    "MB = MiB (1024² bytes). Training = weights + gradients + master weights + optimizer state; no activations.",
+    "fp32: 4 + 4 B/param + state. bf16-mixed (torch.autocast, Trainer(bf16=True)): 2 (bf16 weights) + 4 (fp32 grads)",
+    "+ 4 (fp32 master weights) B/param + state. Formulas: docs/memory.md.",
+)
+
+
+class CliError(Exception):
+    """A one-line error for the user."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise CliError(f"{message} (see {self.prog} --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="leanopt", description="Optimizer memory: estimate it for a model, inspect a saved state.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    est = sub.add_parser(
+        "estimate",
+        help="optimizer state and training memory for a model",
+        description="Optimizer state and training memory (weights, gradients, master weights, state) "
+        "for a model, built on the meta device: nothing is downloaded but a config.",
+    )
+    est.add_argument(
+        "model",
+        help="a preset (distilbert-base-cased, gpt2, llama-2-7b, ...), a config.json or a folder with one, "
+        "a Hugging Face Hub id, or a parameter count (7b, 125m, 65783042)",
+    )
+    est.add_argument(
+        "--optimizers",
+        help=f"comma-separated names (default: leanopt's and torch-adamw); known: {', '.join(OPTIMIZER_NAMES)}",
+    )
+    est.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    est.set_defaults(run=cmd_estimate)
+
+    ins = sub.add_parser(
+        "inspect",
+        help="breakdown of a saved optimizer state_dict (e.g. a Trainer optimizer.pt)",
+        description="Bytes per state key and per param group of a saved optimizer state_dict, and whose "
+        "layout it is. Loaded with torch.load(weights_only=True) on the CPU.",
+    )
+    ins.add_argument("file", help="optimizer.pt, or a checkpoint folder that holds one")
+    ins.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    ins.set_defaults(run=cmd_inspect)
+
+    conv = sub.add_parser(
+        "convert",
+        help="convert a saved AdamW state_dict between fp32, 8-bit and 4-bit moments",
+        description="Read a saved AdamW-family optimizer state_dict (torch/leanopt AdamW, AdamW8bit, "
+        "AdamW4bit; e.g. a Trainer optimizer.pt), write it with its moments in another precision. "
+        "The result loads into the matching leanopt optimizer (fp32 also into torch.optim.AdamW).",
+    )
+    conv.add_argument("src", help="the optimizer state_dict to read (optimizer.pt)")
+    conv.add_argument("dst", help="where to write the converted state_dict")
+    conv.add_argument("--to", required=True, choices=["adamw", "adamw8bit", "adamw4bit"], help="target layout")
+    conv.add_argument("--block-size", type=int, help="elements per scale (default: 256 for 8-bit, 128 for 4-bit)")
+    conv.add_argument("--min-quant-size", type=int, default=4096, help="smaller params keep fp32 moments (default 4096)")
+    conv.add_argument("--force", action="store_true", help="overwrite DST if it exists")
+    conv.set_defaults(run=cmd_convert)
+
+    comp = sub.add_parser(
+        "compare",
+        help="train real models with each optimizer; memory, speed and accuracy side by side",
+        add_help=False,
+        prefix_chars="\0",  # every argument goes to `leanopt.compare` unparsed
+    )
+    comp.add_argument("rest", nargs=argparse.REMAINDER)
+    comp.set_defaults(run=cmd_compare)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``leanopt`` and ``python -m leanopt``; returns the exit status."""
+    try:
+        args = build_parser().parse_args(argv)
+        return args.run(args)
+    except SystemExit as exit_:  # --help
+        return int(exit_.code or 0)
+    except CliError as err:
+        return _fail(str(err))
+    except BrokenPipeError:  # `leanopt ... | head`: the reader left, nothing to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except (ValueError, OSError, ImportError) as err:
+        return _fail(str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as err:  # a bug, but the contract is one line and status 2
+        return _fail(f"internal error: {type(err).__name__}: {err}".splitlines()[0])
+
+
+def _fail(message: str) -> int:
+    print(f"leanopt: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _console() -> Console:
+    console = Console()
+    # Not a terminal (a pipe, a test): wide enough that tables never wrap.
+    return console if console.is_terminal else Console(width=120)
+
+
+def _quiet_peer_import_warnings() -> None:
+    # Building transformers models imports torchao when installed; a torchao built for another
+    # Python logs one warning per missing extension, which is noise on a CLI's stderr.
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def _mb(nbytes: int | None) -> str:
+    if nbytes is None:
+        return "n/a"
+    mb = nbytes / MiB
+    return f"{mb:.1f}" if mb < 10 else f"{mb:,.0f}"
+
+
+def _per_param(value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:.2f}" if value >= 0.1 or value == 0 else f"{value:.2g}"
+
+
+# ---- estimate ------------------------------------------------------------------------------------
+def _optimizer_names(spec: str | None) -> list[str]:
+    if spec is None:
+        available = available_optimizers()
+        return [n for n in available if OPTIMIZER_NAMES[n].startswith("leanopt:")] + ["torch-adamw"]
+    names = [n.strip().lower() for n in spec.split(",") if n.strip()]
+    if not names:
+        raise CliError("--optimizers is empty")
+    for name in names:
+        resolve_optimizer(name)  # a one-line ValueError for unknown or unavailable names
+    return names
+
+
+def _class_name(name: str) -> str:
+    cls = resolve_optimizer(name)
+    module = "leanopt" if cls.__module__.startswith("leanopt.") else cls.__module__.replace("torch.optim._", "torch.optim.")
+    module = "torch.optim" if module.startswith("torch.optim.") else module
+    return f"{module}.{cls.__name__}"
+
+
+def estimate_rows(source: ModelSource, names: list[str]) -> list[dict[str, Any]]:
+    """One row per optimizer: state and the training totals per precision (None: unknown)."""
+    rows = []
+    for name in names:
+        row: dict[str, Any] = {"name": name, "class": _class_name(name)}
+        if not source.exact_shapes and shape_dependent(name):
+            row.update(state_bytes=None, state_elements=None, bytes_per_param=None, by_key=None, training=None)
+        else:
+            per_precision: dict[str, TrainingMemory] = {
+                p: training_memory(source.params, name, precision=p) for p in ("fp32", "bf16-mixed", "bf16")
+            }
+            state = per_precision["fp32"].state
+            row.update(
+                state_bytes=state.bytes,
+                state_elements=state.elements,
+                bytes_per_param=round(state.bytes_per_param, 6),
+                by_key=dict(state.by_key),
+                training={p: m.as_dict() for p, m in per_precision.items()},
+            )
+        rows.append(row)
+    return rows
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    names = _optimizer_names(args.optimizers)
+    _quiet_peer_import_warnings()
+    source = resolve_model(args.model)
+    rows = estimate_rows(source, names)
+    if args.json:
+        print(json.dumps(
+            {
+                "model": source.name,
+                "description": source.description,
+                "params": source.param_count,
+                "tensors": source.tensors,
+                "exact_shapes": source.exact_shapes,
+                "megabytes_are": "MiB (1024**2 bytes)",
+                "optimizers": rows,
+            },
+            indent=2,
+        ))
+        return 0
+
+    console = _console()
+    tensors = f" in {source.tensors:,} tensors" if source.tensors is not None else ""
+    console.print(f"[bold]{source.name}[/bold]: {source.description}")
+    console.print(f"{source.param_count:,} trainable parameters{tensors}")
+    table = Table(show_edge=False, header_style="bold")
+    table.add_column("optimizer")
+    table.add_column("class")
+    table.add_column("state MB (MiB)", justify="right")
+    table.add_column("B/param", justify="right")
+    for precision in TABLE_PRECISIONS:
+        table.add_column(f"training {precision} MB", justify="right")
+    for row in rows:
+        training = row["training"] or {}
+        table.add_row(
+            row["name"],
+            row["class"],
+            _mb(row["state_bytes"]),
+            _per_param(row["bytes_per_param"]),
+            *(_mb(training[p]["total"]) if training else "n/a" for p in TABLE_PRECISIONS),
+        )
+    console.print(table)
+    notes = list(NOTES)
+    if not source.exact_shapes:
+        notes.append(
+            "A bare count has no shapes: one 1-D tensor is assumed. n/a: the state depends on matrix shapes "
+            "(Adafactor)."
+        )
+    for note in notes:
+        console.print(note, style="dim", highlight=False)
+    return 0
+
+
+# ---- inspect -------------------------------------------------------------------------------------
+_SHOWN_OPTIONS = ("lr", "betas", "beta1", "eps", "weight_decay")
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    _quiet_peer_import_warnings()
+    report = inspect_file(args.file)
+    if args.json:
+        print(json.dumps({"file": str(args.file), **report.as_dict()}, indent=2))
+        return 0
+    _print_report(_console(), str(args.file), report)
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    import torch
+
+    from leanopt.checkpoint import convert_state_dict, state_dict_layout
+
+    if os.path.exists(args.dst) and not args.force:
+        raise CliError(f"{args.dst} exists (use --force to overwrite)")
+    state_dict = load_optimizer_state(args.src)  # one-line errors for missing / non-optimizer files
+    before = state_dict_layout(state_dict)
+    before_bytes = inspect_state_dict(state_dict).bytes
+    converted = convert_state_dict(state_dict, args.to, block_size=args.block_size, min_quant_size=args.min_quant_size)
+    tmp = f"{args.dst}.tmp"
+    torch.save(converted, tmp)
+    os.replace(tmp, args.dst)  # never leave a half-written checkpoint at DST
+    after = inspect_file(args.dst)
+    print(
+        f"{args.src} ({before}, {_mb(before_bytes)} MB of state) -> {args.dst} ({args.to}, {_mb(after.bytes)} MB of state)"
+    )
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from leanopt.compare import main as compare_main
+
+    rest = [a for a in args.rest if a != "--"]
+    return compare_main(rest)
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, list):
+        return "(" + ", ".join(_short(v) for v in value) + ")"
+    return str(value)
+
+
+def _print_report(console: Console, file: str, r: StateDictReport) -> None:
+    console.print(f"[bold]{file}[/bold]: {r.layout}", highlight=False)
+    if not r.complete:
+        console.print(f"tensor data: {r.bytes:,} bytes ({_mb(r.bytes)} MB); no per-key breakdown without loading its classes")
+        return
+    elements = f", {r.param_elements:,} elements" if r.param_elements else ""
+    per_param = f", {_per_param(r.bytes_per_param)} B/param" if r.bytes_per_param else ""
+    console.print(
+        f"{r.params:,} param tensors in {len(r.groups)} group{'s' if len(r.groups) != 1 else ''} ({r.params_with_state:,} with state{elements}): "
+        f"{r.bytes:,} bytes ({_mb(r.bytes)} MB){per_param}"
+    )
+    if r.formats:
+        console.print(f"quantized formats: {', '.join(r.formats)}")
+    keys = Table(show_edge=False, header_style="bold")
+    for title in ("state key", "dtype", "elements", "bytes", "MB (MiB)"):
+        keys.add_column(title, justify="left" if title in ("state key", "dtype") else "right")
+    for key, nbytes in r.by_key.items():
+        keys.add_row(key, ", ".join(r.dtypes_by_key.get(key, [])), f"{r.elements_by_key.get(key, 0):,}", f"{nbytes:,}", f"{nbytes / MiB:,.2f}")
+    console.print(keys)
+    groups = Table(show_edge=False, header_style="bold")
+    for title in ("group", "params", "MB (MiB)", "options"):
+        groups.add_column(title, justify="left" if title == "options" else "right")
+    for gi, g in enumerate(r.groups):
+        shown = ", ".join(f"{k}={_short(g['options'][k])}" for k in _SHOWN_OPTIONS if k in g["options"])
+        groups.add_row(str(gi), f"{g['params']:,}", f"{g['bytes'] / MiB:,.2f}", shown)
+    console.print(groups)

@@ -1,0 +1,107 @@
+"""The README runs: its python blocks execute (and print what their comments say), and its
+``leanopt`` examples print what the README shows."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from leanopt.cli import main
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+FIRST_COMMANDS = [
+    "bash scripts/install.sh && leanopt estimate distilbert-base-cased",
+    "bash scripts/install.sh --test && python3 -m pytest -q",
+]
+
+
+def fenced(lang: str) -> list[str]:
+    text = README.read_text()
+    return [m.group(2) for m in re.finditer(r"^```(\w*)\n(.*?)^```", text, re.S | re.M) if m.group(1) == lang]
+
+
+def expected_prints(code: str) -> list[str]:
+    """Comment lines right after a ``print(`` line (or after such comments): the output shown."""
+    out, after_print = [], False
+    for line in code.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("# ") and after_print:
+            out.append(stripped[2:])
+        else:
+            after_print = "print(" in stripped
+    return out
+
+
+def console_examples() -> list[tuple[str, list[str]]]:
+    examples: list[tuple[str, list[str]]] = []
+    for block in fenced("console"):
+        for line in block.splitlines():
+            if line.startswith("$ "):
+                examples.append((line[2:], []))
+            elif examples:
+                examples[-1][1].append(line.rstrip())
+    return examples
+
+
+def cells(line: str) -> list[str]:
+    return [c.strip() for c in re.split(r"[│┃]", line)]
+
+
+def assert_output_matches(expected: list[str], actual: str) -> None:
+    """Every line shown must be printed; table rows are matched by their first cell and
+    compared cell by cell (a wider column elsewhere may change spacing; rows the README does
+    not show, e.g. a newly added optimizer, are allowed)."""
+    actual_lines = [line.rstrip() for line in actual.splitlines()]
+    rows = {cells(line)[0]: cells(line) for line in actual_lines if "│" in line or "┃" in line}
+    for line in expected:
+        if not line.strip() or set(line.strip()) <= set("━╇┃╋─┼ "):
+            continue
+        if "│" in line or "┃" in line:
+            key = cells(line)[0]
+            assert key in rows, f"README row {key!r} is not printed:\n{actual}"
+            assert rows[key] == cells(line), f"README row differs:\n  README: {line}\n  actual: {rows[key]}"
+        else:
+            assert line in actual_lines, f"README line not printed: {line!r}\n{actual}"
+
+
+def test_readme_starts_with_the_two_commands() -> None:
+    first_block = re.search(r"^```(\w*)\n(.*?)^```", README.read_text(), re.S | re.M)
+    assert first_block is not None
+    assert first_block.group(2).strip().splitlines() == FIRST_COMMANDS
+    before = README.read_text()[: first_block.start()].strip().splitlines()
+    assert all(line.startswith("#") for line in before)  # only the title comes first
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    ci = (README.parent / ".ci" / "run").read_text()
+    assert FIRST_COMMANDS[1] in ci
+
+
+def test_readme_examples(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)  # the examples write optimizer.pt
+    namespace: dict = {"__name__": "__readme__"}
+    blocks = fenced("python")
+    assert blocks
+    for i, code in enumerate(blocks):
+        exec(compile(code, f"README.md python block {i + 1}", "exec"), namespace)
+        printed = capsys.readouterr().out.splitlines()
+        for line in expected_prints(code):
+            assert line in printed, f"block {i + 1}: README says {line!r}, printed:\n" + "\n".join(printed)
+
+    examples = console_examples()
+    assert any(cmd.startswith("leanopt estimate distilbert-base-cased") for cmd, _ in examples)
+    for command, expected in examples:
+        argv = shlex.split(command)
+        assert argv[0] == "leanopt"
+        code = main(argv[1:])
+        out, err = capsys.readouterr()
+        assert code == 0, f"{command}: {err}"
+        assert_output_matches(expected, out)
+
+    seed = next(out for cmd, out in examples if cmd == "leanopt estimate distilbert-base-cased")
+    assert "65,783,042 trainable parameters in 104 tensors" in seed
+    assert any(line.strip().startswith("adamw ") and "│            502 │" in line for line in seed)
