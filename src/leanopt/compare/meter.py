@@ -1,0 +1,227 @@
+"""What one training run measures: peak memory, step times, the loss curve.
+
+Peak memory is the growth of the training process's memory over a baseline taken after the
+data is loaded and before the model is built, so it holds parameters, gradients, optimizer
+state, activations and every temporary (the optimizer's own included), as the process saw them:
+
+- CUDA: ``torch.cuda.max_memory_allocated()`` after ``reset_peak_memory_stats()``, minus what
+  was allocated at the baseline (the caching allocator's reserve is not counted).
+- CPU (Linux): the peak of the process's *anonymous* resident memory. The kernel's
+  resident-set high-water mark (``VmHWM``) is reset to the current RSS at the baseline
+  (``/proc/self/clear_refs``); after training, the file-backed part of the RSS (``RssFile`` +
+  ``RssShmem``: shared-library code paged in on first use, which is not training memory) is
+  subtracted from it, and the anonymous RSS at the baseline (``RssAnon``) too. For the
+  first ``CPU_MEMORY_STEPS`` training steps glibc's ``malloc`` serves every block of 64 KiB
+  and more with its own ``mmap`` (a fixed threshold), so a freed tensor leaves the resident
+  set at once and the peak tracks live memory rather than the allocator's free lists; the peak
+  is read then (the state exists from the first step on, and every later step repeats the same
+  allocations). The remaining steps, the timed ones, run with the allocator reusing freed
+  blocks as a long-running process does (unmapping and faulting in every activation made
+  steps up to 1.6x slower). Each optimizer runs in a fresh process (see ``runner``) after a
+  warm-up forward, backward and step *of that optimizer* on a throwaway model
+  (``Workload.warm_up``), so one-time set-up (thread pools, kernel caches, the modules
+  ``torch.optim`` imports, an optimizer compiling its update) is in the baseline, and its
+  time is reported apart as ``setup_s``.
+- CPU elsewhere: ``ru_maxrss``, which cannot be reset (the method says so).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import math
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD = 64 * 1024
+# glibc's own ceiling for its dynamic threshold (and twice it for trimming): the steady state
+# a long-running process reaches, where freed blocks are reused instead of faulted in again.
+REUSE_MMAP_THRESHOLD = 32 * 1024 * 1024
+# CPU peaks are read after this many steps: the state exists from the first step, and every
+# later step repeats the same allocations.
+CPU_MEMORY_STEPS = 3
+
+
+def _libc() -> Any:
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+def use_mmap_for_large_blocks() -> bool:
+    """Fix glibc's mmap threshold (also turns off its dynamic growth). False where not glibc."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallopt"):
+        return False
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+
+
+def reuse_freed_blocks() -> bool:
+    """Back to fast allocation (blocks reused, not unmapped): for the timed steps."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallopt"):
+        return False
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, REUSE_MMAP_THRESHOLD)) and bool(
+        libc.mallopt(_M_TRIM_THRESHOLD, 2 * REUSE_MMAP_THRESHOLD)
+    )
+
+
+def _proc_status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _reset_rss_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return _proc_status_kib("VmHWM") is not None
+
+
+class PeakMemory:
+    """Peak memory growth of this process between :meth:`reset` and :meth:`peak`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.baseline = 0
+        self.method = ""
+
+    def reset(self) -> None:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.baseline = torch.cuda.memory_allocated(self.device)
+            self.method = "torch.cuda.max_memory_allocated() growth over the baseline"
+            return
+        libc = _libc()
+        if libc is not None and hasattr(libc, "malloc_trim"):
+            libc.malloc_trim(0)
+        if _reset_rss_peak() and _proc_status_kib("RssAnon") is not None:
+            self.baseline = (_proc_status_kib("RssAnon") or 0) * 1024
+            self.method = (
+                f"peak anonymous RSS growth over the first {CPU_MEMORY_STEPS} steps (VmHWM after a clear_refs "
+                "reset, less file-backed RSS; fresh process, warmed up, 64 KiB mmap threshold)"
+            )
+        else:
+            self.baseline = self._ru_maxrss()
+            self.method = "ru_maxrss growth (not resettable here: a peak before the baseline hides later ones)"
+
+    @staticmethod
+    def _ru_maxrss() -> int:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024
+
+    def peak(self) -> int:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device) - self.baseline
+        if "VmHWM" not in self.method:
+            return max(self._ru_maxrss() - self.baseline, 0)
+        hwm = _proc_status_kib("VmHWM") or 0
+        shared = (_proc_status_kib("RssFile") or 0) + (_proc_status_kib("RssShmem") or 0)
+        return max((hwm - shared) * 1024 - self.baseline, 0)
+
+
+class Recorder:
+    """Collects one run's per-step losses and timings and reports progress.
+
+    ``watch(optimizer)`` times ``optimizer.step`` through the step hooks every
+    ``torch.optim.Optimizer`` calls, so the same clock serves a plain loop, the HF Trainer and
+    every peer. ``begin_step``/``end_step`` bracket a whole training step (forward, backward,
+    step, schedule, zero_grad).
+    """
+
+    def __init__(self, device: torch.device, total_steps: int, emit: Callable[[dict[str, Any]], None]) -> None:
+        self.device = device
+        self.total_steps = total_steps
+        self.emit = emit
+        self.memory = PeakMemory(device)
+        self.losses: list[float] = []
+        self.optimizer_ms: list[float] = []
+        self.train_ms: list[float] = []
+        self._t_opt = 0.0
+        self._t_step = 0.0
+        self.peak_bytes: int | None = None
+        # On the CPU the peak is read early, then the allocator switches to reusing blocks.
+        self.memory_steps = CPU_MEMORY_STEPS if device.type == "cpu" else None
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def watch(self, optimizer: torch.optim.Optimizer) -> None:
+        def pre(opt: Any, args: Any, kwargs: Any) -> None:
+            self._sync()
+            self._t_opt = time.perf_counter()
+
+        def post(opt: Any, args: Any, kwargs: Any) -> None:
+            self._sync()
+            self.optimizer_ms.append((time.perf_counter() - self._t_opt) * 1e3)
+
+        optimizer.register_step_pre_hook(pre)
+        optimizer.register_step_post_hook(post)
+
+    def begin_step(self) -> None:
+        self._sync()
+        self._t_step = time.perf_counter()
+
+    def end_step(self, loss: float) -> None:
+        self._sync()
+        self.train_ms.append((time.perf_counter() - self._t_step) * 1e3)
+        self.losses.append(loss)
+        if len(self.losses) == self.memory_steps:
+            self.peak_bytes = self.memory.peak()
+            reuse_freed_blocks()
+        self.emit({"event": "step", "step": len(self.losses), "total": self.total_steps, "loss": loss})
+
+    def end_training(self) -> None:
+        if self.peak_bytes is None:
+            self.peak_bytes = self.memory.peak()
+            if self.memory_steps is not None:  # a run shorter than the memory steps
+                reuse_freed_blocks()
+
+    def summary(self) -> dict[str, Any]:
+        """Timings (mean after the warm-up steps, which include compilation), losses, peak."""
+        skip = max(1, min(10, len(self.train_ms) // 10))
+
+        def mean_after_warmup(xs: list[float]) -> float | None:
+            tail = xs[skip:] or xs
+            return statistics.fmean(tail) if tail else None
+
+        def median_after_warmup(xs: list[float]) -> float | None:
+            tail = xs[skip:] or xs
+            return statistics.median(tail) if tail else None
+
+        last = self.losses[-10:]
+        finite = all(math.isfinite(x) for x in self.losses)
+        return {
+            "peak_bytes": self.peak_bytes,
+            "step_ms": mean_after_warmup(self.optimizer_ms),
+            "step_ms_median": median_after_warmup(self.optimizer_ms),
+            "train_step_ms": mean_after_warmup(self.train_ms),
+            "first_step_ms": self.optimizer_ms[0] if self.optimizer_ms else None,
+            "timed_after_step": skip,
+            "initial_loss": self.losses[0] if self.losses else None,
+            "final_loss": statistics.fmean(last) if last else None,
+            "diverged": not finite,
+            "loss_curve": self.losses,
+        }

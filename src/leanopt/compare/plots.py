@@ -1,0 +1,124 @@
+"""PNG plots of a comparison (matplotlib, Agg backend; optional: without it, no plots)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+MiB = 1024**2
+LOSS_CURVES = "loss_curves.png"
+MEMORY_VS_LOSS = "memory_vs_loss.png"
+
+
+def _smooth(values: list[float | None], window: int) -> list[float]:
+    """Trailing moving average; the raw per-step loss of a small batch is too noisy to compare."""
+    out, acc, n = [], 0.0, 0
+    finite = [v if v is not None and math.isfinite(v) else math.nan for v in values]
+    for i, v in enumerate(finite):
+        acc += v
+        n += 1
+        if n > window:
+            acc -= finite[i - window]
+            n -= 1
+        out.append(acc / n)
+    return out
+
+
+def _label_groups(points: list[tuple[float, float, dict[str, Any]]]) -> list[tuple[float, float, str]]:
+    """One label per cluster of points that would overprint (AdamW and torch's AdamW coincide)."""
+    if not points:
+        return []
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    dx, dy = (max(xs) - min(xs)) or 1.0, (max(ys) - min(ys)) or 1.0
+    groups: list[list[tuple[float, float, dict[str, Any]]]] = []
+    for p in points:
+        for g in groups:
+            if abs(p[0] - g[0][0]) / dx < 0.06 and abs(p[1] - g[0][1]) / dy < 0.06:
+                g.append(p)
+                break
+        else:
+            groups.append([p])
+    return [(g[0][0], g[0][1], ", ".join(q[2]["optimizer"] for q in g)) for g in groups]
+
+
+def _place_labels(groups: list[tuple[float, float, str]]) -> list[tuple[float, float, str, float]]:
+    """Vertical offsets (points) so that labels of nearby points don't overprint (a greedy guess)."""
+    if not groups:
+        return []
+    xs, ys = [g[0] for g in groups], [g[1] for g in groups]
+    dx, dy = (max(xs) - min(xs)) or 1.0, (max(ys) - min(ys)) or 1.0
+    placed: list[tuple[float, float, float]] = []  # normalized x-start, x-end, y of each label
+    out = []
+    for x, y, names in sorted(groups, key=lambda g: g[0]):
+        nx, ny = (x - min(xs)) / dx * 0.6, (y - min(ys)) / dy * 0.75  # axes fraction, with the margins
+        width = 0.02 * len(names)
+        for offset in (3.0, -10.0, 12.0, -19.0, 21.0, -28.0):
+            label_y = ny + offset / 200
+            if all(not (nx < x1 and x0 < nx + width and abs(label_y - ly) < 0.05) for x0, x1, ly in placed):
+                break
+        placed.append((nx, nx + width, label_y))
+        out.append((x, y, names, offset))
+    return out
+
+
+def write_plots(data: dict[str, Any], out_dir: Path) -> tuple[list[str], str | None]:
+    """Write the plots; returns (file names, None) or ([], why there are none)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return [], "matplotlib is not installed (pip install matplotlib)"
+    rows = [r for r in data["results"] if r["status"] == "ok" and r.get("loss_curve")]
+    if not rows:
+        return [], "no optimizer finished"
+    colors = {r["optimizer"]: plt.get_cmap("tab10")(i % 10) for i, r in enumerate(data["results"])}
+    task, steps = data["settings"]["task"], data["settings"]["steps"]
+    files = []
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=90)
+    window = max(1, steps // 12)
+    tops, bottoms = [], []
+    for r in rows:
+        curve = _smooth(r["loss_curve"], window)
+        style = "--" if r["origin"] != "leanopt" else "-"
+        ax.plot(range(1, len(curve) + 1), curve, style, lw=1.4, color=colors[r["optimizer"]], label=r["optimizer"])
+        tail = [v for v in curve[max(1, steps // 8) :] if math.isfinite(v)]
+        if tail:
+            tops.append(max(tail))
+            bottoms.append(min(tail))
+    if tops:
+        span = max(tops) - min(bottoms)
+        ax.set_ylim(min(bottoms) - 0.05 * span, max(tops) + 0.05 * span)
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"training loss (moving mean of {window})")
+    ax.set_title(f"{task}: training loss (dashed: peers)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out_dir / LOSS_CURVES)
+    plt.close(fig)
+    files.append(LOSS_CURVES)
+
+    scored = [r for r in rows if r.get("val_loss") is not None and math.isfinite(r["val_loss"])]
+    if scored:
+        fig, axes = plt.subplots(1, 2, figsize=(9, 4), dpi=90, sharey=True)
+        for ax, key, label in ((axes[0], "state_bytes", "optimizer state (MiB)"),
+                               (axes[1], "peak_bytes", "peak training memory (MiB)")):
+            points = [(r[key] / MiB, r["val_loss"], r) for r in scored if r.get(key) is not None]
+            for x, y, r in points:
+                ax.scatter(x, y, color=colors[r["optimizer"]], s=36, marker="o" if r["origin"] == "leanopt" else "^")
+            for x, y, names, dy in _place_labels(_label_groups(points)):
+                ax.annotate(names, (x, y), fontsize=7, xytext=(5, dy), textcoords="offset points")
+            ax.margins(x=0.3, y=0.12)
+            ax.set_xlabel(label)
+            ax.grid(alpha=0.3)
+        axes[0].set_ylabel("validation loss")
+        fig.suptitle(f"{task}: memory vs validation loss (circles: leanopt, triangles: peers)", fontsize=10)
+        fig.tight_layout()
+        fig.savefig(out_dir / MEMORY_VS_LOSS)
+        plt.close(fig)
+        files.append(MEMORY_VS_LOSS)
+    return files, None

@@ -1,0 +1,702 @@
+"""The training tasks a comparison runs, all on data that needs no download.
+
+- ``bytes-gpt``: a small byte-level GPT (``compare.gpt``) on the source files of Python's
+  standard library (``sysconfig.get_paths()["stdlib"]``, test packages excluded, sorted by
+  path; every tenth file is held out for validation).
+- ``digits``: an MLP classifier on scikit-learn's ``load_digits`` (8x8 images, shipped inside
+  scikit-learn); accuracy reported.
+- ``distilbert-trainer``: the seed scenario, a DistilBERT-architecture sequence classifier
+  trained through the HF ``Trainer`` (each optimizer passed as ``optimizer_cls_and_kwargs``).
+  The text: snippets of standard-library source, labelled "test code" (``test``/``tests``
+  packages, ``test_*.py``) or "library code", balanced, held out by file; bytes are the
+  tokens (no tokenizer to download). On CUDA without ``--quick`` the model has DistilBERT
+  cased's exact shapes (65,783,042 parameters with the 2-label head).
+- ``hf:<model>:<dataset>``: a Hub model fine-tuned on a Hub text-classification dataset
+  through the same Trainer path; needs the network (or both in the local cache) and ``datasets``.
+
+A task is planned once in the parent (:meth:`Task.plan`: sizes, steps, lr), then each
+optimizer's process calls :meth:`Task.prepare` to load the data and :meth:`Workload.run` to
+train. Every run of one comparison starts from the same initial weights (``torch.manual_seed``
+before the model is built) and sees the same batches in the same order.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import sysconfig
+import tempfile
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from leanopt.compare.contenders import Contender, decay_groups
+from leanopt.compare.gpt import ByteGPT, GPTConfig
+from leanopt.compare.meter import Recorder
+
+DEFAULT_TASK = "bytes-gpt"
+
+
+class TaskUnavailable(Exception):
+    """The task cannot run here (a missing package, no network); the message is one line."""
+
+
+@dataclass
+class Plan:
+    """Everything a run needs to know, decided once and sent to every optimizer's process."""
+
+    task: str
+    device: str
+    seed: int
+    quick: bool
+    steps: int
+    lr: float
+    weight_decay: float
+    batch_size: int
+    warmup_steps: int
+    sizes: dict[str, Any] = field(default_factory=dict)
+    threads: int | None = None  # torch.set_num_threads in each run; None: torch's default
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Trained:
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    metrics: dict[str, float]  # val_loss, and accuracy where the task has one
+
+
+def warmup_cosine(total_steps: int, warmup_steps: int) -> Callable[[int], float]:
+    """LambdaLR factor: linear warm-up to 1 over ``warmup_steps``, then cosine to 0 at the end."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+    return factor
+
+
+class Workload(ABC):
+    """A task's data, loaded in one optimizer's process; :meth:`run` trains one model."""
+
+    @abstractmethod
+    def warm_loss(self, model: nn.Module) -> torch.Tensor:
+        """The loss of one training batch (for :meth:`warm_up`)."""
+
+    @abstractmethod
+    def build_model(self) -> nn.Module: ...
+
+    def warm_up(self, contender: Contender) -> None:
+        """One forward, backward and ``contender`` step on a throwaway model, before the baseline.
+
+        The one-time set-up then happens here rather than in the measured run: thread pools,
+        kernel caches, the modules ``torch.optim`` imports on first use, and what the optimizer
+        does once for itself (compiling its update: torchao, leanopt's CPU path). The peak
+        memory is then that of training itself, and the set-up's time is reported apart.
+        """
+        model = self.build_model().to(self.device)
+        self.warm_loss(model).backward()
+        optimizer = contender.build(
+            decay_groups(model.named_parameters(), self.plan.weight_decay),
+            lr=self.plan.lr,
+            weight_decay=self.plan.weight_decay,
+            device=self.device,
+        )
+        torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        optimizer.step()
+
+    @abstractmethod
+    def run(self, contender: Contender, plan: Plan, recorder: Recorder) -> Trained: ...
+
+
+class LoopWorkload(Workload):
+    """A plain training loop: subclasses give the model, the batches and the evaluation."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.device = torch.device(plan.device)
+
+    @abstractmethod
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    @abstractmethod
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor: ...
+
+    @abstractmethod
+    def evaluate(self, model: nn.Module) -> dict[str, float]: ...
+
+    def warm_loss(self, model: nn.Module) -> torch.Tensor:
+        return self.loss(model, self.batch(0))
+
+    def run(self, contender: Contender, plan: Plan, recorder: Recorder) -> Trained:
+        torch.manual_seed(plan.seed)
+        model = self.build_model().to(self.device)
+        optimizer = contender.build(
+            decay_groups(model.named_parameters(), plan.weight_decay),
+            lr=plan.lr,
+            weight_decay=plan.weight_decay,
+            device=self.device,
+        )
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(plan.steps, plan.warmup_steps))
+        recorder.watch(optimizer)
+        model.train()
+        for step in range(plan.steps):
+            recorder.begin_step()
+            loss = self.loss(model, self.batch(step))
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+            value = loss.item()
+            recorder.end_step(value)
+            if not math.isfinite(value):
+                break
+        recorder.end_training()
+        model.eval()
+        with torch.no_grad():
+            metrics = self.evaluate(model)
+        return Trained(model, optimizer, metrics)
+
+
+class Task(ABC):
+    name: str
+    description: str
+
+    def check(self) -> None:
+        """Raise :class:`TaskUnavailable` when the task cannot run here (called in the parent)."""
+
+    @abstractmethod
+    def plan(self, *, device: str, quick: bool, seed: int, steps: int | None, lr: float | None) -> Plan:
+        """Sizes, steps and learning rate for this device; ``steps``/``lr`` override the task's."""
+
+    @abstractmethod
+    def prepare(self, plan: Plan) -> Workload: ...
+
+    def _plan(self, device: str, quick: bool, seed: int, steps: int | None, lr: float | None, table: dict[tuple[str, bool], dict[str, Any]]) -> Plan:
+        sizes = dict(table[("cuda" if device.startswith("cuda") else "cpu", quick)])
+        default_steps, default_lr = sizes.pop("steps"), sizes.pop("lr")
+        n = default_steps if steps is None else steps
+        if n < 1:
+            raise ValueError("--steps must be at least 1")
+        return Plan(
+            task=self.name,
+            device=device,
+            seed=seed,
+            quick=quick,
+            steps=n,
+            lr=default_lr if lr is None else lr,
+            weight_decay=sizes.pop("weight_decay", 0.01),
+            batch_size=sizes.pop("batch_size"),
+            warmup_steps=max(1, n // 10),
+            sizes=sizes,
+        )
+
+
+# ---- data on disk ------------------------------------------------------------------------------
+def _is_test_path(rel: str) -> bool:
+    parts = rel.split("/")
+    return any(p in ("test", "tests") for p in parts[:-1]) or parts[-1].startswith("test_")
+
+
+def stdlib_sources(*, tests: bool | None = False) -> list[Path]:
+    """The standard library's ``.py`` files, sorted by relative path (``site-packages`` excluded).
+
+    ``tests``: False drops test packages, True keeps only them, None keeps all.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "__pycache__") and not d.startswith("."))
+        for name in sorted(filenames):
+            if name.endswith(".py"):
+                path = Path(dirpath) / name
+                if tests is None or _is_test_path(path.relative_to(root).as_posix()) == tests:
+                    out.append(path)
+    out.sort(key=lambda p: p.relative_to(root).as_posix())
+    if not out:
+        raise TaskUnavailable(f"no Python source files under {root}")
+    return out
+
+
+# ---- bytes-gpt ---------------------------------------------------------------------------------
+class BytesGPT(Task):
+    name = "bytes-gpt"
+    description = "byte-level GPT on the Python standard library's source (next-byte cross-entropy, nats)"
+    SIZES = {
+        ("cpu", True): dict(steps=120, lr=3e-3, batch_size=16, n_layer=2, n_head=4, dim=128, context=64,
+                            train_bytes=2_000_000, val_windows=256),
+        ("cpu", False): dict(steps=500, lr=2e-3, batch_size=32, n_layer=4, n_head=8, dim=256, context=128,
+                             train_bytes=8_000_000, val_windows=512),
+        ("cuda", True): dict(steps=300, lr=2e-3, batch_size=64, n_layer=4, n_head=8, dim=256, context=256,
+                             train_bytes=8_000_000, val_windows=512),
+        ("cuda", False): dict(steps=1000, lr=1e-3, batch_size=64, n_layer=8, n_head=8, dim=512, context=256,
+                              train_bytes=None, val_windows=1024),
+    }
+
+    def plan(self, *, device: str, quick: bool, seed: int, steps: int | None, lr: float | None) -> Plan:
+        return self._plan(device, quick, seed, steps, lr, self.SIZES)
+
+    def prepare(self, plan: Plan) -> Workload:
+        return BytesGPTWorkload(plan)
+
+
+class BytesGPTWorkload(LoopWorkload):
+    def __init__(self, plan: Plan) -> None:
+        super().__init__(plan)
+        s = plan.sizes
+        self.config = GPTConfig(context=s["context"], n_layer=s["n_layer"], n_head=s["n_head"], dim=s["dim"])
+        train, val = bytearray(), bytearray()
+        cap = s["train_bytes"]
+        for i, path in enumerate(stdlib_sources(tests=False)):
+            part = val if i % 10 == 9 else train
+            if part is train and cap is not None and len(train) >= cap:
+                continue
+            part += path.read_bytes()
+        if cap is not None:
+            del train[cap:]
+        ctx = self.config.context
+        self.train = torch.frombuffer(train, dtype=torch.uint8).to(self.device)
+        self.val = torch.frombuffer(val, dtype=torch.uint8).to(self.device)
+        gen = torch.Generator().manual_seed(plan.seed)
+        self.starts = torch.randint(0, len(train) - ctx - 1, (plan.steps, plan.batch_size), generator=gen)
+        n_val = s["val_windows"]
+        self.val_starts = torch.linspace(0, len(val) - ctx - 2, n_val).long()
+        self.offsets = torch.arange(ctx + 1)
+
+    def _windows(self, data: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = (starts[:, None] + self.offsets).to(self.device)
+        chunk = data[idx].long()
+        return chunk[:, :-1], chunk[:, 1:]
+
+    def build_model(self) -> nn.Module:
+        return ByteGPT(self.config)
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._windows(self.train, self.starts[step])
+
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return model.loss(*batch)  # type: ignore[operator]
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        total, count = 0.0, 0
+        for chunk in self.val_starts.split(64):
+            x, y = self._windows(self.val, chunk)
+            total += model.loss(x, y).item() * len(chunk)  # type: ignore[operator]
+            count += len(chunk)
+        return {"val_loss": total / count}
+
+
+# ---- digits ------------------------------------------------------------------------------------
+class Digits(Task):
+    name = "digits"
+    description = "MLP classifier on scikit-learn's load_digits (8x8 images, 10 classes; 20% held out)"
+    SIZES = {
+        ("cpu", True): dict(steps=300, lr=2e-3, batch_size=64, hidden=256, depth=2),
+        ("cpu", False): dict(steps=1000, lr=1e-3, batch_size=64, hidden=512, depth=3),
+        ("cuda", True): dict(steps=500, lr=1e-3, batch_size=128, hidden=1024, depth=3),
+        ("cuda", False): dict(steps=2000, lr=1e-3, batch_size=128, hidden=2048, depth=4),
+    }
+
+    def check(self) -> None:
+        try:
+            import sklearn  # noqa: F401
+        except ImportError:
+            raise TaskUnavailable("the digits task needs scikit-learn (pip install scikit-learn)") from None
+
+    def plan(self, *, device: str, quick: bool, seed: int, steps: int | None, lr: float | None) -> Plan:
+        return self._plan(device, quick, seed, steps, lr, self.SIZES)
+
+    def prepare(self, plan: Plan) -> Workload:
+        return DigitsWorkload(plan)
+
+
+class DigitsWorkload(LoopWorkload):
+    def __init__(self, plan: Plan) -> None:
+        super().__init__(plan)
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+
+        x, y = load_digits(return_X_y=True)
+        x_train, x_val, y_train, y_val = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
+        as_tensor = lambda a, dtype: torch.as_tensor(a, dtype=dtype, device=self.device)  # noqa: E731
+        self.x_train, self.y_train = as_tensor(x_train / 16.0, torch.float32), as_tensor(y_train, torch.long)
+        self.x_val, self.y_val = as_tensor(x_val / 16.0, torch.float32), as_tensor(y_val, torch.long)
+        gen = torch.Generator().manual_seed(plan.seed)
+        n, need = len(x_train), plan.steps * plan.batch_size
+        epochs = [torch.randperm(n, generator=gen) for _ in range(-(-need // n))]
+        self.order = torch.cat(epochs)[:need].view(plan.steps, plan.batch_size)
+
+    def build_model(self) -> nn.Module:
+        hidden, depth = self.plan.sizes["hidden"], self.plan.sizes["depth"]
+        layers: list[nn.Module] = []
+        width = 64
+        for _ in range(depth):
+            layers += [nn.Linear(width, hidden), nn.ReLU()]
+            width = hidden
+        layers.append(nn.Linear(width, 10))
+        return nn.Sequential(*layers)
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = self.order[step].to(self.device)
+        return self.x_train[idx], self.y_train[idx]
+
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(model(x), y)
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        logits = model(self.x_val)
+        return {
+            "val_loss": F.cross_entropy(logits, self.y_val).item(),
+            "accuracy": (logits.argmax(-1) == self.y_val).float().mean().item(),
+        }
+
+
+# ---- the HF Trainer path -----------------------------------------------------------------------
+class TrainerWorkload(Workload):
+    """Fine-tune a sequence classifier through ``transformers.Trainer``.
+
+    The optimizer goes in as ``optimizer_cls_and_kwargs`` (how a user plugs one in); the
+    Trainer makes its two param groups (no decay on biases and LayerNorm) and its own
+    linear-warm-up + cosine ``LambdaLR``, the same for every optimizer.
+    """
+
+    def __init__(self, plan: Plan, train: dict[str, torch.Tensor], val: dict[str, torch.Tensor]) -> None:
+        self.plan = plan
+        self.device = torch.device(plan.device)
+        self.train_data = train
+        self.val_data = val
+
+    def warm_loss(self, model: nn.Module) -> torch.Tensor:
+        batch = {k: v[: self.plan.batch_size].to(self.device) for k, v in self.train_data.items()}
+        return model(**batch).loss
+
+    def run(self, contender: Contender, plan: Plan, recorder: Recorder) -> Trained:
+        from transformers import Trainer, TrainerCallback, TrainingArguments
+
+        torch.manual_seed(plan.seed)
+        model = self.build_model()
+        last_loss: list[float] = []
+
+        class RecordingTrainer(Trainer):
+            def compute_loss(self, model, inputs, return_outputs=False, **kwargs):  # type: ignore[no-untyped-def]
+                out = super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)
+                if model.training:
+                    loss = out[0] if return_outputs else out
+                    last_loss.append(loss.detach().float().item())
+                return out
+
+        class Timing(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+                recorder.watch(kwargs["optimizer"].optimizer if hasattr(kwargs["optimizer"], "optimizer") else kwargs["optimizer"])
+
+            def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+                recorder.begin_step()
+
+            def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+                value = last_loss[-1] if last_loss else float("nan")
+                recorder.end_step(value)
+                if not math.isfinite(value):
+                    control.should_training_stop = True
+
+        with tempfile.TemporaryDirectory(prefix="leanopt-compare-") as out_dir:
+            args = TrainingArguments(
+                output_dir=out_dir,
+                max_steps=plan.steps,
+                per_device_train_batch_size=plan.batch_size,
+                learning_rate=plan.lr,
+                weight_decay=plan.weight_decay,
+                lr_scheduler_type="cosine",
+                warmup_steps=plan.warmup_steps,
+                logging_strategy="no",
+                save_strategy="no",
+                eval_strategy="no",
+                report_to="none",
+                disable_tqdm=True,
+                seed=plan.seed,
+                data_seed=plan.seed,
+                use_cpu=self.device.type == "cpu",
+                dataloader_num_workers=0,
+                remove_unused_columns=False,
+            )
+            trainer = RecordingTrainer(
+                model=model,
+                args=args,
+                train_dataset=_TensorDictDataset(self.train_data),
+                callbacks=[Timing()],
+                optimizer_cls_and_kwargs=(
+                    contender.load(),
+                    contender.kwargs(lr=plan.lr, weight_decay=plan.weight_decay, device=self.device),
+                ),
+            )
+            trainer.train()
+            recorder.end_training()
+            optimizer = trainer.optimizer
+            optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
+            model = trainer.model
+        model.eval()
+        with torch.no_grad():
+            metrics = self.evaluate(model)
+        return Trained(model, optimizer, metrics)
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        total, correct, count = 0.0, 0, 0
+        n = len(self.val_data["labels"])
+        for start in range(0, n, 64):
+            batch = {k: v[start : start + 64].to(self.device) for k, v in self.val_data.items()}
+            out = model(**batch)
+            total += out.loss.item() * len(batch["labels"])
+            correct += (out.logits.argmax(-1) == batch["labels"]).sum().item()
+            count += len(batch["labels"])
+        return {"val_loss": total / count, "accuracy": correct / count}
+
+
+class _TensorDictDataset(torch.utils.data.Dataset):
+    def __init__(self, data: dict[str, torch.Tensor]) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data["labels"])
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {k: v[i] for k, v in self.data.items()}
+
+
+def _require_transformers(task: str) -> None:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise TaskUnavailable(f"the {task} task needs transformers (pip install transformers)") from None
+
+
+# ---- distilbert-trainer ------------------------------------------------------------------------
+PAD, CLS, SEP, BYTE0 = 0, 1, 2, 3  # byte b is token b + BYTE0
+
+
+class DistilBertTrainer(Task):
+    name = "distilbert-trainer"
+    description = (
+        "DistilBERT-architecture classifier via the HF Trainer: is a stdlib source snippet test code "
+        "or library code? (byte tokens, balanced, held out by file)"
+    )
+    SIZES = {
+        ("cpu", True): dict(steps=100, lr=1e-3, batch_size=16, vocab_size=256 + BYTE0, dim=128, n_layers=2,
+                            n_heads=4, hidden_dim=512, seq_len=128, train_examples=2048, val_examples=256),
+        ("cpu", False): dict(steps=300, lr=3e-4, batch_size=32, vocab_size=256 + BYTE0, dim=256, n_layers=4,
+                             n_heads=4, hidden_dim=1024, seq_len=128, train_examples=8192, val_examples=1024),
+        ("cuda", True): dict(steps=200, lr=2e-4, batch_size=32, vocab_size=256 + BYTE0, dim=384, n_layers=4,
+                             n_heads=6, hidden_dim=1536, seq_len=128, train_examples=8192, val_examples=1024),
+        # DistilBERT cased's shapes (the lesson's model); byte tokens use the first 259 rows.
+        ("cuda", False): dict(steps=500, lr=1e-4, batch_size=32, vocab_size=28996, dim=768, n_layers=6,
+                              n_heads=12, hidden_dim=3072, seq_len=256, train_examples=16384, val_examples=2048),
+    }
+
+    def check(self) -> None:
+        _require_transformers(self.name)
+
+    def plan(self, *, device: str, quick: bool, seed: int, steps: int | None, lr: float | None) -> Plan:
+        return self._plan(device, quick, seed, steps, lr, self.SIZES)
+
+    def prepare(self, plan: Plan) -> Workload:
+        s = plan.sizes
+        train, val = snippet_classification(s["seq_len"] - 1, s["train_examples"], s["val_examples"])
+        return DistilBertWorkload(plan, _encode_bytes(train, s["seq_len"]), _encode_bytes(val, s["seq_len"]))
+
+
+class DistilBertWorkload(TrainerWorkload):
+    def build_model(self) -> nn.Module:
+        from transformers import DistilBertConfig, DistilBertForSequenceClassification
+
+        s = self.plan.sizes
+        config = DistilBertConfig(
+            vocab_size=s["vocab_size"],
+            dim=s["dim"],
+            n_layers=s["n_layers"],
+            n_heads=s["n_heads"],
+            hidden_dim=s["hidden_dim"],
+            max_position_embeddings=max(512, s["seq_len"]),
+            num_labels=2,
+            pad_token_id=PAD,
+        )
+        return DistilBertForSequenceClassification(config)
+
+
+def _snippets(text: bytes, length: int, per_file: int) -> list[bytes]:
+    """Up to ``per_file`` runs of whole lines, each at most ``length`` bytes and at least half that."""
+    chunks, current = [], b""
+    for line in text.splitlines(keepends=True):
+        if not line.strip():
+            continue
+        if current and len(current) + len(line) > length:
+            if len(current) >= length // 2:
+                chunks.append(current)
+            current = b""
+        current += line[:length]
+    if len(current) >= length // 2:
+        chunks.append(current)
+    if len(chunks) <= per_file:
+        return chunks
+    stride = len(chunks) / per_file
+    return [chunks[int(i * stride)] for i in range(per_file)]
+
+
+def snippet_classification(length: int, n_train: int, n_val: int) -> tuple[list[tuple[bytes, int]], list[tuple[bytes, int]]]:
+    """Balanced (snippet, label) pairs: label 1 for test code. Every tenth file is validation."""
+    pools: dict[tuple[str, int], list[bytes]] = {}
+    for label, tests in ((0, False), (1, True)):
+        for i, path in enumerate(stdlib_sources(tests=tests)):
+            split = "val" if i % 10 == 9 else "train"
+            pools.setdefault((split, label), []).extend(_snippets(path.read_bytes(), length, per_file=8))
+    gen = torch.Generator().manual_seed(0)  # the data is fixed; --seed moves the init and order
+
+    def draw(split: str, n: int) -> list[tuple[bytes, int]]:
+        picked = []
+        for label in (0, 1):
+            pool = pools.get((split, label), [])
+            take = min(n // 2, len(pool))
+            picked += [(pool[j], label) for j in torch.randperm(len(pool), generator=gen)[:take].tolist()]
+        order = torch.randperm(len(picked), generator=gen).tolist()
+        return [picked[j] for j in order]
+
+    return draw("train", n_train), draw("val", n_val)
+
+
+def _encode_bytes(pairs: list[tuple[bytes, int]], seq_len: int) -> dict[str, torch.Tensor]:
+    ids = torch.full((len(pairs), seq_len), PAD, dtype=torch.long)
+    mask = torch.zeros((len(pairs), seq_len), dtype=torch.long)
+    for row, (text, _) in enumerate(pairs):
+        tokens = [CLS] + [b + BYTE0 for b in text[: seq_len - 1]]
+        ids[row, : len(tokens)] = torch.tensor(tokens)
+        mask[row, : len(tokens)] = 1
+    labels = torch.tensor([label for _, label in pairs], dtype=torch.long)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+# ---- hf:<model>:<dataset> ----------------------------------------------------------------------
+class HubClassification(Task):
+    """``hf:<model>:<dataset>``: fine-tune a Hub model on a Hub text-classification dataset."""
+
+    SIZES = {
+        ("cpu", True): dict(steps=50, lr=5e-5, batch_size=8, seq_len=128, train_examples=1024, val_examples=256),
+        ("cpu", False): dict(steps=300, lr=5e-5, batch_size=16, seq_len=128, train_examples=4096, val_examples=1024),
+        ("cuda", True): dict(steps=200, lr=5e-5, batch_size=32, seq_len=128, train_examples=8192, val_examples=1024),
+        ("cuda", False): dict(steps=1000, lr=3e-5, batch_size=32, seq_len=256, train_examples=32768, val_examples=2048),
+    }
+
+    def __init__(self, spec: str) -> None:
+        parts = spec.split(":", 2)
+        if len(parts) != 3 or not parts[1] or not parts[2]:
+            raise ValueError(f"--task {spec!r}: expected hf:<model>:<dataset>, e.g. hf:distilbert-base-cased:imdb")
+        self.name = spec
+        self.model_name, self.dataset_name = parts[1], parts[2]
+        self.description = f"{self.model_name} fine-tuned on {self.dataset_name} via the HF Trainer"
+
+    def check(self) -> None:
+        _require_transformers(self.name)
+        try:
+            import datasets  # noqa: F401
+        except ImportError:
+            raise TaskUnavailable(f"--task {self.name} needs the datasets package (pip install datasets)") from None
+        offline = TaskUnavailable(
+            f"--task {self.name} needs the Hugging Face Hub, which is not reachable from here (offline); "
+            "the built-in tasks need no download: " + ", ".join(BUILTIN_TASKS)
+        )
+        if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes") or not _hub_reachable():
+            raise offline
+        from huggingface_hub import HfApi
+        from huggingface_hub.errors import RepositoryNotFoundError
+
+        api = HfApi()
+        for kind, name, info in (("model", self.model_name, api.model_info), ("dataset", self.dataset_name, api.dataset_info)):
+            try:
+                info(name, timeout=10)
+            except RepositoryNotFoundError:
+                raise TaskUnavailable(f"--task {self.name}: no {kind} {name!r} on the Hugging Face Hub") from None
+            except OSError as err:  # gated, rate-limited, a proxy in the way
+                why = " ".join(str(err).split())[:160] or type(err).__name__
+                raise TaskUnavailable(f"--task {self.name}: cannot read {kind} {name!r} from the Hub: {why}") from None
+
+    def plan(self, *, device: str, quick: bool, seed: int, steps: int | None, lr: float | None) -> Plan:
+        return self._plan(device, quick, seed, steps, lr, self.SIZES)
+
+    def prepare(self, plan: Plan) -> Workload:
+        import datasets
+        from transformers import AutoTokenizer
+
+        s = plan.sizes
+        tokenizer = AutoTokenizer.from_pretrained(self.model_name)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        data = datasets.load_dataset(self.dataset_name)
+        train_split = data["train"]
+        val_split = data["validation"] if "validation" in data else data["test"] if "test" in data else None
+        if val_split is None:
+            parts = train_split.train_test_split(test_size=0.1, seed=0)
+            train_split, val_split = parts["train"], parts["test"]
+        label_col = next((c for c in ("label", "labels") if c in train_split.column_names), None)
+        text_col = next(
+            (c for c, f in train_split.features.items() if c != label_col and getattr(f, "dtype", None) == "string"),
+            None,
+        )
+        if label_col is None or text_col is None:
+            raise TaskUnavailable(f"{self.dataset_name}: need a text column and a label column")
+        feature = train_split.features[label_col]
+        num_labels = getattr(feature, "num_classes", None) or len(set(train_split[label_col]))
+
+        def encode(split: Any, n: int) -> dict[str, torch.Tensor]:
+            split = split.shuffle(seed=0).select(range(min(n, len(split))))
+            enc = tokenizer(list(split[text_col]), truncation=True, max_length=s["seq_len"], padding="max_length",
+                            return_tensors="pt")
+            return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"],
+                    "labels": torch.tensor(split[label_col], dtype=torch.long)}
+
+        workload = HubWorkload(plan, encode(train_split, s["train_examples"]), encode(val_split, s["val_examples"]))
+        workload.model_name, workload.num_labels, workload.pad_id = self.model_name, num_labels, tokenizer.pad_token_id
+        return workload
+
+
+class HubWorkload(TrainerWorkload):
+    model_name: str
+    num_labels: int
+    pad_id: int
+
+    def build_model(self) -> nn.Module:
+        from transformers import AutoModelForSequenceClassification
+
+        model = AutoModelForSequenceClassification.from_pretrained(self.model_name, num_labels=self.num_labels)
+        if model.config.pad_token_id is None:
+            model.config.pad_token_id = self.pad_id
+        return model
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        with socket.create_connection((host, 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+BUILTIN_TASKS: dict[str, type[Task]] = {t.name: t for t in (BytesGPT, Digits, DistilBertTrainer)}
+
+
+def get_task(name: str) -> Task:
+    """A built-in task by name, or ``hf:<model>:<dataset>``."""
+    if name.startswith("hf:"):
+        return HubClassification(name)
+    if name not in BUILTIN_TASKS:
+        raise ValueError(f"unknown task {name!r}; built-in: {', '.join(BUILTIN_TASKS)}, or hf:<model>:<dataset>")
+    return BUILTIN_TASKS[name]()
