@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from leanopt.kernels import reference
+from leanopt.quant.formats import TOWARD_ZERO_TOLERANCE
 
 log = logging.getLogger(__name__)
 
@@ -401,7 +402,7 @@ def _quantized_tensor(p, g, mc, ma, vc, va, m_values, m_thresholds, v_values, v_
     vy = (vb / torch.where(v_scale > 0, v_scale, 1.0).view(nb, 1)).view(-1)[:n]
     mi = torch.searchsorted(m_thresholds, my)
     # Where the gradient is 0, momentum rounds toward zero (reference: ``toward_zero``).
-    over = (gf == 0) & (m_values[mi].abs() > my.abs()) & (mi != m_zero)
+    over = (gf == 0) & (m_values[mi].abs() > my.abs() * TOWARD_ZERO_TOLERANCE) & (mi != m_zero)
     mi = torch.where(over, mi - torch.sign(mi - m_zero), mi)
     mc.copy_(_pack(mi, n, bits))
     vc.copy_(_pack(torch.searchsorted(v_thresholds, vy), n, bits))

@@ -24,6 +24,9 @@ from torch import Tensor
 
 from leanopt.kernels.multi_tensor import TableCache
 from leanopt.kernels.triton_common import TL_DTYPE, adam_safe_elementwise, to_param_dtype
+from leanopt.quant.formats import TOWARD_ZERO_TOLERANCE as _TOLERANCE
+
+TOWARD_ZERO_TOLERANCE: tl.constexpr = tl.constexpr(_TOLERANCE)
 
 # Elements per program: a multiple of every supported block size.
 CHUNK = 2048
@@ -59,7 +62,7 @@ def _encode_momentum(m, scale, g, thresholds_ptr, values_ptr, LOG2_LEN: tl.const
     idx = _encode(m, scale, thresholds_ptr, LOG2_LEN)
     y = m / tl.where(scale > 0, scale, 1.0)
     code_value = tl.load(values_ptr + idx)
-    over = (g == 0) & (tl.abs(code_value) > tl.abs(y)) & (idx != ZERO)
+    over = (g == 0) & (tl.abs(code_value) > tl.abs(y) * TOWARD_ZERO_TOLERANCE) & (idx != ZERO)
     return tl.where(over, tl.where(idx > ZERO, idx - 1, idx + 1), idx)
 
 
@@ -152,18 +155,6 @@ def _padded_book(book, device: torch.device) -> tuple[Tensor, Tensor, int]:
         padded[: thr.numel()] = thr
         _PADDED[key] = (book.values.to(device=device, dtype=torch.float32), padded, log2)
     return _PADDED[key]
-
-
-def supports(fmt_m, fmt_v, param: Tensor) -> bool:
-    """Whether this kernel handles a (m format, v format, param) combination."""
-    return (
-        param.dtype in TL_DTYPE
-        and fmt_m.block_size == fmt_v.block_size
-        and fmt_m.bits == fmt_v.bits
-        and fmt_m.block_size % 2 == 0
-        and CHUNK % fmt_m.block_size == 0
-        and all(b.values.numel() == b.thresholds.numel() + 1 for b in (fmt_m.book("cpu"), fmt_v.book("cpu")))
-    )
 
 
 def adamw_quantized(

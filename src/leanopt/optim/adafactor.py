@@ -140,21 +140,15 @@ class Adafactor(LeanOptimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = self._closure_loss(closure)
         for gi, group in enumerate(self.param_groups):
-            by_backend: dict[tuple[str, torch.device], list[torch.Tensor]] = {}
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("leanopt.Adafactor does not support sparse gradients")
-                state = self._init_state(p, group)
-                state["step"] += 1
+            stepped = []
+            for p in self._stepped_params(group):
                 if is_dtensor(p) and not shardable(p):
                     # Fewer rows than ranks: DTensor has no sharding for Adafactor's ops on this
                     # param, so every rank updates it whole and keeps its shard.
-                    update_whole(lambda q, g, st: self._update("reference", gi, group, [q], [g], [st]), p, state)
-                    continue
-                by_backend.setdefault((self._backend_for(p), p.device), []).append(p)
-            for (backend, _), params in by_backend.items():
+                    update_whole(lambda q, g, st: self._update("reference", gi, group, [q], [g], [st]), p, self.state[p])
+                else:
+                    stepped.append(p)
+            for (backend, _), params in self._by_backend(stepped).items():
                 self._update(backend, gi, group, params, [p.grad for p in params], [self.state[p] for p in params])
         return loss
 

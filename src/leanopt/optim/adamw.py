@@ -106,16 +106,7 @@ class AdamW(LeanOptimizer):
         loss = self._closure_loss(closure)
         for gi, group in enumerate(self.param_groups):
             beta1, beta2 = group["betas"]
-            by_backend: dict[tuple[str, torch.device], list[torch.Tensor]] = {}
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("leanopt.AdamW does not support sparse gradients")
-                state = self._init_state(p, group)
-                state["step"] += 1
-                by_backend.setdefault((self._backend_for(p), p.device), []).append(p)
-            for (backend, _), params in by_backend.items():
+            for (backend, _), params in self._by_backend(self._stepped_params(group)).items():
                 kernels.adamw(
                     backend,
                     self._tables,

@@ -143,20 +143,13 @@ class LowBitAdamW(LeanOptimizer):
         loss = self._closure_loss(closure)
         for gi, group in enumerate(self.param_groups):
             beta1, beta2 = group["betas"]
-            by_backend: dict[tuple[str, torch.device], list[torch.Tensor]] = {}
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError(f"leanopt.{type(self).__name__} does not support sparse gradients")
-                state = self._init_state(p, group)
-                state["step"] += 1
-                # A DTensor (FSDP2) param updates its own shard; its quantized states hold that
-                # shard already, with scales shared across shard edges (leanopt.optim.sharding),
-                # which the reference rule handles.
-                backend = "reference" if is_dtensor(p) else self._backend_for(p)
-                by_backend.setdefault((backend, p.device), []).append(p)
-            for (backend, _), params in by_backend.items():
+            # A DTensor (FSDP2) param updates its own shard; its quantized states hold that shard
+            # already, with scales shared across shard edges (leanopt.optim.sharding), which the
+            # reference rule handles.
+            buckets = self._by_backend(
+                self._stepped_params(group), lambda p: "reference" if is_dtensor(p) else self._backend_for(p)
+            )
+            for (backend, _), params in buckets.items():
                 kernels.adamw_quantized(
                     backend,
                     self._tables,

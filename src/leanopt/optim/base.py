@@ -75,6 +75,28 @@ class LeanOptimizer(torch.optim.Optimizer):
         return state
 
     # ---- helpers for step ---------------------------------------------------------------
+    def _stepped_params(self, group: Mapping[str, Any]) -> list[torch.Tensor]:
+        """The params of ``group`` that have a gradient, with state created and ``step`` advanced."""
+        out = []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError(f"leanopt.{type(self).__name__} does not support sparse gradients")
+            self._init_state(p, group)["step"] += 1
+            out.append(p)
+        return out
+
+    def _by_backend(
+        self, params: Iterable[torch.Tensor], backend_of: Callable[[torch.Tensor], str] | None = None
+    ) -> dict[tuple[str, torch.device], list[torch.Tensor]]:
+        """``params`` bucketed by (backend, device): each bucket is one call into ``kernels``."""
+        backend_of = backend_of or self._backend_for
+        buckets: dict[tuple[str, torch.device], list[torch.Tensor]] = {}
+        for p in params:
+            buckets.setdefault((backend_of(p), p.device), []).append(p)
+        return buckets
+
     def _closure_loss(self, closure: Callable[[], Any] | None) -> Any:
         if closure is None:
             return None

@@ -13,23 +13,28 @@ maximum and each element becomes the index of the nearest value. Two families li
   baseline that the power codes were measured against (``benchmarks/accuracy_vs_peers.py``).
 
 Why power codes. Measured with ``benchmarks/accuracy_vs_peers.py`` (one 1024x1024 tensor,
-20 steps at lr 1e-3, distance from fp32 ``torch.optim.AdamW``; "heavy": each element's gradient
-scale log-normal with sigma 1.5, like the mix of busy and quiet features in a real layer):
+20 steps at lr 1e-3, max / mean distance from fp32 ``torch.optim.AdamW``; "heavy": each
+element's gradient scale is log-normal with sigma 1.5, like the mix of busy and quiet features
+in a real layer; "hazard": gradients spanning 1e-6..1 in every block, then zero for half):
 
-=================================  =================  =================  ===========
-codes (m | v), blocks of 256        randn*0.01 max/mean heavy max/mean      hazard mean
-=================================  =================  =================  ===========
-dynamic tree | dynamic tree         6.8e-4 / 6.7e-5    1.3e-2 / 3.7e-4    (v->0: 116)
-dynamic tree | same, no zero        6.8e-4 / 6.7e-5    1.2e-2 / 3.2e-4    4.8e-3
-pow3 | pow6 (leanopt 8-bit)         5.5e-4 / 5.3e-5    4.7e-3 / 1.8e-4    1.5e-3
-4-bit dyn | linear (torchao)        1.1e-2 / 9.1e-4    1.7e-2 / 3.3e-3    9.8e-3
-4-bit pow2 | pow3 (leanopt 4-bit)   8.2e-3 / 7.3e-4    1.7e-2 / 2.4e-3    8.9e-3
-=================================  =================  =================  ===========
+=====================================  =================  =================  =================
+optimizer (codes m | v)                 randn*0.01         heavy              hazard
+=====================================  =================  =================  =================
+leanopt 8-bit, pow3 | pow6              5.5e-4 / 5.3e-5    4.8e-3 / 1.8e-4    1.1e-2 / 1.7e-3
+leanopt 8-bit, dynamic tree (both)      6.4e-4 / 6.7e-5    1.4e-2 / 3.6e-4    5.6e-3 / 1.3e-3
+bitsandbytes 8-bit (dynamic tree)       8.0e-4 / 6.7e-5    1.5e-2 / 6.7e-4    1.9e-2 / 6.3e-3
+torchao 8-bit (dynamic tree)            6.8e-4 / 6.7e-5    43 / 1.9e-3        116 / 5.2
+leanopt 4-bit, pow2 | pow3              8.2e-3 / 7.2e-4    1.8e-2 / 2.4e-3    1.9e-2 / 8.4e-3
+torchao 4-bit (dynamic | linear)        1.1e-2 / 9.1e-4    1.7e-2 / 3.3e-3    2.2e-2 / 9.8e-3
+=====================================  =================  =================  =================
+
+(The dynamic tree's better hazard figure is the second-moment floor standing in for the ``v``
+it rounds to 0 -- in this scenario the floor happens to equal fp32's step.)
 
 The first moment's error dominates the update's; the dynamic tree spends half its codes on
 ``[0.1, 1]`` of the block maximum and is coarse around ``0.05-0.3`` where most of a block's
-``m`` lies, while ``(k/127)^3`` is finer there and still reaches ``5e-7`` (the tree's floor is
-``~3e-7``). For the second moment ``(k/256)^6`` means ``sqrt(v)`` sits on a cubic grid just
+``m`` lies, while ``(k/127)^3`` is finer there and still reaches ``5e-7`` (the tree stops at
+``1e-6``). For the second moment ``(k/256)^6`` means ``sqrt(v)`` sits on a cubic grid just
 like ``m``; its smallest value ``3.5e-15`` covers the squared range of ``m``, and it has no
 zero, so a stored ``v`` is never 0 while its block is not (see the hazard note in
 :func:`leanopt.kernels.reference.adamw_quantized_` for the guarantee that does not depend on

@@ -25,6 +25,10 @@ from leanopt.quant.codebooks import CodeBook, code_bits, codebook
 from leanopt.quant.state import QuantizedState
 
 
+# Round toward zero only where the nearest code exceeds |y| by more than this factor.
+TOWARD_ZERO_TOLERANCE = 1 + 1e-5
+
+
 @dataclass(frozen=True)
 class BlockFormat:
     """``code``: a code-book name from :mod:`leanopt.quant.codebooks`; ``block_size``: elements
@@ -110,7 +114,10 @@ class BlockFormat:
         book = self.book(y.device)
         idx = torch.searchsorted(book.thresholds, y)
         if toward_zero is not None and bool(toward_zero.any()):
-            overshoot = toward_zero & (book.values[idx].abs() > y.abs()) & (idx != book.zero_index)
+            # The tolerance keeps a value sitting on a code there: a block whose elements all
+            # decay by b1 has its scale decay by b1 too, so y lands exactly on its old code, and
+            # an ulp of rounding must not decide whether momentum drops a whole code.
+            overshoot = toward_zero & (book.values[idx].abs() > y.abs() * TOWARD_ZERO_TOLERANCE) & (idx != book.zero_index)
             idx = torch.where(overshoot, idx - torch.sign(idx - book.zero_index), idx)
         return idx
 
