@@ -36,8 +36,9 @@ def _compile_disabled() -> bool:
     return os.environ.get("LEANOPT_NO_COMPILE", "") not in ("", "0")
 
 
-def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` compiled with dynamic shapes on first call; ``fn`` itself if compiling fails."""
+def compiled(fn: Callable[..., Any], dynamic: bool | None = True) -> Callable[..., Any]:
+    """``fn`` compiled on first call (``dynamic=True``: every size symbolic; ``None``: static
+    except dims the caller marks dynamic); ``fn`` itself if compiling fails."""
     state: dict[str, Any] = {}
 
     @functools.wraps(fn)
@@ -47,7 +48,7 @@ def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
         if impl is None:
             impl = fn
             if not _compile_disabled():
-                impl = torch.compile(fn, dynamic=True, fullgraph=True)
+                impl = torch.compile(fn, dynamic=dynamic, fullgraph=True)
             state["impl"] = impl
         if impl is fn:
             return fn(*args, **kwargs)
@@ -366,52 +367,98 @@ def _dense_safe_tensor(p, g, m, v, step_size, bc2_sqrt, decay, floor_div, beta1:
     v.copy_(v_new)
 
 
-def _unpack(codes, n: int, bits: int):
-    if bits == 8:
-        return codes.long()
-    return torch.stack([codes & 15, codes >> 4], 1).view(-1)[:n].long()
+_ENCODE_TABLES: dict[tuple[str, torch.device], tuple[Tensor, Tensor] | None] = {}
 
 
-def _pack(idx, n: int, bits: int):
-    idx = idx.to(torch.uint8)
-    if bits == 8:
-        return idx
-    pairs = torch.nn.functional.pad(idx, (0, n % 2)).view(-1, 2)
-    return pairs[:, 0] | (pairs[:, 1] << 4)
+def encode_tables(book, device: torch.device) -> tuple[Tensor, Tensor] | None:
+    """A lookup table that replaces the code book's binary search, or ``None`` if it can't.
+
+    The top 16 bits of an fp32 (sign, exponent, 7 mantissa bits) name a bucket of values
+    spanning 2^-7 relative; ``lut[bucket]`` is the number of midpoints below the bucket. When
+    no bucket holds more than one midpoint (true for every code whose neighbouring values
+    differ by more than 0.8%), the nearest code of ``y`` is
+    ``lut[bucket] + (midpoints[lut[bucket]] < y)``: ``torch.searchsorted``'s answer with two
+    gathers instead of eight dependent ones (13x faster compiled, on 1M values here).
+    """
+    key = (book.name, device)
+    if key not in _ENCODE_TABLES:
+        thresholds = book.thresholds.to(device="cpu", dtype=torch.float32)
+        bits = torch.arange(1 << 16, dtype=torch.int64) << 16
+        lo = bits.to(torch.int32).view(torch.float32)
+        hi = (bits | 0xFFFF).to(torch.int32).view(torch.float32)
+        low, high = torch.minimum(lo, hi), torch.maximum(lo, hi)
+        below = torch.searchsorted(thresholds, low)
+        inside = torch.searchsorted(thresholds, high, right=True) - below
+        usable = bool(((inside <= 1) | ~(torch.isfinite(low) & torch.isfinite(high))).all())
+        padded = torch.cat([thresholds, torch.tensor([float("inf")])])
+        _ENCODE_TABLES[key] = (below.to(torch.int32).to(device), padded.to(device)) if usable else None
+    return _ENCODE_TABLES[key]
 
 
-def _quantized_tensor(p, g, mc, ma, vc, va, m_values, m_thresholds, v_values, v_thresholds,
+def _nearest_code(y, lut, padded_thresholds):
+    bucket = (y.view(torch.int32) >> 16) & 0xFFFF
+    below = lut[bucket.long()].long()
+    return below + (padded_thresholds[below] < y).long()
+
+
+def _quantized_blocks(p, g, mc, ma, vc, va, m_values, m_lut, m_thresholds, v_values, v_lut, v_thresholds,
                       step_size, bc2_sqrt, decay, floor_div, beta1: float, beta2: float, eps: float,
-                      maximize: bool, bits: int, block: int, m_zero: int):  # fmt: skip
-    # Dequantize -> update -> requantize in one compiled graph (Inductor fuses it into a few
-    # loops over memory); same maths as reference.adamw_quantized_ and formats.BlockFormat.
-    n = p.numel()
-    nb = ma.numel()
-    pad = nb * block - n
-    m = (torch.nn.functional.pad(m_values[_unpack(mc, n, bits)], (0, pad)).view(nb, block) * ma.view(nb, 1)).view(-1)[:n]
-    v = (torch.nn.functional.pad(v_values[_unpack(vc, n, bits)], (0, pad)).view(nb, block) * va.view(nb, 1)).view(-1)[:n]
-    pf = p.view(-1).float()
-    gf = -g.view(-1).float() if maximize else g.view(-1).float()
+                      maximize: bool, bits: int, m_zero: int):  # fmt: skip
+    # Whole blocks as rows: p, g [blocks, block]; codes [blocks, block * bits / 8]; scales
+    # [blocks]. Dequantize -> update -> requantize in one fused loop over memory; the same maths
+    # as reference.adamw_quantized_ and formats.BlockFormat.
+    rows, block = p.shape
+    if bits == 8:
+        mi, vi = mc.long(), vc.long()
+    else:
+        mi = torch.stack([mc & 15, mc >> 4], -1).view(rows, block).long()
+        vi = torch.stack([vc & 15, vc >> 4], -1).view(rows, block).long()
+    m = m_values[mi] * ma.unsqueeze(1)
+    v = v_values[vi] * va.unsqueeze(1)
+    pf = p.float()
+    gf = -g.float() if maximize else g.float()
     pn, m, v = _adam_safe(pf, gf, m, v, step_size, bc2_sqrt, decay, floor_div, beta1, beta2, eps)
-    p.view(-1).copy_(pn)
-    mb = torch.nn.functional.pad(m, (0, pad)).view(nb, block)
-    vb = torch.nn.functional.pad(v, (0, pad)).view(nb, block)
-    m_scale = mb.abs().amax(1)
-    v_scale = vb.amax(1)
-    my = (mb / torch.where(m_scale > 0, m_scale, 1.0).view(nb, 1)).view(-1)[:n]
-    vy = (vb / torch.where(v_scale > 0, v_scale, 1.0).view(nb, 1)).view(-1)[:n]
-    mi = torch.searchsorted(m_thresholds, my)
+    p.copy_(pn)
+    m_scale = m.abs().amax(1)
+    v_scale = v.amax(1)
+    my = m / torch.where(m_scale > 0, m_scale, 1.0).unsqueeze(1)
+    vy = v / torch.where(v_scale > 0, v_scale, 1.0).unsqueeze(1)
+    mi = _nearest_code(my, m_lut, m_thresholds)
     # Where the gradient is 0, momentum rounds toward zero (reference: ``toward_zero``).
     over = (gf == 0) & (m_values[mi].abs() > my.abs() * TOWARD_ZERO_TOLERANCE) & (mi != m_zero)
     mi = torch.where(over, mi - torch.sign(mi - m_zero), mi)
-    mc.copy_(_pack(mi, n, bits))
-    vc.copy_(_pack(torch.searchsorted(v_thresholds, vy), n, bits))
+    vi = _nearest_code(vy, v_lut, v_thresholds)
+    if bits == 8:
+        mc.copy_(mi.to(torch.uint8))
+        vc.copy_(vi.to(torch.uint8))
+    else:
+        mi = mi.to(torch.uint8).view(rows, block // 2, 2)
+        vi = vi.to(torch.uint8).view(rows, block // 2, 2)
+        mc.copy_(mi[..., 0] | (mi[..., 1] << 4))
+        vc.copy_(vi[..., 0] | (vi[..., 1] << 4))
     ma.copy_(m_scale)
     va.copy_(v_scale)
 
 
 _dense_safe_compiled = compiled(_dense_safe_tensor)
-_quantized_compiled = compiled(_quantized_tensor)
+_QUANTIZED: dict[tuple[int, int], Callable[..., Any]] = {}
+
+
+def _quantized_compiled(*args: Any) -> None:
+    # One graph per (bits, zero code); the block size is a static dimension of the 2-D
+    # inputs and only the number of blocks is dynamic, so the loops vectorise.
+    *tensors, bits, m_zero = args
+    fn = _QUANTIZED.get((bits, m_zero))
+    if fn is None:
+
+        def fixed(*xs: Any) -> None:
+            _quantized_blocks(*xs, bits, m_zero)
+
+        fixed.__name__ = f"adamw_quantized_{bits}bit"
+        fn = _QUANTIZED[(bits, m_zero)] = compiled(fixed, dynamic=None)
+    for t in tensors[:6]:
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+    fn(*tensors)
 
 
 def adamw_quantized(params, grads, exp_avgs, exp_avg_sqs, steps, floor_divs, *, lr, beta1, beta2, eps, weight_decay,
@@ -433,10 +480,31 @@ def adamw_quantized(params, grads, exp_avgs, exp_avg_sqs, steps, floor_divs, *, 
         m, v = exp_avgs[i], exp_avg_sqs[i]
         if isinstance(m, QuantizedState):
             bm, bv = m.format.book(p.device), v.format.book(p.device)
-            _quantized_compiled(
-                p, grads[i], m.codes, m.absmax, v.codes, v.absmax, bm.values, bm.thresholds, bv.values, bv.thresholds,
-                *scalars, beta1, beta2, eps, maximize, m.format.bits, m.format.block_size, bm.zero_index,
-            )  # fmt: skip
+            m_tables, v_tables = encode_tables(bm, p.device), encode_tables(bv, p.device)
+            fmt = m.format
+            n = p.numel()
+            full = (n // fmt.block_size) * fmt.block_size
+            hp = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, maximize=maximize)
+            if m_tables is None or v_tables is None or not p.is_contiguous():
+                # a code too fine for the lookup table, or a strided param: the reference
+                reference.adamw_quantized_(p, grads[i], m, v, step, **hp)
+                continue
+            if full:
+                rows, row_bytes = full // fmt.block_size, fmt.code_bytes(fmt.block_size)
+                _quantized_compiled(
+                    p.view(-1)[:full].view(rows, fmt.block_size), grads[i].reshape(-1)[:full].view(rows, fmt.block_size),
+                    m.codes[: rows * row_bytes].view(rows, row_bytes), m.absmax[:rows],
+                    v.codes[: rows * row_bytes].view(rows, row_bytes), v.absmax[:rows],
+                    bm.values, m_tables[0], m_tables[1], bv.values, v_tables[0], v_tables[1],
+                    *scalars, beta1, beta2, eps, maximize, fmt.bits, bm.zero_index,
+                )  # fmt: skip
+            if full < n:
+                # The last, partial block is independent of the others: the reference on views.
+                start = fmt.code_bytes(full)
+                tail = (n - full,)
+                m_tail = QuantizedState(m.codes[start:], m.absmax[full // fmt.block_size :], m.format, tail)
+                v_tail = QuantizedState(v.codes[start:], v.absmax[full // fmt.block_size :], v.format, tail)
+                reference.adamw_quantized_(p.view(-1)[full:], grads[i].reshape(-1)[full:], m_tail, v_tail, step, **hp)
         else:
             _dense_safe_compiled(p, grads[i], m, v, *scalars, beta1, beta2, eps, maximize)
 
