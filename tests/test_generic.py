@@ -223,3 +223,18 @@ def test_low_precision_params_keep_fp32_state_through_save_load(case: OptimizerC
             if isinstance(value, torch.Tensor) and value.is_floating_point():
                 assert value.dtype == torch.float32 and loaded.dtype == torch.float32, key
                 assert torch.equal(value, loaded), key
+
+
+@cases
+def test_load_state_dict_hooks_see_the_full_state(case: OptimizerCase) -> None:
+    model = make_model()
+    opt = case.cls(model.parameters(), **case.kwargs)
+    train(model, opt, 1)
+    sd = opt.state_dict()
+    seen = []
+    twin = case.cls(model.parameters(), **case.kwargs)
+    twin.register_load_state_dict_pre_hook(lambda o, s: seen.append(("pre", len(s["state"]))))
+    twin.register_load_state_dict_post_hook(lambda o: seen.append(("post", len(o.state))))
+    twin.load_state_dict(sd)
+    n = len(list(model.parameters()))
+    assert seen == [("pre", n), ("post", n)]

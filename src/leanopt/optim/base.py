@@ -9,6 +9,7 @@ quantized forms of the same state key.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -120,6 +121,13 @@ class LeanOptimizer(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Registered hooks see what torch's own load would show them: the full state_dict
+        # before, the installed state after (torch's load below only restores param_groups).
+        pre_hooks, post_hooks = self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks
+        for hook in list(pre_hooks.values()):
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
             raise ValueError(
                 f"{type(self).__name__}.load_state_dict: expected a dict with 'state' and "
@@ -154,10 +162,18 @@ class LeanOptimizer(torch.optim.Optimizer):
             p, group, label = id_to_param[pid]
             converted[p] = self._convert_loaded_state(p, _merged_group(group, saved_groups, pid), saved_state, label)
 
-        # Let torch restore param_groups (and run its hooks) with no state, then put ours.
-        super().load_state_dict({"state": {}, "param_groups": saved_groups})
+        # Let torch restore param_groups with no state (and without the hooks), then put ours.
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        try:
+            super().load_state_dict({"state": {}, "param_groups": saved_groups})
+        finally:
+            self._optimizer_load_state_dict_pre_hooks = pre_hooks
+            self._optimizer_load_state_dict_post_hooks = post_hooks
         for p, st in converted.items():
             self.state[p] = st
+        for hook in list(post_hooks.values()):
+            hook(self)
 
     def _convert_loaded_state(
         self, p: torch.Tensor, group: Mapping[str, Any], saved: Mapping[str, Any], label: str
