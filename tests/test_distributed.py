@@ -23,7 +23,7 @@ import torch
 
 import leanopt
 from leanopt.integrations.distributed import measure_global
-from leanopt.memory import resolve_optimizer
+from leanopt.memory import available_optimizers, resolve_optimizer
 from leanopt.quant import QuantizedState
 
 SCRIPTS = pathlib.Path(__file__).resolve().parent / "dist_scripts"
@@ -45,14 +45,8 @@ EXACT_STATE_RTOL = 1e-5
 
 
 def _available(names: tuple[str, ...]) -> list[str]:
-    out = []
-    for name in names:
-        try:
-            resolve_optimizer(name)
-        except ValueError:
-            continue
-        out.append(name)
-    return out
+    here = available_optimizers()
+    return [name for name in names if name in here]
 
 
 NAMES = _available(tuple(parity.KWARGS))
