@@ -8,7 +8,6 @@ runnable on the CPU under ``TRITON_INTERPRET=1``, which is how CI tests them).
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 
 import torch
@@ -66,16 +65,6 @@ def adamw(backend: str, tables, key: str, params, grads, exp_avgs, exp_avg_sqs, 
             reference.adamw_(p, grads[i], exp_avgs[i], exp_avg_sqs[i], vmax, int(step_tensors[i].item()), **hp)
 
 
-def adafactor_schedule(step: int, *, lr: float | None, decay_rate: float, relative_step: bool, warmup_init: bool) -> tuple[float, float]:
-    """``(rho_t, beta2_t)`` of step ``step`` (1-based), formed in double as ``reference.adafactor_`` does."""
-    if relative_step:
-        rho = min(1e-6 * step if warmup_init else 1e-2, 1.0 / math.sqrt(step))
-    else:
-        assert lr is not None
-        rho = lr
-    return rho, 1.0 - math.pow(step, decay_rate)
-
-
 def adafactor(
     backend: str, tables, key: str, params, grads, exp_avgs, exp_avg_sq_rows, exp_avg_sq_cols, exp_avg_sqs, step_tensors, **hp
 ) -> None:
@@ -98,6 +87,8 @@ def adafactor(
     if not fast:
         return
     schedule = {k: hp.pop(k) for k in ("lr", "decay_rate", "relative_step", "warmup_init")}
+    from leanopt.kernels.reference import adafactor_schedule
+
     scalars = [adafactor_schedule(steps[i], **schedule) for i in fast]
     pick = lambda seq, idx: [seq[i] for i in idx]  # noqa: E731
     if backend == "triton":

@@ -61,6 +61,18 @@ def adamw_(
         param.copy_(p)
 
 
+def adafactor_schedule(
+    step: int, *, lr: float | None, decay_rate: float, relative_step: bool, warmup_init: bool
+) -> tuple[float, float]:
+    """``(rho_t, beta2_t)`` of step ``step`` (1-based), in double as transformers forms them."""
+    if relative_step:
+        rho = min(1e-6 * step if warmup_init else 1e-2, 1.0 / math.sqrt(step))
+    else:
+        assert lr is not None
+        rho = lr
+    return rho, 1.0 - math.pow(step, decay_rate)
+
+
 def adafactor_(
     param: Tensor,
     grad: Tensor,
@@ -99,18 +111,15 @@ def adafactor_(
     p = param.to(ct) if low_precision else param
     g = grad.to(ct)
 
-    if relative_step:
-        rho = min(1e-6 * step if warmup_init else 1e-2, 1.0 / math.sqrt(step))
-    else:
-        assert lr is not None
-        rho = lr
+    rho, beta2t = adafactor_schedule(
+        step, lr=lr, decay_rate=decay_rate, relative_step=relative_step, warmup_init=warmup_init
+    )
     # max(eps2, RMS) * rho as a 0-d tensor on the param's device (no host sync); the floor
     # eps2 * rho is formed in double and rounded once, as transformers' python float is.
     step_size: float | Tensor = (
         _root_mean_square(p).mul_(rho).clamp_(min=eps2 * rho) if scale_parameter else rho
     )
 
-    beta2t = 1.0 - math.pow(step, decay_rate)
     update = g.square().add_(eps1)
     if exp_avg_sq_row is not None and exp_avg_sq_col is not None:
         exp_avg_sq_row.mul_(beta2t).add_(update.mean(dim=-1), alpha=1.0 - beta2t)
