@@ -21,6 +21,11 @@ class OptimizerCase:
     invalid: list[dict[str, Any]] = field(default_factory=list)
     # Keyword for the learning rate (None: the optimizer has no plain lr to set to 1e-30).
     lr_key: str | None = "lr"
+    # Complex params: True if stepped as torch does (on the real view), False if the
+    # constructor (and add_param_group, estimate) must raise a ValueError naming the param.
+    supports_complex: bool = False
+    # Backends the generic suite runs (triton runs under TRITON_INTERPRET=1 when installed).
+    backends: tuple[str, ...] = ("reference", "cpu", "triton")
 
     def __str__(self) -> str:  # pytest ids
         return self.name
@@ -64,7 +69,7 @@ LOWBIT_INVALID = ADAM_INVALID + [
 ]
 
 OPTIMIZERS: list[OptimizerCase] = [
-    OptimizerCase("adamw", leanopt.AdamW, {"lr": 1e-2}, ADAM_INVALID),
+    OptimizerCase("adamw", leanopt.AdamW, {"lr": 1e-2}, ADAM_INVALID, supports_complex=True),
     # The generic model's first weight (8192 elements) is quantized, the rest keep fp32 states.
     OptimizerCase("adamw8bit", leanopt.AdamW8bit, {"lr": 1e-2}, LOWBIT_INVALID),
     OptimizerCase("adamw4bit", leanopt.AdamW4bit, {"lr": 1e-2}, LOWBIT_INVALID),

@@ -180,3 +180,42 @@ def test_example_script_runs_the_lesson_scenario_on_a_tiny_model(capsys) -> None
     results = example.main(["--tiny", "--steps", "3", "--optimizer", NAMES[-1]])
     assert results[NAMES[-1]]["state_bytes"] == results[NAMES[-1]]["estimate_bytes"]
     assert "Number of model parameters: 81,602" in capsys.readouterr().out
+
+
+def test_default_adafactor_trains_under_trainers_scheduler_and_says_the_schedule_is_ignored(tmp_path) -> None:
+    # The README's pairing: Trainer(optimizers=(leanopt.Adafactor(params), None)). Trainer's
+    # default linear schedule scales each group's lr; a relative-step Adafactor reports its
+    # step size there (it used to be None: TypeError) and warns once that the schedule is ignored.
+    model = tiny_distilbert()
+    opt = leanopt.Adafactor(model.parameters())
+    assert opt.param_groups[0]["lr"] == 1e-2  # rho_1 = min(1e-2, 1/sqrt(1))
+    trainer = transformers.Trainer(
+        model=model, args=training_args(tmp_path), train_dataset=TokenDataset(), optimizers=(opt, None)
+    )
+    with pytest.warns(UserWarning, match="relative_step=True.*ignored"):
+        result = trainer.train()
+    assert trainer.state.global_step == 8 and state_steps(opt) == {8}
+    assert torch.isfinite(torch.tensor(result.training_loss))
+
+
+@pytest.mark.parametrize(
+    "make_scheduler",
+    [
+        lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+        lambda opt: torch.optim.lr_scheduler.ConstantLR(opt, factor=1.0),
+    ],
+    ids=["lambda-constant", "constant"],
+)
+def test_default_adafactor_under_a_constant_scheduler_reports_its_step_size(make_scheduler, recwarn) -> None:
+    model = tiny_distilbert()
+    opt = leanopt.Adafactor(model.parameters(), warmup_init=True)
+    scheduler = make_scheduler(opt)
+    x = torch.randint(1, 128, (4, 16))
+    for t in range(1, 4):
+        model(input_ids=x, labels=torch.zeros(4, dtype=torch.long)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        # The step size transformers' AdafactorSchedule would report: min(1e-6 t, 1/sqrt(t)).
+        assert opt.param_groups[0]["lr"] == pytest.approx(1e-6 * t, rel=1e-12)
+        scheduler.step()
+    assert not [w for w in recwarn if "relative_step" in str(w.message)]

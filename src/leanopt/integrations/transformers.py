@@ -41,8 +41,9 @@ def optimizer_cls_and_kwargs(name: str | type, args: Any = None, **kwargs: Any) 
         **kwargs: override or extend the above.
 
     Adafactor gets ``relative_step=False, scale_parameter=False`` (what Trainer does for
-    ``optim="adafactor"``): Trainer's learning-rate scheduler multiplies each group's ``lr``, which
-    a relative-step Adafactor doesn't have. Without ``args`` and ``lr`` it raises, for that reason.
+    ``optim="adafactor"``): Trainer's learning-rate scheduler then scales its ``lr``. (A
+    relative-step Adafactor runs under Trainer too, but sets its own step size and warns that
+    the schedule is ignored.) Without ``args`` and ``lr`` it raises, for that reason.
 
     >>> from leanopt.integrations.transformers import optimizer_cls_and_kwargs
     >>> optimizer_cls_and_kwargs("adamw", lr=3e-4)

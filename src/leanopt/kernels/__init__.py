@@ -7,8 +7,12 @@ runnable on the CPU under ``TRITON_INTERPRET=1``, which is how CI tests them).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -46,8 +50,68 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+@contextlib.contextmanager
+def row_major(lists: Sequence[Sequence[Any] | None], read_only: Sequence[int] = ()) -> Iterator[list[Any]]:
+    """``lists`` with every non-contiguous tensor replaced by a contiguous copy, written back after.
+
+    The fast kernels walk flat memory: on a view, a transposed weight or a channels_last param
+    that would pair the wrong elements and write outside the param. Copies keep each kernel's
+    maths as it is, at the cost of one extra pass over the (rare) strided tensors; lists at
+    ``read_only`` positions (gradients) are copied but not written back.
+    """
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    out: list[Any] = []
+    for k, seq in enumerate(lists):
+        if seq is None:
+            out.append(None)
+            continue
+        new = []
+        for t in seq:
+            if isinstance(t, torch.Tensor) and not t.is_contiguous():
+                c = t.contiguous()
+                if k not in read_only:
+                    copies.append((t, c))
+                t = c
+            new.append(t)
+        out.append(new)
+    yield out
+    for t, c in copies:
+        t.copy_(c)
+
+
+def eager(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``fn`` (an optimizer's ``step``) eagerly when called from a ``torch.compile``'d region.
+
+    ``torch.compile(opt.step)`` and compiled training steps that call ``opt.step()`` then
+    graph-break around the step, which runs leanopt's own fused kernels (Triton, torch's fused
+    CPU AdamW, graphs leanopt compiles itself). Tracing them gains nothing and breaks:
+    ``_fused_adamw_`` fails functionalization, a nested compile cannot be traced, Inductor
+    miscompiled Adafactor's ``x.mul_(b).add_(y, alpha=(1-b)/m)`` once ``b`` became a dynamic
+    float (the update drifted from 6 % to 55 % off in six steps, silently), and tracing the
+    lazily created per-param state recompiles once per param. The caller's forward and
+    backward are compiled as usual.
+    """
+    disabled = torch.compiler.disable(fn, recursive=True)
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return disabled(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return run
+
+
 def adamw(backend: str, tables, key: str, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_tensors, **hp) -> None:
     """AdamW on lists of tensors of one device; ``step_tensors`` already hold the new step."""
+    if backend != "reference":
+        with row_major([params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs], read_only=(1,)) as lists:
+            _adamw(backend, tables, key, *lists, step_tensors, **hp)
+    else:
+        _adamw(backend, tables, key, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_tensors, **hp)
+
+
+def _adamw(backend: str, tables, key: str, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_tensors, **hp) -> None:
     if backend == "triton":
         from leanopt.kernels import triton_adamw
 
@@ -74,6 +138,16 @@ def adafactor(
     row/column pair of a < 2-D param, ``exp_avg_sq`` of a factored one). The fast backends take
     plain (not DTensor), contiguous, non-empty tensors; the rest runs the reference.
     """
+    if backend != "reference":
+        with row_major([params, grads, exp_avgs, exp_avg_sq_rows, exp_avg_sq_cols, exp_avg_sqs], read_only=(1,)) as lists:
+            _adafactor(backend, tables, key, *lists, step_tensors, **hp)
+    else:
+        _adafactor(backend, tables, key, params, grads, exp_avgs, exp_avg_sq_rows, exp_avg_sq_cols, exp_avg_sqs, step_tensors, **hp)
+
+
+def _adafactor(
+    backend: str, tables, key: str, params, grads, exp_avgs, exp_avg_sq_rows, exp_avg_sq_cols, exp_avg_sqs, step_tensors, **hp
+) -> None:
     from leanopt.kernels import reference
 
     steps = [int(s.item()) for s in step_tensors]  # host tensors: no device sync
@@ -140,6 +214,14 @@ def _quantized_kernel_takes(m, v, p: torch.Tensor) -> bool:
 
 def adamw_quantized(backend: str, tables, key: str, params, grads, exp_avgs, exp_avg_sqs, step_tensors, **hp) -> None:
     """AdamW8bit/AdamW4bit's rule on lists of one device; moments are QuantizedStates or dense."""
+    if backend != "reference":
+        with row_major([params, grads, exp_avgs, exp_avg_sqs], read_only=(1,)) as lists:
+            _adamw_quantized(backend, tables, key, *lists, step_tensors, **hp)
+    else:
+        _adamw_quantized(backend, tables, key, params, grads, exp_avgs, exp_avg_sqs, step_tensors, **hp)
+
+
+def _adamw_quantized(backend: str, tables, key: str, params, grads, exp_avgs, exp_avg_sqs, step_tensors, **hp) -> None:
     from leanopt.kernels import reference
 
     steps = [int(s.item()) for s in step_tensors]  # host tensors: no device sync

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -9,7 +10,8 @@ import torch
 
 from leanopt import kernels
 from leanopt.optim.adamw import state_dtype
-from leanopt.optim.base import LeanOptimizer, check_beta, check_nonnegative
+from leanopt.kernels.reference import adafactor_schedule
+from leanopt.optim.base import LeanOptimizer, as_float, check_beta, check_flag, check_nonnegative
 from leanopt.optim.sharding import is_dtensor, shardable, update_whole
 from leanopt.optim.layout import StateSpec
 
@@ -53,10 +55,21 @@ class Adafactor(LeanOptimizer):
     ``state_dict``/``load_state_dict`` (transformers' load casts it to the param dtype). A
     transformers Adafactor ``state_dict`` (int ``step``, an ``RMS`` entry) loads and continues.
 
+    **Learning-rate schedulers.** With ``relative_step=True`` (the default) the step size
+    :math:`\rho_t` is its own schedule, and each param group's ``lr`` *reports* it: ``rho_1``
+    after construction, the ``rho_t`` of the latest step after each step (what transformers'
+    ``AdafactorSchedule`` reports). So LR schedulers and ``Trainer(optimizers=(opt, None))``
+    run, but they do not change the step: a constant schedule (``LambdaLR(opt, lambda s: 1)``,
+    ``ConstantLR(factor=1)``, Trainer's ``lr_scheduler_type="constant"``) is the one that
+    makes sense, and one that writes any other lr into a group (Trainer's default linear
+    decay, warm-up, cosine) gets a one-time ``UserWarning`` that it is ignored. To schedule
+    Adafactor, use ``relative_step=False, lr=...`` (with ``scale_parameter=False`` for a plain
+    step size, as Trainer's ``optim="adafactor"`` does): then every torch scheduler applies.
+
     Args:
         params: parameters or param groups.
         lr: external learning rate; must be ``None`` with ``relative_step`` and set without it
-            (default None).
+            (default None). A number or a one-element tensor.
         eps: ``(eps1, eps2)``: added to the squared gradient, and the floor of the parameter
             scale (default (1e-30, 1e-3)).
         clip_threshold: the RMS the normalized update is clipped to (default 1.0; must be > 0).
@@ -113,15 +126,37 @@ class Adafactor(LeanOptimizer):
             warmup_init=warmup_init,
         )
         validate_adafactor_hparams(defaults)
+        self._reported: dict[int, float] = {}  # the lr each relative-step group last reported
+        self._warned_lr_ignored = False
         super().__init__(params, defaults, backend=backend)
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_reported", {})
+        self.__dict__.setdefault("_warned_lr_ignored", False)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        for gi, group in enumerate(self.param_groups):
+            if group["relative_step"]:
+                if group["lr"] is None:  # a transformers checkpoint: report the step size to come
+                    steps = [int(self.state[p]["step"]) for p in group["params"] if p in self.state]
+                    group["lr"] = _relative_step_size(group, max(steps, default=0) + 1)
+                self._reported[gi] = group["lr"]
+
+    def validate_group(self, group: Mapping[str, Any], *, loaded: bool = False) -> None:
+        # A loaded group with relative_step holds the step size it last reported as its lr.
+        validate_adafactor_hparams(group, reported_lr=loaded)
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        # lr/relative_step/warmup_init constrain each other: check the group as it will run.
-        merged = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
-        validate_adafactor_hparams(merged)
         if isinstance(param_group.get("eps"), list):
             param_group = {**param_group, "eps": tuple(param_group["eps"])}
         super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if group["relative_step"]:
+            # Schedulers and Trainer read (and scale) each group's lr: report the relative
+            # step size of the first step here, the latest one after each step.
+            group["lr"] = self._reported[len(self.param_groups) - 1] = _relative_step_size(group, 1)
 
     def state_layout(self, shape: tuple[int, ...], dtype: torch.dtype, group: Mapping[str, Any]) -> list[StateSpec]:
         sd = state_dtype(dtype)
@@ -136,10 +171,14 @@ class Adafactor(LeanOptimizer):
             specs.append(StateSpec("exp_avg_sq", shape, sd))
         return specs
 
+    @kernels.eager
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = self._closure_loss(closure)
+        self._check_grads()
         for gi, group in enumerate(self.param_groups):
+            if group["relative_step"]:
+                self._check_lr_untouched(gi, group)
             stepped = []
             for p in self._stepped_params(group):
                 if is_dtensor(p) and not shardable(p):
@@ -150,7 +189,24 @@ class Adafactor(LeanOptimizer):
                     stepped.append(p)
             for (backend, _), params in self._by_backend(stepped).items():
                 self._update(backend, gi, group, params, [p.grad for p in params], [self.state[p] for p in params])
+            if group["relative_step"] and stepped:
+                latest = max(int(self.state[p]["step"]) for p in stepped)
+                group["lr"] = self._reported[gi] = _relative_step_size(group, latest)
         return loss
+
+    def _check_lr_untouched(self, gi: int, group: Mapping[str, Any]) -> None:
+        lr = group["lr"]
+        # A constant schedule (LambdaLR returning 1) writes back the lr it started from: no news.
+        if self._warned_lr_ignored or gi not in self._reported or lr in (self._reported[gi], group.get("initial_lr")):
+            return
+        self._warned_lr_ignored = True
+        warnings.warn(
+            f"leanopt.Adafactor(relative_step=True) sets its own step size; the lr {lr!r} written into "
+            f"param group {gi} (by an LR scheduler or by hand) is ignored. To schedule the learning rate, "
+            "use relative_step=False with lr=... (and scale_parameter=False for a plain step size).",
+            UserWarning,
+            stacklevel=3,
+        )
 
     def _update(self, backend: str, gi: int, group: Mapping[str, Any], params, grads, states) -> None:
         eps1, eps2 = group["eps"]
@@ -165,7 +221,7 @@ class Adafactor(LeanOptimizer):
             [s.get("exp_avg_sq_col") for s in states],
             [s.get("exp_avg_sq") for s in states],
             [s["step"] for s in states],
-            lr=group["lr"],
+            lr=None if group["relative_step"] else as_float(group["lr"]),
             eps1=eps1,
             eps2=eps2,
             clip_threshold=group["clip_threshold"],
@@ -178,10 +234,24 @@ class Adafactor(LeanOptimizer):
         )
 
 
-def validate_adafactor_hparams(group: Mapping[str, Any]) -> None:
-    """Raise ``ValueError`` for a group Adafactor cannot run (transformers' two checks first)."""
+def _relative_step_size(group: Mapping[str, Any], step: int) -> float:
+    """``rho_t`` of ``step`` in a ``relative_step`` group: the lr such a group reports."""
+    rho, _ = adafactor_schedule(
+        max(step, 1), lr=None, decay_rate=group["decay_rate"], relative_step=True, warmup_init=group["warmup_init"]
+    )
+    return rho
+
+
+def validate_adafactor_hparams(group: Mapping[str, Any], *, reported_lr: bool = False) -> None:
+    """Raise ``ValueError`` for a group Adafactor cannot run (transformers' two checks first).
+
+    ``reported_lr``: with ``relative_step`` the group's ``lr`` may hold the step size the
+    optimizer reported (a loaded group); it is checked as a number, not refused.
+    """
     lr, relative_step = group["lr"], group["relative_step"]
-    if lr is not None and relative_step:
+    for flag in ("relative_step", "warmup_init", "scale_parameter"):
+        check_flag(flag, group[flag])
+    if lr is not None and relative_step and not reported_lr:
         raise ValueError("Cannot combine manual `lr` and `relative_step=True` options")
     if group["warmup_init"] and not relative_step:
         raise ValueError("`warmup_init=True` requires `relative_step=True`")

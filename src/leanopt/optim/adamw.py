@@ -9,13 +9,21 @@ import torch
 
 from leanopt import kernels
 from leanopt.optim.sharding import local
-from leanopt.optim.base import LeanOptimizer, check_beta, check_nonnegative
+from leanopt.optim.base import LeanOptimizer, as_float, check_beta, check_flag, check_nonnegative
 from leanopt.optim.layout import StateSpec
 
 
 def state_dtype(param_dtype: torch.dtype) -> torch.dtype:
-    """fp64 params keep fp64 state; every other float dtype keeps fp32 state."""
+    """fp64 params keep fp64 state, complex params complex state (of their real view's
+    precision, at least fp32); every other float dtype keeps fp32 state."""
+    if param_dtype.is_complex:
+        return torch.complex128 if param_dtype == torch.complex128 else torch.complex64
     return torch.float64 if param_dtype == torch.float64 else torch.float32
+
+
+def real_view(t: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as the real tensor of its (real, imaginary) pairs; others as they are."""
+    return torch.view_as_real(t) if t.is_complex() else t
 
 
 class AdamW(LeanOptimizer):
@@ -35,7 +43,8 @@ class AdamW(LeanOptimizer):
     with ``amsgrad``, ``max_exp_avg_sq``. For fp32/fp64 params the states have the param's dtype
     and results equal torch's to rounding. For bf16/fp16 params the states are fp32 and the
     update is computed in fp32 (torch would keep bf16 states); they stay fp32 through
-    ``state_dict``/``load_state_dict``.
+    ``state_dict``/``load_state_dict``. Complex params are updated on their real view, as
+    torch does (complex states of the param's shape). ``lr`` may be a one-element tensor.
 
     Args:
         params: parameters or param groups.
@@ -58,6 +67,9 @@ class AdamW(LeanOptimizer):
         ['exp_avg', 'exp_avg_sq', 'step']
     """
 
+    # As torch.optim.AdamW: a complex param and its states are updated as real (re, im) pairs.
+    supports_complex = True
+
     def __init__(
         self,
         params: Iterable[Any],
@@ -74,13 +86,10 @@ class AdamW(LeanOptimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
         super().__init__(params, defaults, backend=backend)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        for key in ("lr", "eps", "weight_decay"):
-            if key in param_group:
-                check_nonnegative(key, param_group[key])
-        if "betas" in param_group:
-            validate_betas(param_group["betas"])
-        super().add_param_group(param_group)
+    def validate_group(self, group: Mapping[str, Any], *, loaded: bool = False) -> None:
+        validate_adam_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        check_flag("amsgrad", group["amsgrad"])
+        check_flag("maximize", group["maximize"])
 
     def state_layout(self, shape: tuple[int, ...], dtype: torch.dtype, group: Mapping[str, Any]) -> list[StateSpec]:
         sd = state_dtype(dtype)
@@ -101,24 +110,27 @@ class AdamW(LeanOptimizer):
             )
         return None
 
+    @kernels.eager
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = self._closure_loss(closure)
+        self._check_grads()
         for gi, group in enumerate(self.param_groups):
             beta1, beta2 = group["betas"]
             for (backend, _), params in self._by_backend(self._stepped_params(group)).items():
+                # Elementwise: a DTensor (FSDP2) param updates its own shard, in any backend.
+                state = lambda key: [real_view(local(self.state[p][key])) for p in params]  # noqa: E731
                 kernels.adamw(
                     backend,
                     self._tables,
                     f"group{gi}",
-                    # Elementwise: a DTensor (FSDP2) param updates its own shard, in any backend.
-                    [local(p) for p in params],
-                    [local(p.grad) for p in params],
-                    [local(self.state[p]["exp_avg"]) for p in params],
-                    [local(self.state[p]["exp_avg_sq"]) for p in params],
-                    [local(self.state[p]["max_exp_avg_sq"]) for p in params] if group["amsgrad"] else None,
+                    [real_view(local(p)) for p in params],
+                    [real_view(local(p.grad)) for p in params],
+                    state("exp_avg"),
+                    state("exp_avg_sq"),
+                    state("max_exp_avg_sq") if group["amsgrad"] else None,
                     [self.state[p]["step"] for p in params],
-                    lr=group["lr"],
+                    lr=as_float(group["lr"]),
                     beta1=beta1,
                     beta2=beta2,
                     eps=group["eps"],

@@ -14,8 +14,8 @@ import torch
 
 from leanopt.optim.sharding import is_dtensor, local
 from leanopt import kernels
-from leanopt.optim.adamw import state_dtype, validate_adam_hparams, validate_betas
-from leanopt.optim.base import LeanOptimizer, check_nonnegative
+from leanopt.optim.adamw import state_dtype, validate_adam_hparams
+from leanopt.optim.base import LeanOptimizer, as_float, check_flag
 from leanopt.optim.layout import StateSpec
 from leanopt.quant import BlockFormat
 
@@ -79,22 +79,15 @@ class LowBitAdamW(LeanOptimizer):
         )
         super().__init__(params, defaults, backend=backend)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        for key in ("lr", "eps", "weight_decay"):
-            if key in param_group:
-                check_nonnegative(key, param_group[key])
-        if "betas" in param_group:
-            validate_betas(param_group["betas"])
-        _check_amsgrad(type(self).__name__, param_group.get("amsgrad", False))
-        if "block_size" in param_group:
-            _check_block_size(param_group["block_size"])
-        if "min_quant_size" in param_group:
-            _check_min_quant_size(param_group["min_quant_size"])
-        if "quantize" in param_group and not isinstance(param_group["quantize"], bool):
-            raise ValueError(f"quantize must be True or False, got {param_group['quantize']!r}")
-        if param_group.get("state_bits", self.state_bits) != self.state_bits:
+    def validate_group(self, group: Mapping[str, Any], *, loaded: bool = False) -> None:
+        validate_adam_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        check_flag("maximize", group["maximize"])
+        _check_amsgrad(type(self).__name__, group.get("amsgrad", False))
+        _check_block_size(group["block_size"])
+        _check_min_quant_size(group["min_quant_size"])
+        check_flag("quantize", group["quantize"])
+        if group.get("state_bits", self.state_bits) != self.state_bits:
             raise ValueError(f"{type(self).__name__} keeps {self.state_bits}-bit states; state_bits cannot be changed")
-        super().add_param_group(param_group)
 
     # ---- layout ---------------------------------------------------------------------------
     def formats(self, group: Mapping[str, Any]) -> tuple[BlockFormat, BlockFormat]:
@@ -138,9 +131,11 @@ class LowBitAdamW(LeanOptimizer):
         super().load_state_dict(state_dict)
 
     # ---- step -----------------------------------------------------------------------------
+    @kernels.eager
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = self._closure_loss(closure)
+        self._check_grads()
         for gi, group in enumerate(self.param_groups):
             beta1, beta2 = group["betas"]
             # A DTensor (FSDP2) param updates its own shard; its quantized states hold that shard
@@ -159,7 +154,7 @@ class LowBitAdamW(LeanOptimizer):
                     [local(self.state[p]["exp_avg"]) for p in params],
                     [local(self.state[p]["exp_avg_sq"]) for p in params],
                     [self.state[p]["step"] for p in params],
-                    lr=group["lr"],
+                    lr=as_float(group["lr"]),
                     beta1=beta1,
                     beta2=beta2,
                     eps=group["eps"],
@@ -199,11 +194,12 @@ _DOC = r"""AdamW (Loshchilov & Hutter) with {bits}-bit block-quantized moments.
     made from ``p.shape``, the global shape for a DTensor, so it never depends on sharding.
     ``leanopt.estimate`` predicts these bytes exactly from :meth:`state_layout`.
 
-    **NaN/Inf.** A gradient element that is NaN or +-Inf (or so large its square overflows) is
-    skipped for that step -- its param is left unchanged, without weight decay -- and both its
-    moments are reset to 0. It is removed before block scales are computed, so its block
-    neighbours' scale, codes and params are exactly those of a step in which it had no
-    gradient. Params with fp32 states follow the same rule.
+    **NaN/Inf.** A gradient element that is NaN or +-Inf, or so large that its square
+    overflows in the compute dtype (``|g| >= 2^64 ~ 1.845e19`` for fp32/bf16/fp16 params,
+    ``~1.34e154`` for fp64), is skipped for that step -- its param is left unchanged, without
+    weight decay -- and both its moments are reset to 0. It is removed before block scales are
+    computed, so its block neighbours' scale, codes and params are exactly what they would be
+    were it absent from the block (the same as with a NaN gradient there). Params with fp32 states follow the same rule, on every backend.
 
     **Second-moment floor.** ``v`` is kept ``>= m^2 / K_t``, the largest ratio exact Adam
     moments can have, so a second moment that rounds towards 0 can never turn a zero gradient

@@ -9,6 +9,8 @@ quantized forms of the same state key.
 
 from __future__ import annotations
 
+import copy
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -22,22 +24,51 @@ from leanopt.optim.layout import StateSpec
 from leanopt.quant import QuantizedState
 
 
-def check_nonnegative(name: str, value: float) -> None:
+def _number(name: str, value: Any) -> float:
+    """``value`` as a float if it is a real number (or a one-element real floating tensor)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or not value.is_floating_point():
+            raise ValueError(f"Tensor {name} must be a one-element floating tensor, got shape {tuple(value.shape)} {value.dtype}")
+        if value.device.type == "meta":
+            return 0.0  # no value to check: a model being estimated, nothing will step
+        return float(value.item())
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise ValueError(f"{name} must be a number, got {value!r}")
-    if not value >= 0.0:  # also rejects NaN
-        raise ValueError(f"Invalid {name}: {value!r} (must be >= 0)")
+    return float(value)
 
 
-def check_beta(name: str, value: float) -> None:
+def check_nonnegative(name: str, value: Any) -> None:
+    """A finite number >= 0; ``lr`` may also be a one-element tensor (as in torch)."""
+    if isinstance(value, torch.Tensor) and name != "lr":
+        raise ValueError(f"{name} must be a number, got a tensor")
+    number = _number(name, value)
+    if not (number >= 0.0 and math.isfinite(number)):  # also rejects NaN
+        raise ValueError(f"Invalid {name}: {value!r} (must be a finite number >= 0)")
+
+
+def check_beta(name: str, value: Any) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise ValueError(f"{name} must be a number, got {value!r}")
     if not 0.0 <= value < 1.0:
         raise ValueError(f"Invalid {name}: {value!r} (must be in [0, 1))")
 
 
+def check_flag(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+def as_float(value: Any) -> float:
+    """A group's ``lr`` (a number or a one-element tensor) as the float the kernels take."""
+    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+
+
 class LeanOptimizer(torch.optim.Optimizer):
     """Base class of leanopt's optimizers (bookkeeping only; the maths is in ``kernels``)."""
+
+    # Complex params: stepped on their real view (as torch's AdamW does), or refused with a
+    # ValueError when the param group is added (so ``leanopt.estimate`` refuses them too).
+    supports_complex: bool = False
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], *, backend: str = "auto") -> None:
         # The backend is how to compute, not what: it is not a hyper-parameter and is not saved.
@@ -49,6 +80,53 @@ class LeanOptimizer(torch.optim.Optimizer):
         super().__setstate__(state)
         self.__dict__.setdefault("backend", "auto")
         self.__dict__.setdefault("_tables", TableCache())
+
+    # ---- validation -----------------------------------------------------------------------
+    def validate_group(self, group: Mapping[str, Any], *, loaded: bool = False) -> None:
+        """Raise ``ValueError`` if ``group`` (options merged over the defaults) cannot run.
+
+        The one check of a group's options: the constructor, ``add_param_group`` and
+        ``load_state_dict`` (``loaded=True``: a group from a checkpoint) all call it.
+        """
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not isinstance(param_group, Mapping):
+            raise TypeError(f"param group must be a dict, got {type(param_group).__name__}")
+        param_group = dict(param_group)
+        params = param_group.get("params")
+        if isinstance(params, torch.Tensor):
+            param_group["params"] = [params]
+        elif params is not None and not isinstance(params, set):  # torch itself rejects sets
+            param_group["params"] = list(params)  # a generator is consumed once, here
+        if not self.supports_complex:
+            for i, item in enumerate(param_group.get("params") or []):
+                p = item[1] if isinstance(item, tuple) and len(item) == 2 else item
+                if isinstance(p, torch.Tensor) and p.is_complex():
+                    name = f" {item[0]!r}" if isinstance(item, tuple) else ""
+                    raise ValueError(
+                        f"{type(self).__name__} does not support complex params: param {i}{name} of group "
+                        f"{len(self.param_groups)} is {p.dtype} (use leanopt.AdamW, or optimize torch.view_as_real(p))"
+                    )
+        self.validate_group({**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}})
+        super().add_param_group(param_group)
+
+    def _check_grads(self) -> None:
+        """Refuse gradients no backend can apply, before any param or state is changed."""
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                g = p.grad
+                if g is None:
+                    continue
+                if g.is_sparse or g.layout != torch.strided:
+                    raise RuntimeError(
+                        f"leanopt.{type(self).__name__} does not support sparse gradients "
+                        f"(param {pi} of group {gi} has a {g.layout} gradient)"
+                    )
+                if g.shape != p.shape:
+                    raise ValueError(
+                        f"{type(self).__name__}: param {pi} of group {gi} has shape {tuple(p.shape)} but its "
+                        f"gradient has shape {tuple(g.shape)}"
+                    )
 
     def _backend_for(self, p: torch.Tensor) -> str:
         """Which backend runs ``p``'s update (dtypes a backend lacks fall back to the reference)."""
@@ -82,8 +160,6 @@ class LeanOptimizer(torch.optim.Optimizer):
         for p in group["params"]:
             if p.grad is None:
                 continue
-            if p.grad.is_sparse:
-                raise RuntimeError(f"leanopt.{type(self).__name__} does not support sparse gradients")
             self._init_state(p, group)["step"] += 1
             out.append(p)
         return out
@@ -107,17 +183,19 @@ class LeanOptimizer(torch.optim.Optimizer):
     # ---- save / load --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
-        # A sharded (DTensor) param's quantized shards are saved as a DTensor, for DCP to reshard.
         params = [p for g in self.param_groups for p in g["params"]]
-        sd["state"] = {
-            pid: {k: checkpoint_value(v, params[pid]) for k, v in st.items()} if is_dtensor(params[pid]) else st
-            for pid, st in sd["state"].items()
-        }
-        # Quantized entries become plain dicts of tensors/ints/strings: weights_only-safe.
-        sd["state"] = {
-            pid: {k: (v.to_state_dict() if isinstance(v, QuantizedState) else v) for k, v in st.items()}
-            for pid, st in sd["state"].items()
-        }
+
+        def saved(pid: Any, st: Any) -> Any:
+            # Entries under other keys (a hook may add one, as torch allows) are saved as they are.
+            if not (isinstance(pid, int) and 0 <= pid < len(params) and isinstance(st, Mapping)):
+                return st
+            if is_dtensor(params[pid]):
+                # A sharded (DTensor) param's quantized shards are saved as a DTensor, for DCP to reshard.
+                st = {k: checkpoint_value(v, params[pid]) for k, v in st.items()}
+            # Quantized entries become plain dicts of tensors/ints/strings: weights_only-safe.
+            return {k: (v.to_state_dict() if isinstance(v, QuantizedState) else v) for k, v in st.items()}
+
+        sd["state"] = {pid: saved(pid, st) for pid, st in sd["state"].items()}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -133,17 +211,32 @@ class LeanOptimizer(torch.optim.Optimizer):
                 f"{type(self).__name__}.load_state_dict: expected a dict with 'state' and "
                 "'param_groups' (an optimizer state_dict)"
             )
+        cls = type(self).__name__
         saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
+        if not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(self.param_groups):
+            count = len(saved_groups) if isinstance(saved_groups, (list, tuple)) else type(saved_groups).__name__
             raise ValueError(
-                f"{type(self).__name__}.load_state_dict: the state_dict has {len(saved_groups)} "
-                f"param groups, the optimizer has {len(self.param_groups)}"
+                f"{cls}.load_state_dict: the state_dict has {count} param groups, the optimizer has "
+                f"{len(self.param_groups)}"
             )
+        # Options a checkpoint lacks (saved before they existed) take the constructor's values,
+        # as torch's optimizers do; every group is then checked as the constructor checks it.
+        filled_groups = []
+        for gi, saved in enumerate(saved_groups):
+            if not isinstance(saved, Mapping) or not isinstance(saved.get("params"), (list, tuple)):
+                raise ValueError(f"{cls}.load_state_dict: param group {gi} is not a dict with a 'params' list")
+            filled = {**{k: v for k, v in self.defaults.items() if k not in saved}, **saved}
+            try:
+                self.validate_group(filled, loaded=True)
+            except ValueError as err:
+                raise ValueError(f"{cls}.load_state_dict: param group {gi}: {err}") from None
+            filled_groups.append(filled)
+        saved_groups = filled_groups
         id_to_param: dict[Any, tuple[torch.Tensor, dict[str, Any], str]] = {}
         for gi, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError(
-                    f"{type(self).__name__}.load_state_dict: param group {gi} has "
+                    f"{cls}.load_state_dict: param group {gi} has "
                     f"{len(saved['params'])} params in the state_dict, {len(group['params'])} "
                     "in the optimizer"
                 )
@@ -155,10 +248,15 @@ class LeanOptimizer(torch.optim.Optimizer):
                 id_to_param[pid] = (p, group, label)
 
         # Validate and convert everything first, so that a bad state_dict changes nothing.
-        converted: dict[torch.Tensor, dict[str, Any]] = {}
+        converted: dict[Any, Any] = {}
+        if not isinstance(state_dict["state"], Mapping):
+            raise ValueError(f"{cls}.load_state_dict: 'state' is a {type(state_dict['state']).__name__}, expected a dict")
         for pid, saved_state in state_dict["state"].items():
             if pid not in id_to_param:
-                raise ValueError(f"{type(self).__name__}.load_state_dict: state for unknown param id {pid!r}")
+                if isinstance(pid, int):
+                    raise ValueError(f"{cls}.load_state_dict: state for unknown param id {pid!r}")
+                converted[pid] = copy.deepcopy(saved_state)  # a hook's own entry: kept, as torch does
+                continue
             p, group, label = id_to_param[pid]
             converted[p] = self._convert_loaded_state(p, _merged_group(group, saved_groups, pid), saved_state, label)
 
@@ -192,6 +290,8 @@ class LeanOptimizer(torch.optim.Optimizer):
                 out[spec.key] = alt
                 continue
             where = f"{cls}.load_state_dict: {spec.key!r} of {label}"
+            if spec.key == "step":
+                _check_step(saved["step"], where)
             convert = load_value if is_dtensor(p) else _convert_entry
             out[spec.key] = convert(spec, saved[spec.key], p, where)
         return out
@@ -234,6 +334,21 @@ def _convert_entry(spec: StateSpec, value: Any, p: torch.Tensor, where: str) -> 
     if spec.quant is not None:
         return spec.quant.from_dense(value.to(device=p.device, dtype=torch.float32))
     device = torch.device("cpu") if spec.host else p.device
-    if value.is_floating_point() or spec.dtype.is_floating_point:
-        return value.to(device=device, dtype=spec.dtype, copy=True)
-    return value.to(device=device, copy=True)
+    # A fresh contiguous tensor: states are kept in the param's logical (row-major) element
+    # order whatever the saved strides (a channels_last param's state saved by torch).
+    dtype = spec.dtype if (value.is_floating_point() or value.is_complex() or spec.dtype.is_floating_point) else value.dtype
+    return torch.empty(value.shape, dtype=dtype, device=device).copy_(value)
+
+
+def _check_step(value: Any, where: str) -> None:
+    """A step count: a finite, whole number >= 0 (a number or a one-element tensor)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex():
+            raise ValueError(f"{where} must be a one-element tensor, got shape {tuple(value.shape)}")
+        number = float(value.item())
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    else:
+        raise ValueError(f"{where} is a {type(value).__name__}, expected a step count")
+    if not (math.isfinite(number) and number >= 0 and number == int(number)):
+        raise ValueError(f"{where} is {number!r}, expected a whole number >= 0")
