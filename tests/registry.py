@@ -65,6 +65,7 @@ LOWBIT_INVALID = ADAM_INVALID + [
     {"amsgrad": True},
     {"block_size": 0},
     {"block_size": 1.5},
+    {"block_size": 2**20},  # past leanopt.quant.formats.MAX_BLOCK_SIZE
     {"min_quant_size": -1},
 ]
 

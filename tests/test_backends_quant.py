@@ -116,3 +116,130 @@ def test_nan_gradient_element_is_skipped_in_fused_paths(backend: str) -> None:
     m = opt.state[w]["exp_avg"].dequantize()
     assert m[7] == 0 and m[300] == 0 and torch.isfinite(m).all()
     assert torch.isfinite(opt.state[w]["exp_avg"].absmax).all()
+
+
+# ---- gradients whose square overflows (issue #9) -----------------------------------------------
+# In the compute dtype (fp32 here) g * g overflows from |g| = 2^64 ~ 1.8447e19 (sqrt(finfo.max)):
+# such an element is skipped exactly as a NaN one, although (1 - b2) * g * g alone would not
+# overflow below ~5.8e20. Positions: one per block for both block sizes (256 and 128); 1.85e19
+# rounds to 2^64 in bf16, 1.84e19 to 2^64 - 2^56.
+HUGE = {300: 3e19, 1000: 5e19, 2100: 1e20, 3500: -3e19, 3900: 1.85e19}
+HUGE_SMALL = {10: 3e19, 50: 5e19, 100: 1e20, 150: -3e19, 250: 1.85e19}
+BELOW = {3000: 1e19, 3700: 1.84e19}  # squares stay finite: a normal update
+BELOW_SMALL = {200: 1e19, 280: -1.84e19}
+
+
+def _run_with_big_gradients(cls, backend: str, dtype: torch.dtype, replace_with_nan: bool):
+    gen = torch.Generator().manual_seed(1)
+    big = torch.randn(4096, generator=gen).to(dtype).requires_grad_()  # quantized (min_quant_size 4096)
+    small = torch.randn(300, generator=gen).to(dtype).requires_grad_()  # fp32 states
+    opt = cls([big, small], lr=1e-2, weight_decay=0.1, backend=backend)
+    history = []
+    for step in range(5):
+        for p, huge, below in ((big, HUGE, BELOW), (small, HUGE_SMALL, BELOW_SMALL)):
+            g = torch.randn(p.shape, generator=gen)
+            if step == 3:
+                for i, x in huge.items():
+                    g[i] = float("nan") if replace_with_nan else x
+                for i, x in below.items():
+                    g[i] = x
+            p.grad = g.to(dtype)
+        before = [big.detach().clone(), small.detach().clone()]
+        opt.step()
+        history.append((before, [big.detach().clone(), small.detach().clone()], _snapshot(opt, (big, small))))
+    return big, small, opt, history
+
+
+def _snapshot(opt, params) -> list[torch.Tensor]:
+    """Copies of every state tensor of ``params``: codes and scales, or the dense moments."""
+    out = []
+    for p in params:
+        for key in ("exp_avg", "exp_avg_sq"):
+            st = opt.state[p][key]
+            out += [st.codes.clone(), st.absmax.clone()] if isinstance(st, QuantizedState) else [st.clone()]
+    return out
+
+
+def _states_equal(a, b) -> bool:
+    if isinstance(a, QuantizedState):
+        return torch.equal(a.codes, b.codes) and torch.equal(a.absmax, b.absmax)
+    return torch.equal(a, b)
+
+
+@pytest.mark.parametrize("cls", [leanopt.AdamW8bit, leanopt.AdamW4bit], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("backend", ["reference"] + BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gradient_whose_square_overflows_is_skipped_like_nan(cls, backend: str, dtype: torch.dtype) -> None:
+    huge_big, huge_small, huge_opt, history = _run_with_big_gradients(cls, backend, dtype, replace_with_nan=False)
+    nan_big, nan_small, nan_opt, nan_history = _run_with_big_gradients(cls, backend, dtype, replace_with_nan=True)
+    assert isinstance(huge_opt.state[huge_big]["exp_avg"], QuantizedState)
+    assert isinstance(huge_opt.state[huge_small]["exp_avg"], torch.Tensor)
+    # Bit for bit the run in which those elements were NaN: params, codes, block scales and
+    # dense states, right after that step and after one more ordinary step.
+    for ours, twin in zip(history[3][1] + history[3][2], nan_history[3][1] + nan_history[3][2]):
+        assert torch.equal(ours, twin)
+    for ours, twin in ((huge_big, nan_big), (huge_small, nan_small)):
+        assert torch.equal(ours, twin)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert _states_equal(huge_opt.state[ours][key], nan_opt.state[twin][key]), key
+    # The skipped elements kept their param on that step; those just below the threshold moved.
+    before, after, _ = history[3]
+    for k, (huge, below) in enumerate(((HUGE, BELOW), (HUGE_SMALL, BELOW_SMALL))):
+        for i in huge:
+            assert after[k][i] == before[k][i], (k, i)
+        for i in below:
+            assert after[k][i] != before[k][i], (k, i)
+
+
+@pytest.mark.parametrize("cls", [leanopt.AdamW8bit, leanopt.AdamW4bit], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("backend", ["reference"] + BACKENDS)
+def test_overflowing_gradient_resets_moments_on_that_step(cls, backend: str) -> None:
+    gen = torch.Generator().manual_seed(2)
+    big = torch.randn(4096, generator=gen).requires_grad_()
+    small = torch.randn(300, generator=gen).requires_grad_()
+    opt = cls([big, small], lr=1e-2, backend=backend)
+    for step in range(3):
+        big.grad = torch.randn(4096, generator=gen)
+        small.grad = torch.randn(300, generator=gen)
+        if step == 2:
+            for i, x in HUGE.items():
+                big.grad[i] = x
+            for i, x in HUGE_SMALL.items():
+                small.grad[i] = x
+        opt.step()
+    m, v = opt.state[big]["exp_avg"], opt.state[big]["exp_avg_sq"]
+    v_codes = v.format._unpack(v.codes, v.numel)
+    for i in HUGE:
+        assert m.dequantize()[i] == 0
+        assert v_codes[i] == v.format.book("cpu").zero_index  # the code nearest 0
+    for i in HUGE_SMALL:
+        assert opt.state[small]["exp_avg"][i] == 0 and opt.state[small]["exp_avg_sq"][i] == 0
+    # The scales of the blocks holding them are set by the ordinary gradients around them.
+    assert m.absmax.max() < 10 and v.absmax.max() < 10
+
+
+def test_fp64_params_skip_above_the_fp64_threshold() -> None:
+    # fp64 params compute in fp64: 3e19 squares to a finite value there, 1e155 does not.
+    def run(bad: float) -> tuple[tuple[torch.Tensor, torch.Tensor], leanopt.AdamW8bit]:
+        gen = torch.Generator().manual_seed(3)
+        big = torch.randn(4096, generator=gen, dtype=torch.float64).requires_grad_()
+        small = torch.randn(300, generator=gen, dtype=torch.float64).requires_grad_()
+        opt = leanopt.AdamW8bit([big, small], lr=1e-2, backend="reference")
+        for step in range(3):
+            for p in (big, small):
+                p.grad = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+                if step == 2:
+                    p.grad[7] = bad
+                    p.grad[8] = 3e19
+            opt.step()
+        return (big, small), opt
+
+    huge, huge_opt = run(1e155)
+    nan, nan_opt = run(float("nan"))
+    for ours, twin in zip(huge, nan):
+        assert torch.equal(ours, twin)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert _states_equal(huge_opt.state[ours][key], nan_opt.state[twin][key]), key
+        m = huge_opt.state[ours]["exp_avg"]
+        m = m.dequantize() if isinstance(m, QuantizedState) else m
+        assert m[8] != 0 and m[7] == 0  # 3e19 kept, 1e155 skipped

@@ -238,3 +238,18 @@ def test_load_state_dict_hooks_see_the_full_state(case: OptimizerCase) -> None:
     twin.load_state_dict(sd)
     n = len(list(model.parameters()))
     assert seen == [("pre", n), ("post", n)]
+
+
+@cases
+def test_steps_on_the_meta_device_and_allocates_what_estimate_says(case: OptimizerCase) -> None:
+    # Shape-only runs (models built on "meta" to size them) step without reading values:
+    # AdamW8bit's reference path used to call Tensor.item() there.
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 3))
+    opt = case.cls(model.parameters(), **case.kwargs)
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad = torch.empty_like(p)
+        opt.step()
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert leanopt.measure(opt).bytes == leanopt.estimate(model, case.cls, **case.kwargs).bytes

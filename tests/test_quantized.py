@@ -441,3 +441,42 @@ def test_low_bit_classes_share_one_implementation() -> None:
         assert issubclass(cls, LowBitAdamW)
         # (torch wraps ``step`` on the class at first use, so read the class body instead.)
         assert "def " not in inspect.getsource(cls)
+
+
+# ---- hostile checkpoints (issue #9, item 7) -----------------------------------------------------
+def test_block_size_read_from_a_file_is_bounded() -> None:
+    # A 2.9 KB file once named "b134217728": decoding padded every state to 134M floats.
+    for name in ("pow3-s8/b134217728", "pow3-s8/b65537", "pow3-s8/b" + "9" * 5000, "pow3-s8/b²"):
+        with pytest.raises(ValueError):
+            format_by_name(name)
+    assert format_by_name("pow3-s8/b65536").block_size == 65536
+    sd = {"codes": torch.zeros(4096, dtype=torch.uint8), "absmax": torch.zeros(1),
+          "format": "pow3-s8/b134217728", "shape": [4096]}
+    with pytest.raises(ValueError, match="block"):
+        QuantizedState.from_state_dict(sd)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"shape": [-1, -4096]}, {"shape": [4096.5]}, {"shape": [4096, True]}, {"shape": "4096"},
+     {"absmax": torch.zeros(16, dtype=torch.int64)}, {"codes": torch.zeros(4096, dtype=torch.int8)},
+     {"format": 256}],
+    ids=["negative-dims", "float-dim", "bool-dims", "string-shape", "int-absmax", "int8-codes", "format-not-str"],
+)
+def test_quantized_state_dict_fields_are_checked_exactly(change: dict) -> None:
+    sd = BlockFormat("pow3-s8", 256).from_dense(torch.randn(4096)).to_state_dict()
+    with pytest.raises(ValueError):
+        QuantizedState.from_state_dict({**sd, **change})
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_dequantized_tensor_owns_exactly_its_elements(fmt: BlockFormat) -> None:
+    # 33 x 257 is not a whole number of blocks: the padded decode buffer must not leak out
+    # (it made a converted fp32 checkpoint read 8.21 B/param in `leanopt inspect`).
+    x = torch.randn(33, 257)
+    dense = fmt.from_dense(x).dequantize()
+    assert dense.shape == (33, 257) and dense.is_contiguous()
+    assert dense.untyped_storage().nbytes() == 33 * 257 * 4
+    buf = __import__("io").BytesIO()
+    torch.save(dense, buf)
+    assert buf.getbuffer().nbytes < 33 * 257 * 4 + 2048

@@ -57,7 +57,9 @@ def row_major(lists: Sequence[Sequence[Any] | None], read_only: Sequence[int] = 
     The fast kernels walk flat memory: on a view, a transposed weight or a channels_last param
     that would pair the wrong elements and write outside the param. Copies keep each kernel's
     maths as it is, at the cost of one extra pass over the (rare) strided tensors; lists at
-    ``read_only`` positions (gradients) are copied but not written back.
+    ``read_only`` positions (gradients) are copied but not written back. Every backend, the
+    reference included, sees the same row-major tensors, so reductions (Adafactor's means and
+    norms) add up in the same order whatever the param's strides.
     """
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
     out: list[Any] = []
@@ -104,11 +106,8 @@ def eager(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def adamw(backend: str, tables, key: str, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_tensors, **hp) -> None:
     """AdamW on lists of tensors of one device; ``step_tensors`` already hold the new step."""
-    if backend != "reference":
-        with row_major([params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs], read_only=(1,)) as lists:
-            _adamw(backend, tables, key, *lists, step_tensors, **hp)
-    else:
-        _adamw(backend, tables, key, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_tensors, **hp)
+    with row_major([params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs], read_only=(1,)) as lists:
+        _adamw(backend, tables, key, *lists, step_tensors, **hp)
 
 
 def _adamw(backend: str, tables, key: str, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_tensors, **hp) -> None:
@@ -138,11 +137,8 @@ def adafactor(
     row/column pair of a < 2-D param, ``exp_avg_sq`` of a factored one). The fast backends take
     plain (not DTensor), contiguous, non-empty tensors; the rest runs the reference.
     """
-    if backend != "reference":
-        with row_major([params, grads, exp_avgs, exp_avg_sq_rows, exp_avg_sq_cols, exp_avg_sqs], read_only=(1,)) as lists:
-            _adafactor(backend, tables, key, *lists, step_tensors, **hp)
-    else:
-        _adafactor(backend, tables, key, params, grads, exp_avgs, exp_avg_sq_rows, exp_avg_sq_cols, exp_avg_sqs, step_tensors, **hp)
+    with row_major([params, grads, exp_avgs, exp_avg_sq_rows, exp_avg_sq_cols, exp_avg_sqs], read_only=(1,)) as lists:
+        _adafactor(backend, tables, key, *lists, step_tensors, **hp)
 
 
 def _adafactor(
@@ -214,11 +210,8 @@ def _quantized_kernel_takes(m, v, p: torch.Tensor) -> bool:
 
 def adamw_quantized(backend: str, tables, key: str, params, grads, exp_avgs, exp_avg_sqs, step_tensors, **hp) -> None:
     """AdamW8bit/AdamW4bit's rule on lists of one device; moments are QuantizedStates or dense."""
-    if backend != "reference":
-        with row_major([params, grads, exp_avgs, exp_avg_sqs], read_only=(1,)) as lists:
-            _adamw_quantized(backend, tables, key, *lists, step_tensors, **hp)
-    else:
-        _adamw_quantized(backend, tables, key, params, grads, exp_avgs, exp_avg_sqs, step_tensors, **hp)
+    with row_major([params, grads, exp_avgs, exp_avg_sqs], read_only=(1,)) as lists:
+        _adamw_quantized(backend, tables, key, *lists, step_tensors, **hp)
 
 
 def _adamw_quantized(backend: str, tables, key: str, params, grads, exp_avgs, exp_avg_sqs, step_tensors, **hp) -> None:

@@ -346,12 +346,13 @@ class _Factored:
 # ---- AdamW with block-quantized moments (AdamW8bit / AdamW4bit) ---------------------------
 def _adam_safe(pf, gf, m, v, step_size, bc2_sqrt, decay, floor_div, beta1: float, beta2: float, eps: float):
     # reference.adamw_quantized_'s elementwise rule on fp32 tensors, without host syncs:
-    # second-moment floor, and non-finite elements skipped (param kept, moments zeroed).
+    # second-moment floor, and elements of reference.skipped_elements skipped (param kept,
+    # moments zeroed): g NaN/Inf or g * g overflowing in fp32, or a non-finite moment.
     pn = pf * decay
     m = m.lerp(gf, 1 - beta1)
     v = v * beta2 + (1 - beta2) * gf * gf
     v = torch.maximum(v, m * m / floor_div)
-    bad = ~(torch.isfinite(m) & torch.isfinite(v))
+    bad = reference.skipped_elements(gf, m, v)
     m = torch.where(bad, 0.0, m)
     v = torch.where(bad, 0.0, v)
     pn = pn - step_size * (m / (v.sqrt() / bc2_sqrt + eps))

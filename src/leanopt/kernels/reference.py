@@ -183,6 +183,21 @@ def adam_moment_bound(beta1: float, beta2: float, step: int) -> float:
         return math.inf
 
 
+def skipped_elements(g: Tensor, m: Tensor, v: Tensor) -> Tensor:
+    """The elements :func:`adamw_quantized_` skips for a step (a bool mask), written once for
+    every backend (the compiled CPU path traces this function; the Triton kernels spell out the
+    same test in ``triton_common.skipped_elements``).
+
+    ``g`` is the gradient in the compute dtype, ``m``/``v`` the new moments. An element is
+    skipped where ``g * g`` computed in that dtype is not finite -- ``g`` NaN/Inf, or
+    ``|g| >= sqrt(finfo.max)``: from ``2^64 ~ 1.845e19`` in fp32 (fp32, bf16 and fp16 params),
+    ``~1.34e154`` in fp64 -- or where ``m`` or ``v`` is not finite. The square is tested on its
+    own: ``v``'s ``(1 - b2) * g * g`` may be finite for larger ``|g|`` (up to ~5.8e20 with
+    ``b2 = 0.999`` in fp32), depending only on the order of the multiplications.
+    """
+    return ~(torch.isfinite(g * g) & torch.isfinite(m) & torch.isfinite(v))
+
+
 def adamw_quantized_(
     param: Tensor,
     grad: Tensor,
@@ -220,14 +235,17 @@ def adamw_quantized_(
     * **Zero gradients.** Elements whose gradient is exactly 0 (sparse rows, dead units)
       store their decayed first moment rounded toward zero, not to the nearest code, so
       momentum dies out instead of sticking on a code and moving the weight forever.
-    * **Non-finite gradients.** An element whose gradient is NaN/Inf, or whose new moments
-      overflow (``|g|`` above ~1.8e19 squares to Inf), is left untouched for this step (no
-      decay, no update) and both of its moments are reset to 0. It is excluded before the
-      block scales are computed, so its block neighbours' scale, codes and params are exactly
-      what they would be without it (bitsandbytes does the same on CUDA; torchao 4-bit turns
-      the whole block to NaN).
+    * **Non-finite gradients.** An element whose gradient is NaN/Inf or so large that its
+      square overflows in the compute dtype (``|g| >= 2^64 ~ 1.845e19`` in fp32, ``~1.34e154``
+      in fp64), or whose new moments are not finite (:func:`skipped_elements`), is left
+      untouched for this step (no decay, no update) and both of its moments are reset to 0.
+      It is excluded before the block scales are computed, so its block neighbours' scale,
+      codes and params are exactly what they would be were it absent from the block, whichever
+      of these reasons skipped it (bitsandbytes does the same on CUDA; torchao 4-bit turns the
+      whole block to NaN).
     """
     from leanopt.quant import QuantizedState
+    from leanopt.quant.formats import may_hold_true
 
     ct = _compute_dtype(param)
     p = param.to(dtype=ct, copy=True)
@@ -243,8 +261,8 @@ def adamw_quantized_(
     bound = adam_moment_bound(beta1, beta2, step)
     if math.isfinite(bound):
         torch.maximum(v, m.square().div_(bound * (1 + MOMENT_BOUND_SLACK)), out=v)
-    bad = ~(torch.isfinite(m) & torch.isfinite(v))
-    any_bad = bool(bad.any())
+    bad = skipped_elements(g, m, v)
+    any_bad = may_hold_true(bad)
     if any_bad:
         m.masked_fill_(bad, 0.0)
         v.masked_fill_(bad, 0.0)

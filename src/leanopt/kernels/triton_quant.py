@@ -1,8 +1,9 @@
 """AdamW with block-quantized moments as one Triton kernel per param group: dequantize,
 update and requantize in a single pass over memory.
 
-The rule is :func:`leanopt.kernels.reference.adamw_quantized_` (second-moment floor,
-non-finite gradients skipped); parity is tested under ``TRITON_INTERPRET=1`` on the CPU.
+The rule is :func:`leanopt.kernels.reference.adamw_quantized_` (second-moment floor;
+gradients NaN/Inf or whose square overflows fp32 skipped, ``triton_common.skipped_elements``);
+parity is tested under ``TRITON_INTERPRET=1`` on the CPU.
 
 Layout of a program: ``NB`` whole quantization blocks of one tensor (chunks start at a tensor's
 first element, and the chunk length is a multiple of the block size, so blocks never straddle

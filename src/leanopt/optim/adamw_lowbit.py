@@ -18,6 +18,7 @@ from leanopt.optim.adamw import state_dtype, validate_adam_hparams
 from leanopt.optim.base import LeanOptimizer, as_float, check_flag
 from leanopt.optim.layout import StateSpec
 from leanopt.quant import BlockFormat
+from leanopt.quant.formats import MAX_BLOCK_SIZE
 
 # Options that say how states are stored rather than how the optimizer steps. On load they
 # keep this optimizer's values (the loaded states are converted to them), so an 8-bit
@@ -26,8 +27,8 @@ STORAGE_OPTIONS = ("quantize", "block_size", "min_quant_size", "state_bits")
 
 
 def _check_block_size(value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"Invalid block_size: {value!r} (must be a positive int)")
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_BLOCK_SIZE:
+        raise ValueError(f"Invalid block_size: {value!r} (must be an int in [1, {MAX_BLOCK_SIZE}])")
 
 
 def _check_min_quant_size(value: Any) -> None:

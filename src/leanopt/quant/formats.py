@@ -11,7 +11,9 @@ Memory of ``n`` elements: ``code_bytes(n) + 4 * ceil(n / block_size)`` bytes, e.
 of 256: 1.015625 B/element; 4-bit blocks of 128: 0.53125 B/element.
 
 A format is named ``"<code>/b<block_size>"`` (``"pow3-s8/b256"``); the name is what a
-checkpoint stores, and :func:`format_by_name` turns it back into the format.
+checkpoint stores, and :func:`format_by_name` turns it back into the format. Block sizes are at
+most :data:`MAX_BLOCK_SIZE`: a name read from a file decides how much work decoding does, so a
+hostile ``"pow3-s8/b134217728"`` must not be taken at its word.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from leanopt.quant.codebooks import CodeBook, code_bits, codebook
 from leanopt.quant.state import QuantizedState
@@ -27,6 +30,20 @@ from leanopt.quant.state import QuantizedState
 
 # Round toward zero only where the nearest code exceeds |y| by more than this factor.
 TOWARD_ZERO_TOLERANCE = 1 + 1e-5
+
+# Largest block (elements per fp32 scale). The optimizers use 128 and 256; past a few thousand a
+# block's scale is set by its outliers and the codes lose their resolution, so nothing useful
+# is lost, and a checkpoint cannot ask for 2**27-element blocks.
+MAX_BLOCK_SIZE = 2**16
+
+
+def may_hold_true(mask: torch.Tensor) -> bool:
+    """``mask.any()``, except that a tensor without data (meta, or fake under
+    ``FakeTensorMode``: shape-only traces such as memory planning) answers True, so such a
+    trace takes every branch instead of failing on ``.item()``."""
+    if mask.device.type == "meta" or is_fake(mask):
+        return True
+    return bool(mask.any())
 
 
 @dataclass(frozen=True)
@@ -43,6 +60,8 @@ class BlockFormat:
             raise ValueError(f"{self.code}: only 4- and 8-bit codes are supported")
         if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
+        if self.block_size > MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size {self.block_size} is larger than the maximum, {MAX_BLOCK_SIZE}")
 
     # ---- naming ----------------------------------------------------------------------------
     @property
@@ -86,12 +105,14 @@ class BlockFormat:
 
     # ---- encode / decode --------------------------------------------------------------------
     def decode(self, codes: torch.Tensor, absmax: torch.Tensor, numel: int) -> torch.Tensor:
-        """fp32 flat tensor of ``numel`` elements."""
-        idx = self._unpack(codes, numel)
-        nb = self.num_blocks(numel)
-        vals = self.book(codes.device).values[idx.long()]
-        vals = torch.nn.functional.pad(vals, (0, nb * self.block_size - numel)).view(nb, self.block_size)
-        return vals.mul_(absmax.view(nb, 1)).view(-1)[:numel]
+        """fp32 flat tensor of ``numel`` elements, owning exactly its memory (no padding kept:
+        a view of a padded buffer would be saved whole by ``torch.save``)."""
+        vals = self.book(codes.device).values[self._unpack(codes, numel).long()]
+        full, bs = numel // self.block_size, self.block_size
+        vals[: full * bs].view(full, bs).mul_(absmax[:full].view(full, 1))
+        if full * bs < numel:  # the last, shorter block
+            vals[full * bs :].mul_(absmax[full])
+        return vals
 
     def encode_(
         self, flat: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, toward_zero: torch.Tensor | None = None
@@ -113,7 +134,7 @@ class BlockFormat:
         ``toward_zero`` is set, the nearest value no larger in magnitude."""
         book = self.book(y.device)
         idx = torch.searchsorted(book.thresholds, y)
-        if toward_zero is not None and bool(toward_zero.any()):
+        if toward_zero is not None and may_hold_true(toward_zero):
             # The tolerance keeps a value sitting on a code there: a block whose elements all
             # decay by b1 has its scale decay by b1 too, so y lands exactly on its old code, and
             # an ulp of rounding must not decide whether momentum drops a whole code.
@@ -136,10 +157,21 @@ class BlockFormat:
 
 
 def format_by_name(name: str) -> BlockFormat:
-    """Inverse of :attr:`BlockFormat.name`: ``"pow3-s8/b256"`` -> ``BlockFormat("pow3-s8", 256)``."""
+    """Inverse of :attr:`BlockFormat.name`: ``"pow3-s8/b256"`` -> ``BlockFormat("pow3-s8", 256)``.
+
+    ``name`` usually comes from a file: anything but a known code and a block size of 1 to
+    :data:`MAX_BLOCK_SIZE` is a ``ValueError``.
+    """
     if not isinstance(name, str) or "/b" not in name:
-        raise ValueError(f"not a quantized format name: {name!r}")
+        raise ValueError(f"not a quantized format name: {_shown(name)}")
     code, _, block = name.rpartition("/b")
-    if not block.isdigit():
-        raise ValueError(f"not a quantized format name: {name!r}")
+    if not (block.isascii() and block.isdigit()):
+        raise ValueError(f"not a quantized format name: {_shown(name)}")
+    if len(block) > len(str(MAX_BLOCK_SIZE)) or int(block) > MAX_BLOCK_SIZE:
+        raise ValueError(f"quantized format {_shown(name)}: block size larger than the maximum, {MAX_BLOCK_SIZE}")
     return BlockFormat(code, int(block))
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -75,20 +75,27 @@ class QuantizedState:
 
     @classmethod
     def from_state_dict(cls, value: Mapping[str, Any], device: torch.device | str | None = None) -> "QuantizedState":
+        """The state saved by :meth:`to_state_dict`, checked field by field before anything is
+        allocated (the dict may come from an untrusted file): a known format with a bounded
+        block size, a shape of non-negative ints, uint8 codes and floating-point block scales
+        of exactly the lengths that shape and format give. ``ValueError`` otherwise."""
         from leanopt.quant.formats import format_by_name
 
         fmt = format_by_name(value["format"])
-        shape = tuple(int(s) for s in value["shape"])
+        shape = _checked_shape(value["shape"])
         codes, absmax = value["codes"], value["absmax"]
         if not isinstance(codes, torch.Tensor) or not isinstance(absmax, torch.Tensor):
-            raise TypeError("codes and absmax must be tensors")
+            raise ValueError("codes and absmax must be tensors")
         numel = math.prod(shape)
         if codes.dtype != torch.uint8 or codes.numel() != fmt.code_bytes(numel):
             raise ValueError(
                 f"codes are {codes.dtype} x {codes.numel()}, format {fmt.name} needs uint8 x {fmt.code_bytes(numel)}"
             )
-        if absmax.numel() != fmt.num_blocks(numel):
-            raise ValueError(f"absmax has {absmax.numel()} blocks, format {fmt.name} needs {fmt.num_blocks(numel)}")
+        if not absmax.is_floating_point() or absmax.numel() != fmt.num_blocks(numel):
+            raise ValueError(
+                f"absmax is {absmax.dtype} x {absmax.numel()}, format {fmt.name} needs "
+                f"{fmt.num_blocks(numel)} floating-point block scales"
+            )
         device = codes.device if device is None else device
         return cls(
             codes.to(device=device, copy=True).reshape(-1),
@@ -96,3 +103,11 @@ class QuantizedState:
             fmt,
             shape,
         )
+
+
+def _checked_shape(shape: Any) -> tuple[int, ...]:
+    if not isinstance(shape, (list, tuple, torch.Size)) or len(shape) > 64:
+        raise ValueError(f"shape must be a list of ints, got {type(shape).__name__}")
+    if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+        raise ValueError(f"shape must be a list of non-negative ints, got {list(shape)[:8]!r}")
+    return tuple(shape)
