@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install leanopt (editable) into the current Python, with transformers (the model presets of
-# `leanopt estimate` build models from their configs). With --test, also the test extras.
+# `leanopt estimate` build models from their configs) and accelerate (transformers' Trainer needs
+# it): everything the README's examples use. With --test, also the test extras.
 #
 # torch: if none is installed and a CPU wheel of torch lies on this machine's disk (some
 # build machines keep one in a local wheel folder, see LEANOPT_TORCH_WHEELS), install that one

@@ -99,7 +99,7 @@ def test_estimate_bare_count(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(
     "text,count",
     [("7b", 7 * 10**9), ("125m", 125 * 10**6), ("1.1B", 1_100_000_000), ("65783042", SEED_PARAMS),
-     ("65,783,042", SEED_PARAMS), ("350K", 350_000), ("gpt2", None), ("1.5", None), ("0", None)],
+     ("65,783,042", SEED_PARAMS), ("350K", 350_000), ("gpt2", None), ("./model", None), ("org/7b", None)],
 )
 def test_parse_param_count(text: str, count: int | None) -> None:
     assert parse_param_count(text) == count
@@ -301,3 +301,153 @@ def test_inspect_torchao_states(tmp_path: Path, capsys: pytest.CaptureFixture[st
     data = json.loads(proc.stdout)
     assert data["layout"] == "torchao tensor-subclass states (OptimState8bit)" and not data["complete"]
     assert data["bytes"] >= 2 * per_state + 4
+
+
+# ---- a config that needs custom code (issue #9, item 8) ----------------------------------------
+def test_config_with_custom_code_is_refused_without_reading_stdin(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    folder, marker = tmp_path / "model", tmp_path / "CODE_RAN"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "leanopt-test-custom", "architectures": ["CustomModel"], "hidden_size": 8,
+        "auto_map": {"AutoConfig": "configuration_custom.CustomConfig", "AutoModel": "modeling_custom.CustomModel",
+                     "AutoModelForCausalLM": "modeling_custom.CustomModel"},
+    }))
+    touch = f"import pathlib; pathlib.Path({str(marker)!r}).write_text('ran')\n"
+    (folder / "configuration_custom.py").write_text(
+        touch + "from transformers import PretrainedConfig\n"
+        "class CustomConfig(PretrainedConfig):\n    model_type = 'leanopt-test-custom'\n"
+    )
+    (folder / "modeling_custom.py").write_text(touch)
+    env = {**__import__("os").environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"}
+    # "y" on stdin is what transformers' trust_remote_code prompt waits for.
+    proc = subprocess.run(
+        [sys.executable, "-m", "leanopt", "estimate", str(folder), "--optimizers", "adamw"],
+        input="y\n", capture_output=True, text=True, timeout=300, env=env,
+    )
+    assert not marker.exists(), "the folder's Python code ran"
+    assert proc.returncode == 2 and proc.stdout == "", (proc.stdout, proc.stderr)
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("leanopt: error:") and "custom code" in err[0], proc.stderr
+    assert str(folder) in err[0]
+
+
+def test_auto_map_next_to_a_known_model_type_builds_the_builtin_class(tmp_path: Path, capsys) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=100, n_positions=16)
+    config.architectures = ["GPT2LMHeadModel"]
+    config.save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["auto_map"] = {"AutoModelForCausalLM": "modeling_custom.Custom"}  # no such file: never read
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    code, out, err = run(capsys, "estimate", str(tmp_path), "--json", "--optimizers", "adamw")
+    assert code == 0, err
+    with torch.device("meta"):
+        expected = sum(p.numel() for p in transformers.GPT2LMHeadModel(config).parameters())
+    assert json.loads(out)["params"] == expected
+
+
+# ---- edges of the command line (issue #9, item 14) ---------------------------------------------
+@pytest.mark.parametrize(
+    "text,count",
+    [("1e12", 10**12), ("1.5e9", 1_500_000_000), ("2E3", 2000), ("1,234", 1234), ("1,234,567", 1_234_567),
+     ("1_000_000", 10**6), ("0.5k", 500), ("1.1B", 1_100_000_000)],
+)
+def test_numbers_are_parameter_counts(text: str, count: int) -> None:
+    assert parse_param_count(text) == count
+
+
+@pytest.mark.parametrize(
+    "text,words",
+    [("0", ["must be > 0"]), ("0b", ["must be > 0"]), ("-5", ["must be > 0"]),
+     ("1,2,3", ["1,2,3", "thousands"]), ("12,34", ["thousands"]), (",123", ["thousands"]),
+     ("1.5", ["whole number"]), ("1e-3", ["whole number"]),
+     ("3000000000000000000", ["too large"]), ("3e18", ["too large"]), ("1e400", ["too large"]),
+     pytest.param("9" * 5000, ["too large"], id="5000-digits")],
+)
+def test_bad_counts_are_one_line_errors_and_never_hub_ids(
+    text: str, words: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import leanopt.memory.presets as presets
+
+    def no_hub(repo_id: str):
+        raise AssertionError(f"{repo_id!r} was sent to the Hub")
+
+    monkeypatch.setattr(presets, "_from_hub", no_hub)
+    with pytest.raises(ValueError):
+        parse_param_count(text)
+    code, out, err = run(capsys, "estimate", text, "--optimizers", "adamw")
+    assert_one_line_error(code, out, err, *words)
+    assert "internal error" not in err
+
+
+def test_the_largest_count_and_an_empty_name(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "estimate", "1e18", "--json", "--optimizers", "adamw,adamw8bit,adamw4bit")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["params"] == 10**18 and data["optimizers"][0]["state_bytes"] == 8 * 10**18 + 4
+    for name in ("", "   "):
+        code, out, err = run(capsys, "estimate", name)
+        assert_one_line_error(code, out, err, "empty")
+        assert "no config.json there" not in err
+
+
+def test_inspect_json_is_valid_json_with_non_finite_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _, opt = _trained(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3))
+    sd = opt.state_dict()
+    sd["param_groups"][0].update(lr=float("nan"), eps=float("inf"), weight_decay=float("-inf"))
+    torch.save(sd, tmp_path / "optimizer.pt")
+    code, out, err = run(capsys, "inspect", str(tmp_path / "optimizer.pt"), "--json")
+    assert code == 0, err
+
+    def strict(constant: str):
+        raise AssertionError(f"{constant} is not JSON")
+
+    options = json.loads(out, parse_constant=strict)["groups"][0]["options"]
+    assert (options["lr"], options["eps"], options["weight_decay"]) == ("nan", "inf", "-inf")
+    code, out, _ = run(capsys, "inspect", str(tmp_path / "optimizer.pt"))  # the table shows them too
+    assert code == 0 and "lr=nan" in out
+
+
+@pytest.mark.parametrize(
+    "argv,words",
+    [(["--lr", "nan"], ["--lr", "nan"]), (["--lr", "inf"], ["--lr"]), (["--lr=-1e-3"], ["--lr"]),
+     (["--lr", "0"], ["--lr"]), (["--out", "{file}/sub"], ["--out", "not a folder"]),
+     (["--out", "{file}"], ["--out", "not a folder"])],
+)
+def test_compare_arguments_are_checked_before_training(
+    argv: list[str], words: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import leanopt.compare.command as command
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("training started")
+
+    monkeypatch.setattr(command, "compare", no_training)
+    file = tmp_path / "a-file"
+    file.write_text("x")
+    argv = [a.replace("{file}", str(file)) for a in argv]
+    code, out, err = run(capsys, "compare", "--quick", "--optimizers", "adamw", *argv)
+    assert code == 2, (out, err)
+    line = err.strip().splitlines()
+    assert len(line) == 1 and line[0].startswith("leanopt compare: error:"), err
+    for word in words:
+        assert word in line[0], err
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "--version")
+    assert code == 0 and out.strip() == f"leanopt {leanopt.__version__}" == "leanopt 0.1.0", err
+
+
+def test_top_level_help_lists_every_subcommand_on_one_line(monkeypatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+    code, out, _ = run(capsys, "--help")
+    assert code == 0
+    lines = out.splitlines()
+    for name in ("estimate", "inspect", "convert", "compare"):
+        row = next((line for line in lines if line.strip().startswith(name + " ")), None)
+        assert row is not None and len(row.split(None, 1)) == 2, f"{name} has no description:\n{out}"
+        following = lines[lines.index(row) + 1]
+        assert not following.startswith(" " * 10), f"{name}'s description wraps:\n{out}"
+    assert "--version" in out

@@ -59,3 +59,96 @@ def test_compare_subcommand_forwards_its_arguments(capsys) -> None:
     assert main(["compare", "--help"]) == 0
     assert "--quick" in capsys.readouterr().out
     assert main(["compare", "--optimizers", "no-such-optimizer"]) == 2
+
+
+# ---- hostile checkpoints and dense results that own their memory (issue #9, item 7) -------------
+def _quantized_sd(shape, fmt_name="pow3-s8/b256"):
+    from leanopt.quant import format_by_name
+
+    g = torch.Generator().manual_seed(0)
+    fmt = format_by_name(fmt_name)
+    m = fmt.from_dense(torch.randn(shape, generator=g)).to_state_dict()
+    v = format_by_name("pow6-u8/b256").from_dense(torch.rand(shape, generator=g)).to_state_dict()
+    return {
+        "state": {0: {"step": torch.tensor(3.0), "exp_avg": m, "exp_avg_sq": v}},
+        "param_groups": [{"params": [0], "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01,
+                          "amsgrad": False, "maximize": False, "quantize": True, "block_size": 256,
+                          "min_quant_size": 4096, "state_bits": 8}],
+    }
+
+
+def test_convert_refuses_a_hostile_block_size_naming_the_entry(tmp_path, capsys) -> None:
+    sd = _quantized_sd((4096,))
+    # One block of 2**24 elements for a 4096-element state: codes and absmax lengths even agree.
+    sd["state"][0]["exp_avg"].update(format="pow3-s8/b16777216", absmax=torch.ones(1))
+    src, dst = tmp_path / "hostile.pt", tmp_path / "out.pt"
+    torch.save(sd, src)
+    assert main(["convert", str(src), str(dst), "--to", "adamw"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'exp_avg' of param 0" in err[0] and "block" in err[0], err
+    assert "internal error" not in err[0]
+    assert not dst.exists()
+
+
+def test_converted_dense_state_holds_exactly_its_elements(tmp_path, capsys) -> None:
+    # 33 x 257 = 8,481 elements: 34 blocks of 256, the last one padded.
+    src, dst = tmp_path / "q.pt", tmp_path / "dense.pt"
+    torch.save(_quantized_sd((33, 257)), src)
+    assert main(["convert", str(src), str(dst), "--to", "adamw"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(dst), "--json"]) == 0
+    data = __import__("json").loads(capsys.readouterr().out)
+    assert data["bytes"] == 2 * 4 * 33 * 257 + 4  # two fp32 moments and the step
+    assert data["bytes_per_param"] < 8.001  # 8.21 when the padded buffer was kept
+
+
+# ---- the write of DST (issue #9, item 13) --------------------------------------------------------
+def _leftovers(folder, *expected):
+    return sorted(p.name for p in folder.iterdir() if p.name not in expected)
+
+
+def test_convert_leaves_an_existing_dst_tmp_alone(tmp_path, capsys) -> None:
+    _, src = saved_adamw(tmp_path)
+    dst = tmp_path / "out.pt"
+    (tmp_path / "out.pt.tmp").write_bytes(b"someone else's file")
+    assert main(["convert", str(src), str(dst), "--to", "adamw8bit"]) == 0
+    assert (tmp_path / "out.pt.tmp").read_bytes() == b"someone else's file"
+    assert _leftovers(tmp_path, "optimizer.pt", "out.pt", "out.pt.tmp") == []
+    torch.load(dst, weights_only=True)
+
+
+def test_convert_into_a_missing_folder_is_a_one_line_error(tmp_path, capsys) -> None:
+    _, src = saved_adamw(tmp_path)
+    assert main(["convert", str(src), str(tmp_path / "nope" / "out.pt"), "--to", "adamw8bit"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("leanopt: error:") and "no such folder" in err[0], err
+    assert "internal error" not in err[0]
+
+
+def test_convert_failed_write_removes_its_temporary(tmp_path, capsys, monkeypatch) -> None:
+    import errno
+
+    _, src = saved_adamw(tmp_path)
+    dst = tmp_path / "out.pt"
+    dst.write_bytes(b"old")
+    real_save = torch.save
+
+    def disk_full(obj, f, *args, **kwargs):
+        real_save(obj, f, *args, **kwargs)  # half of it made it to the disk
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    assert main(["convert", str(src), str(dst), "--to", "adamw8bit", "--force"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no space left" in err[0].lower() and str(dst) in err[0], err
+    assert dst.read_bytes() == b"old"  # DST is replaced only by a complete file
+    assert _leftovers(tmp_path, "optimizer.pt", "out.pt") == []
+
+    def read_only(obj, f, *args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(torch, "save", read_only)
+    assert main(["convert", str(src), str(tmp_path / "new.pt"), "--to", "adamw8bit"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "permission denied" in err[0].lower(), err
+    assert _leftovers(tmp_path, "optimizer.pt", "out.pt") == []

@@ -169,3 +169,50 @@ def test_measure_bitsandbytes_state() -> None:
     n = w.numel()
     # two uint8 codes, two absmax per 256-block, two 256-entry fp32 code books
     assert m.bytes == 2 * n + 2 * 4 * (n // 256) + 2 * 256 * 4
+
+
+class TiedLM(torch.nn.Module):
+    """An embedding and an output layer that share one weight (tie_word_embeddings)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(100, 16)
+        self.mid = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 100, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mid(self.embed(tokens)))
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit", torch.optim.AdamW], ids=str)
+def test_estimate_counts_tied_weights_once(optimizer) -> None:
+    model = TiedLM()
+    # 8-bit: quantize even these small tensors; the reference backend needs no compile.
+    kwargs = {"min_quant_size": 0, "backend": "reference"} if optimizer == "adamw8bit" else {}
+    opt = resolve_optimizer(optimizer)(model.parameters(), **kwargs)
+    model(torch.arange(10)).square().mean().backward()
+    opt.step()
+    measured = leanopt.measure(opt)
+    tied = model.embed.weight
+    views = {
+        "named, remove_duplicate=False": list(model.named_parameters(remove_duplicate=False)),
+        "a generator of named params": model.named_parameters(remove_duplicate=False),
+        "a list with the same tensor twice": [tied, *model.mid.parameters(), tied],
+        "groups that repeat it": [{"params": [tied, *model.mid.parameters()]}, {"params": [tied], "weight_decay": 0.0}],
+    }
+    for what, params in views.items():
+        est = leanopt.estimate(params, optimizer, **kwargs)
+        assert (est.bytes, est.params, est.tensors) == (measured.bytes, 100 * 16 + 16 * 16 + 16, 3), what
+        train = leanopt.training_memory(
+            list(model.named_parameters(remove_duplicate=False)) if "generator" in what else params, optimizer, **kwargs
+        )
+        assert train.optimizer_state == measured.bytes and train.params == est.params, what
+
+
+def test_estimate_treats_two_views_of_one_storage_as_one_tensor() -> None:
+    w = torch.nn.Parameter(torch.zeros(64, 8))
+    alias = w.detach().view(64, 8)  # another tensor object, the same memory and shape
+    assert leanopt.estimate([w, alias], "adamw").bytes == leanopt.estimate([w], "adamw").bytes
+    other = torch.nn.Parameter(torch.zeros(64, 8))  # same shape, other memory: counted
+    assert leanopt.estimate([w, other], "adamw").tensors == 2

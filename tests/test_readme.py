@@ -105,3 +105,37 @@ def test_readme_examples(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
     seed = next(out for cmd, out in examples if cmd == "leanopt estimate distilbert-base-cased")
     assert "65,783,042 trainable parameters in 104 tensors" in seed
     assert any(line.strip().startswith("adamw ") and "│            502 │" in line for line in seed)
+
+
+def _main_install_requirements() -> tuple[list[str], list[str]]:
+    """(base dependencies, the extra's requirements) that `bash scripts/install.sh` installs."""
+    import tomllib
+
+    project = tomllib.loads((README.parent / "pyproject.toml").read_text())["project"]
+    script = (README.parent / "scripts" / "install.sh").read_text()
+    default = re.search(r'^extras="\[(\w+)\]"', script, re.M)
+    assert default is not None, "install.sh no longer names its default extra"
+    return project["dependencies"], project["optional-dependencies"][default.group(1)]
+
+
+def _names(requirements: list[str]) -> set[str]:
+    return {re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0].lower() for r in requirements}
+
+
+def test_main_install_runs_every_readme_example() -> None:
+    base, extra = _main_install_requirements()
+    assert _names(base) == {"torch", "rich"}  # the runtime stays small
+    installed = _names(base) | _names(extra) | {"leanopt"}
+    text = README.read_text()
+    imported = {m.group(1).lower() for m in re.finditer(r"^\s*(?:from|import)\s+(\w+)", "\n".join(fenced("python")), re.M)}
+    assert imported - installed == set(), f"README imports {imported - installed}, which the main install lacks"
+    # The README sends Trainer users to Trainer(optimizers=...); transformers' Trainer needs accelerate.
+    if "Trainer(" in text:
+        assert {"transformers", "accelerate"} <= installed, installed
+
+
+def test_readme_documents_compute_optimizer_size_next_to_measure() -> None:
+    blocks = fenced("python")
+    assert any("leanopt.compute_optimizer_size(" in b and "leanopt.measure(" in b for b in blocks), (
+        "README: compute_optimizer_size needs a runnable example next to measure"
+    )

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from leanopt.optim.adamw_lowbit import STORAGE_OPTIONS, AdamW4bit, AdamW8bit, LowBitAdamW
-from leanopt.quant import BlockFormat, QuantizedState, format_by_name
+from leanopt.quant import MAX_BLOCK_SIZE, BlockFormat, QuantizedState, format_by_name
 
 LAYOUTS = ("adamw", "adamw8bit", "adamw4bit")
 _LOW_BIT: dict[str, type[LowBitAdamW]] = {"adamw8bit": AdamW8bit, "adamw4bit": AdamW4bit}
@@ -54,7 +54,10 @@ def state_dict_layout(state_dict: Mapping[str, Any]) -> str:
         for key in _MOMENTS:
             value = st.get(key)
             if isinstance(value, Mapping) and QuantizedState.is_state_dict(value):
-                bits.add(format_by_name(value["format"]).bits)
+                try:
+                    bits.add(format_by_name(value["format"]).bits)
+                except ValueError as err:
+                    raise ValueError(f"{key!r} of param {pid!r}: corrupt quantized state ({err})") from None
             elif isinstance(value, QuantizedState):
                 bits.add(value.format.bits)
     if not bits:
@@ -92,8 +95,8 @@ def convert_state_dict(
     target_cls = _LOW_BIT.get(to)
     if target_cls is not None:
         block_size = target_cls.default_block_size if block_size is None else block_size
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-            raise ValueError(f"Invalid block_size: {block_size!r}")
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or not 1 <= block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"Invalid block_size: {block_size!r} (must be an int from 1 to {MAX_BLOCK_SIZE})")
         if not isinstance(min_quant_size, int) or isinstance(min_quant_size, bool) or min_quant_size < 0:
             raise ValueError(f"Invalid min_quant_size: {min_quant_size!r}")
 

@@ -1,24 +1,34 @@
-"""The ``leanopt`` command: argument parsing and printing only; the work is in :mod:`leanopt.memory`.
+"""The ``leanopt`` command: argument parsing and printing only; the work is in :mod:`leanopt.memory`,
+:mod:`leanopt.checkpoint` and :mod:`leanopt.compare`.
 
     leanopt estimate MODEL [--optimizers adamw,adafactor,...] [--json]
     leanopt inspect optimizer.pt [--json]
+    leanopt convert SRC DST --to adamw|adamw8bit|adamw4bit
+    leanopt compare [--quick] [...]
+    leanopt --version
 
-Every error exits with status 2 and one line on stderr.
+Every error exits with status 2 and one line on stderr. ``--json`` output is strict JSON
+(non-finite numbers are written as the strings ``"nan"``, ``"inf"``, ``"-inf"``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import json
 import logging
+import math
 import os
 import sys
+import tempfile
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from rich.console import Console
 from rich.table import Table
 
+from leanopt import __version__
 from leanopt.memory.estimate import MiB, OPTIMIZER_NAMES, available_optimizers, resolve_optimizer
 from leanopt.memory.inspect import StateDictReport, inspect_file, inspect_state_dict, load_optimizer_state
 from leanopt.memory.presets import ModelSource, resolve_model, shape_dependent
@@ -42,9 +52,16 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="leanopt", description="Optimizer memory: estimate it for a model, inspect a saved state.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = _Parser(
+        prog="leanopt",
+        description="Optimizer memory: estimate it for a model, inspect and convert a saved state, "
+        "compare optimizers by training.",
+        epilog="`leanopt COMMAND --help` for a command's arguments. Errors exit with status 2 and one line.",
+    )
+    parser.add_argument("--version", action="version", version=f"leanopt {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, title="commands", metavar="COMMAND")
 
+    # Each help= is one line of `leanopt --help` (under 56 characters: no wrap at 80 columns).
     est = sub.add_parser(
         "estimate",
         help="optimizer state and training memory for a model",
@@ -65,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ins = sub.add_parser(
         "inspect",
-        help="breakdown of a saved optimizer state_dict (e.g. a Trainer optimizer.pt)",
+        help="what a saved optimizer state holds (optimizer.pt)",
         description="Bytes per state key and per param group of a saved optimizer state_dict, and whose "
         "layout it is. Loaded with torch.load(weights_only=True) on the CPU.",
     )
@@ -75,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     conv = sub.add_parser(
         "convert",
-        help="convert a saved AdamW state_dict between fp32, 8-bit and 4-bit moments",
+        help="re-save an AdamW state with fp32, 8-bit or 4-bit moments",
         description="Read a saved AdamW-family optimizer state_dict (torch/leanopt AdamW, AdamW8bit, "
         "AdamW4bit; e.g. a Trainer optimizer.pt), write it with its moments in another precision. "
         "The result loads into the matching leanopt optimizer (fp32 also into torch.optim.AdamW).",
@@ -90,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     comp = sub.add_parser(
         "compare",
-        help="train real models with each optimizer; memory, speed and accuracy side by side",
+        help="train with each optimizer: memory, speed, loss",
         add_help=False,
         prefix_chars="\0",  # every argument goes to `leanopt.compare` unparsed
     )
@@ -122,6 +139,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _fail(message: str) -> int:
     print(f"leanopt: error: {message}", file=sys.stderr)
     return 2
+
+
+def _json(data: Any) -> str:
+    """Strict JSON (``json.loads`` in any language reads it): NaN and infinities, which a saved
+    state's options may hold, become the strings ``"nan"``, ``"inf"``, ``"-inf"``."""
+    return json.dumps(_finite(data), indent=2, allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # "nan", "inf", "-inf": float() reads them back
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _console() -> Console:
@@ -199,7 +232,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     source = resolve_model(args.model)
     rows = estimate_rows(source, names)
     if args.json:
-        print(json.dumps(
+        print(_json(
             {
                 "model": source.name,
                 "description": source.description,
@@ -208,8 +241,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
                 "exact_shapes": source.exact_shapes,
                 "megabytes_are": "MiB (1024**2 bytes)",
                 "optimizers": rows,
-            },
-            indent=2,
+            }
         ))
         return 0
 
@@ -253,38 +285,80 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     _quiet_peer_import_warnings()
     report = inspect_file(args.file)
     if args.json:
-        print(json.dumps({"file": str(args.file), **report.as_dict()}, indent=2))
+        print(_json({"file": str(args.file), **report.as_dict()}))
         return 0
     _print_report(_console(), str(args.file), report)
     return 0
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    import torch
-
     from leanopt.checkpoint import convert_state_dict, state_dict_layout
 
-    if os.path.exists(args.dst) and not args.force:
-        raise CliError(f"{args.dst} exists (use --force to overwrite)")
+    dst = os.fspath(args.dst)
+    folder = os.path.dirname(dst) or "."
+    if not os.path.isdir(folder):  # before the (possibly long) conversion
+        reason = "no such folder" if not os.path.exists(folder) else "not a folder:"
+        raise CliError(f"cannot write {dst}: {reason} {folder}")
+    if os.path.isdir(dst):
+        raise CliError(f"cannot write {dst}: it is a folder")
+    if os.path.exists(dst) and not args.force:
+        raise CliError(f"{dst} exists (use --force to overwrite)")
     state_dict = load_optimizer_state(args.src)  # one-line errors for missing / non-optimizer files
     before = state_dict_layout(state_dict)
     before_bytes = inspect_state_dict(state_dict).bytes
     converted = convert_state_dict(state_dict, args.to, block_size=args.block_size, min_quant_size=args.min_quant_size)
-    tmp = f"{args.dst}.tmp"
-    torch.save(converted, tmp)
-    os.replace(tmp, args.dst)  # never leave a half-written checkpoint at DST
-    after = inspect_file(args.dst)
-    print(
-        f"{args.src} ({before}, {_mb(before_bytes)} MB of state) -> {args.dst} ({args.to}, {_mb(after.bytes)} MB of state)"
-    )
+    _save_atomically(converted, dst)
+    after = inspect_file(dst)
+    print(f"{args.src} ({before}, {_mb(before_bytes)} MB of state) -> {dst} ({args.to}, {_mb(after.bytes)} MB of state)")
     return 0
+
+
+# errno -> the words of a one-line message (os.strerror's vary by platform).
+_WRITE_ERRORS = {
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+    errno.EROFS: "read-only file system",
+    errno.ENOENT: "no such folder",
+    errno.ENOTDIR: "no such folder",
+    errno.EISDIR: "it is a folder",
+}
+
+
+def _write_error(err: OSError) -> str:
+    return _WRITE_ERRORS.get(err.errno or 0) or (err.strerror or str(err) or type(err).__name__).lower()
+
+
+def _save_atomically(obj: Any, dst: str) -> None:
+    """``torch.save`` into a new temporary file in DST's folder, then rename it to DST: DST is
+    either left as it was or is the whole new file, and no other file is touched or left."""
+    import torch
+
+    folder = os.path.dirname(dst) or "."
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(dst)}.", suffix=".tmp", dir=folder)
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # the mode torch.save(obj, dst) would give (mkstemp's is 0600)
+        os.replace(tmp, dst)
+        tmp = None
+    except OSError as err:
+        raise CliError(f"cannot write {dst}: {_write_error(err)}") from None
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from leanopt.compare import main as compare_main
 
-    rest = [a for a in args.rest if a != "--"]
-    return compare_main(rest)
+    # compare checks its own arguments (--lr, --steps, --out) before any training starts.
+    return compare_main([a for a in args.rest if a != "--"])
 
 
 def _short(value: Any) -> str:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -77,12 +80,35 @@ def main(argv: list[str] | None = None) -> int:
         return int(exit_.code or 0)
     except UsageError as err:
         return fail(str(err))
+    problem = _argument_problem(args)
+    if problem:
+        return fail(problem)
     try:
         return _run(args)
     except OSError as err:  # the output directory cannot be written
         return fail(str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__)
     except KeyboardInterrupt:
         return 130
+
+
+def _argument_problem(args: argparse.Namespace) -> str | None:
+    """What the run would only trip over after training, found before it starts (None: nothing)."""
+    if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
+        return f"--lr {args.lr}: the learning rate must be a finite number > 0"
+    if args.steps is not None and args.steps < 1:
+        return f"--steps {args.steps}: must be at least 1"
+    target = os.path.abspath(args.out)
+    folder = target
+    while not os.path.exists(folder):  # the nearest existing ancestor: where mkdir would start
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        return f"--out {args.out}: " + ("not a folder" if folder == target else f"{folder} is not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        return f"--out {args.out}: cannot write in {folder}: {(err.strerror or str(err)).lower()}"
+    return None
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -636,7 +636,7 @@ class HubClassification(Task):
         from transformers import AutoTokenizer
 
         s = plan.sizes
-        tokenizer = AutoTokenizer.from_pretrained(self.model_name)
+        tokenizer = AutoTokenizer.from_pretrained(self.model_name, trust_remote_code=False)
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         data = datasets.load_dataset(self.dataset_name)
@@ -675,7 +675,9 @@ class HubWorkload(TrainerWorkload):
     def build_model(self) -> nn.Module:
         from transformers import AutoModelForSequenceClassification
 
-        model = AutoModelForSequenceClassification.from_pretrained(self.model_name, num_labels=self.num_labels)
+        model = AutoModelForSequenceClassification.from_pretrained(
+            self.model_name, num_labels=self.num_labels, trust_remote_code=False
+        )
         if model.config.pad_token_id is None:
             model.config.pad_token_id = self.pad_id
         return model

@@ -168,12 +168,64 @@ def _meta(p: torch.Tensor) -> torch.Tensor:
     return torch.empty(tuple(p.shape), dtype=p.dtype, device="meta", requires_grad=True)
 
 
+def _tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """The same key for every tensor object that is the same parameter: one Parameter listed
+    twice (tied weights), or two tensors over the same memory with the same shape and strides."""
+    if t.device.type == "meta" or type(t) not in (torch.Tensor, torch.nn.Parameter):
+        return ("id", id(t))  # no memory to compare (meta), or a wrapper (DTensor): identity
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a tensor without real storage (fake)
+        ptr = 0
+    if ptr == 0:
+        return ("id", id(t))
+    return (str(t.device), ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def unique_params(model_or_params: Any) -> Any:
+    """``model_or_params`` with each parameter kept at its first appearance only.
+
+    ``model.named_parameters(remove_duplicate=False)``, a list that names a tied weight twice,
+    or param groups that repeat one would otherwise count it twice, where the optimizer (and
+    :func:`~leanopt.measure`) keeps one state for it. A model's ``parameters()`` already
+    lists each once, and a model is returned as it is; anything else becomes a list (a
+    generator is consumed once). Groups that end up empty are dropped.
+    """
+    if isinstance(model_or_params, (torch.nn.Module, torch.Tensor)):
+        return model_or_params
+    seen: set[tuple[Any, ...]] = set()
+
+    def first(t: Any) -> bool:
+        if not isinstance(t, torch.Tensor):
+            return True  # not a tensor: estimate() says what is wrong with it
+        key = _tensor_key(t)
+        if key in seen:
+            return False
+        seen.add(key)
+        return True
+
+    out: list[Any] = []
+    for item in model_or_params:
+        if isinstance(item, Mapping) and "params" in item:
+            params = item["params"]
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
+            kept = [p for p in params if first(p)]
+            if kept or not params:
+                out.append({**item, "params": kept})
+        elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor):
+            if first(item[1]):
+                out.append(item)
+        elif first(item):
+            out.append(item)
+    return out
+
+
 def _meta_params(model_or_params: Any) -> list[Any]:
     if isinstance(model_or_params, torch.nn.Module):
         return [_meta(p) for p in model_or_params.parameters() if p.requires_grad]
     if isinstance(model_or_params, torch.Tensor):
         return [_meta(model_or_params)]
-    items = list(model_or_params)
+    items = unique_params(model_or_params)
     out: list[Any] = []
     for item in items:
         if isinstance(item, Mapping):
@@ -197,6 +249,8 @@ def estimate(model_or_params: Any, optimizer: str | type = "adamw", **optimizer_
     Nothing is allocated: works for a model on the ``meta`` device. ``optimizer`` is a name
     (see :data:`OPTIMIZER_NAMES`) or a class; ``optimizer_kwargs`` go to its constructor.
     Assumes every parameter receives a gradient (a parameter that never does gets no state).
+    A parameter listed more than once (tied weights in ``named_parameters(remove_duplicate=False)``)
+    counts once, as the optimizer keeps one state for it.
 
     >>> import torch, leanopt
     >>> with torch.device("meta"):

@@ -9,6 +9,7 @@ leanopt's quantized entries through their codes and scales, Python numbers as 0 
 
 from __future__ import annotations
 
+import math
 import pickle
 import warnings
 import zipfile
@@ -252,7 +253,10 @@ def _param_numel(state: Mapping[str, Any]) -> int | None:
     for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "variance", "state1", "momentum_buffer"):
         value = flat.get(key)
         if isinstance(value, Mapping) and QuantizedState.is_state_dict(value):
-            return int(torch.Size([int(s) for s in value["shape"]]).numel())
+            shape = value["shape"]  # from the file: only a list of non-negative ints is a shape
+            if isinstance(shape, (list, tuple)) and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+                return math.prod(shape)
+            return None
         if isinstance(value, torch.Tensor) and value.dim() > 0:
             return value.numel()
     for row_key, col_key in (("exp_avg_sq_row", "exp_avg_sq_col"), ("row_var", "col_var")):

@@ -2,14 +2,18 @@
 
 ``resolve_model(spec)`` accepts, in this order:
 
-1. a bare parameter count: ``65783042``, ``65,783,042``, ``125m``, ``1.1B``, ``7b``;
+1. a bare parameter count: ``65783042``, ``65,783,042``, ``125m``, ``1.1B``, ``7b``, ``7e9``
+   (anything that looks like a number is a count, never a Hub id; see :func:`parse_param_count`);
 2. a preset name or its Hub id (``distilbert-base-cased``, ``meta-llama/Llama-2-7b-hf``, ...):
    the model is built from the configuration values in :data:`PRESETS`;
 3. a local ``config.json`` or a folder that holds one;
 4. a Hugging Face Hub id, whose ``config.json`` is fetched (or read from the local cache).
 
 Models are built with transformers on the ``meta`` device: shapes without memory, no weights
-downloaded. A preset, a config or a Hub id needs transformers; a bare count does not.
+downloaded. A preset, a config or a Hub id needs transformers; a bare count does not. No
+model's own Python code is ever run: configs are read with ``trust_remote_code=False`` and
+stdin is not read (transformers would otherwise ask there whether to run a folder's code); a
+config that only custom code can build is a ``ValueError`` that says so.
 
 A bare count has no shapes. It is estimated as **one 1-D tensor of N elements**: exact for
 element-wise states (AdamW: 8 B/param); for block-quantized states it ignores each tensor's
@@ -21,16 +25,21 @@ factored state (Adafactor) depends on the matrix shapes, so it has no estimate f
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
+from decimal import Decimal, localcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["PRESETS", "ModelSource", "Preset", "parse_param_count", "resolve_model", "shape_dependent"]
+__all__ = ["MAX_PARAM_COUNT", "PRESETS", "ModelSource", "Preset", "parse_param_count", "resolve_model", "shape_dependent"]
 
 # Seconds to wait for the Hub before saying it is unreachable (huggingface_hub's own default
 # is 10 s per try with 5 retries: ~24 s with no network).
@@ -175,20 +184,52 @@ class ModelSource:
 
 
 # ---- bare counts ---------------------------------------------------------------------------
-_COUNT = re.compile(r"^\s*(\d[\d,_]*(?:\.\d+)?)\s*([kmbt]?)\s*$", re.IGNORECASE)
+# The largest count: its fp32 state must fit torch's int64 byte sizes (meta tensors included),
+# with room to spare. 10**18 is six orders of magnitude above any model trained so far.
+MAX_PARAM_COUNT = 10**18
+
+# Anything made of digits, separators, a decimal point, an exponent and a suffix is meant as a
+# count, and is never looked up on the Hub (whose ids have letters or a slash).
+_NUMERIC = re.compile(r"^[+-]?[\d.,_]*\d[\d.,_]*(?:e[+-]?\d*)?[kmbt]?$", re.IGNORECASE)
+# Commas only as thousands separators (1,234,567); underscores between digits, as in Python.
+_COUNT = re.compile(
+    r"^(?P<sign>[+-]?)(?P<int>\d{1,3}(?:,\d{3})+|\d+(?:_\d+)*)(?:\.(?P<frac>\d+))?"
+    r"(?:e(?P<exp>[+-]?\d+))?(?P<suffix>[kmbt]?)$",
+    re.IGNORECASE,
+)
 _SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
 
 
 def parse_param_count(text: str) -> int | None:
-    """``"7b"`` -> 7_000_000_000, ``"65,783,042"`` -> 65783042; None if ``text`` is not a count."""
+    """``"7b"`` -> 7_000_000_000, ``"65,783,042"`` -> 65783042, ``"1e12"`` -> 10**12; None if
+    ``text`` is not a number (a preset, a path, a Hub id).
+
+    A number must be a whole count from 1 to :data:`MAX_PARAM_COUNT`, else ``ValueError``:
+    ``"0"``, ``"1.5"``, ``"3e18"``, and ``"1,2,3"`` (commas only separate thousands:
+    ``1,234,567``) are errors, not model names. Suffixes k, m, b, t are 10^3, 10^6, 10^9,
+    10^12; a decimal point or an exponent is fine when the result is whole (``1.1b``, ``7e9``).
+    """
+    text = text.strip()
+    if not _NUMERIC.match(text):
+        return None
+    shown = repr(text) if len(text) <= 40 else repr(text[:37] + "...")
     m = _COUNT.match(text)
     if m is None:
-        return None
-    number, suffix = m.group(1).replace(",", "").replace("_", ""), m.group(2).lower()
-    if "." in number and not suffix:
-        return None
-    count = round(float(number) * _SUFFIX[suffix]) if "." in number else int(number) * _SUFFIX[suffix]
-    return count if count > 0 else None
+        hint = " (commas only separate thousands: 65,783,042)" if "," in text else ""
+        raise ValueError(f"{shown} is not a parameter count{hint}; examples: 65783042, 65,783,042, 125m, 1.1b, 7e9")
+    number = m["int"].replace(",", "").replace("_", "") + (f".{m['frac']}" if m["frac"] else "")
+    exp = m["exp"] or "0"
+    exp_value = int(exp) if len(exp) <= 8 else (-1 if exp.startswith("-") else 1) * 10**8
+    with localcontext() as ctx:  # exact: the digits times a power of ten
+        ctx.prec, ctx.Emax, ctx.Emin = len(number) + 20, 10**9, -(10**9)
+        value = Decimal(number).scaleb(exp_value) * _SUFFIX[m["suffix"].lower()]
+    if value == 0 or m["sign"] == "-":
+        raise ValueError(f"{shown}: a parameter count must be > 0")
+    if value > MAX_PARAM_COUNT:
+        raise ValueError(f"{shown}: too large a parameter count (at most 1e18)")
+    if value != value.to_integral_value():
+        raise ValueError(f"{shown}: a parameter count must be a whole number")
+    return int(value)
 
 
 # ---- transformers --------------------------------------------------------------------------
@@ -203,18 +244,39 @@ def _transformers(what: str) -> Any:
     return transformers
 
 
+@contextlib.contextmanager
+def _no_stdin() -> Iterator[None]:
+    """transformers asks on stdin whether to run a folder's code; nothing here ever answers."""
+    saved = sys.stdin
+    sys.stdin = io.StringIO("")
+    try:
+        yield
+    finally:
+        sys.stdin = saved
+
+
 def _build_on_meta(config: Any, class_name: str | None, what: str) -> torch.nn.Module:
     transformers = _transformers(what)
-    candidates = [getattr(transformers, class_name, None)] if class_name else []
-    candidates += [transformers.AutoModelForCausalLM.from_config, transformers.AutoModel.from_config]
+    candidates: list[Any] = []
+    if class_name:
+        # Only a model class of transformers itself: a name from a config must not pick any
+        # other callable of the package, nor anything a checkpoint's own code defines.
+        try:
+            cls = getattr(transformers, class_name, None)
+        except Exception:  # a lazy import that fails
+            cls = None
+        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
+            candidates.append(cls)
+    candidates += [
+        lambda c: transformers.AutoModelForCausalLM.from_config(c, trust_remote_code=False),
+        lambda c: transformers.AutoModel.from_config(c, trust_remote_code=False),
+    ]
     errors = []
     for build in candidates:
-        if build is None:
-            continue
         try:
             # The default device, not from_pretrained: shapes only, no weights read or allocated,
             # and the config's dtype is not applied (precision is the estimate's business).
-            with torch.device("meta"):
+            with torch.device("meta"), _no_stdin():
                 return build(config)
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             errors.append(str(err).splitlines()[0] if str(err) else type(err).__name__)
@@ -235,10 +297,31 @@ def _from_config_path(path: Path) -> tuple[torch.nn.Module, str]:
         raise ValueError(f"{path}: no config.json there")
     try:
         raw = json.loads(file.read_text())
-        config = transformers.AutoConfig.from_pretrained(str(file.parent) if file.name == "config.json" else str(file))
-    except (OSError, ValueError, KeyError) as err:
+    except (OSError, ValueError) as err:
         raise ValueError(f"{file}: not a transformers config ({str(err).splitlines()[0]})") from None
-    arch = (raw.get("architectures") or [None])[0]
+    if not isinstance(raw, dict):
+        raise ValueError(f"{file}: not a transformers config (a JSON {type(raw).__name__}, not an object)")
+    custom_code = (
+        f"{file}: this model needs custom code (its config's auto_map names Python files); "
+        "leanopt never runs a model's own code (trust_remote_code=False)"
+    )
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    # A known model_type builds transformers' own class even with an auto_map next to it.
+    model_type = raw.get("model_type")
+    if raw.get("auto_map") and not (isinstance(model_type, str) and model_type in CONFIG_MAPPING):
+        raise ValueError(custom_code)
+    try:
+        with _no_stdin():
+            config = transformers.AutoConfig.from_pretrained(
+                str(file.parent) if file.name == "config.json" else str(file), trust_remote_code=False
+            )
+    except (OSError, ValueError, KeyError) as err:
+        if "trust_remote_code" in str(err):
+            raise ValueError(custom_code) from None
+        raise ValueError(f"{file}: not a transformers config ({str(err).splitlines()[0]})") from None
+    architectures = raw.get("architectures")
+    arch = architectures[0] if isinstance(architectures, list) and architectures and isinstance(architectures[0], str) else None
     return _build_on_meta(config, arch, str(file)), arch or type(config).__name__
 
 
@@ -285,6 +368,8 @@ def resolve_model(spec: str) -> ModelSource:
 
     Raises ``ValueError`` with a one-line message when ``spec`` names nothing usable.
     """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError("the model name is empty: give a preset, a config.json or folder, a Hub id or a parameter count")
     count = parse_param_count(spec)
     if count is not None:
         return ModelSource(

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from leanopt.memory.estimate import MiB, StateEstimate, estimate
+from leanopt.memory.estimate import MiB, StateEstimate, estimate, unique_params
 
 __all__ = ["PRECISIONS", "TrainingMemory", "training_memory"]
 
@@ -118,7 +118,8 @@ def training_memory(
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; known: {', '.join(PRECISIONS)}")
     weight_b, grad_b, master_b, dtype = PRECISIONS[precision]
-    state = estimate(_with_dtype(model_or_params, dtype), optimizer, **optimizer_kwargs)
+    # Duplicates go first: the dtype-converted copies would no longer be the same tensor.
+    state = estimate(_with_dtype(unique_params(model_or_params), dtype), optimizer, **optimizer_kwargs)
     n = state.params
     return TrainingMemory(
         optimizer=state.optimizer,

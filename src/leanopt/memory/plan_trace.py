@@ -1,0 +1,192 @@
+"""Trace a training step on fake tensors and keep the peak of live storage, by kind.
+
+Nothing is allocated: the model's parameters are swapped for ``FakeTensorMode`` tensors of the
+same shapes, and every aten op's outputs are followed to their storage (one Python object per
+storage, freed when the last tensor over it dies). The live bytes after each op, and the
+storages live at the highest point, give the peak and its breakdown. The same Python code as a
+real step runs (HF forward, autograd, the optimizer's own ``step``), so whatever a real step
+keeps alive (saved activations, autocast's bf16 weight copies, foreach temporaries, a reused
+workspace) is kept alive here too.
+
+Two things a fake tensor cannot do are answered here, both without effect on memory:
+
+* ``.item()`` (a data-dependent scalar: an optimizer's step count, a mask check in a model)
+  returns 1 (``True`` for booleans). A model whose *shapes* depend on its data (dynamic
+  output sizes) cannot be traced and is a ``ValueError``.
+* leanopt's CPU kernels that ``torch.compile`` (the quantized and mixed-dtype AdamW updates)
+  are one fused in-place loop each: they are stubbed with a function that changes nothing and
+  allocates nothing, which is what they cost (Inductor keeps no buffer the size of a param).
+
+Caches the optimizers fill on first use (code books, lookup tables, Adafactor's workspace)
+are emptied for the trace, so that the fake ones are created and counted, and put back after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+KINDS = ("weights", "gradients", "optimizer_state", "activations", "other")
+
+# What a new storage is, by the phase that made it, until something relabels it.
+_PHASE_KIND = {"setup": "other", "forward": "activations", "backward": "other", "step": "other"}
+
+
+class _Block:
+    """One storage: its bytes and what it holds (relabelled after the fact)."""
+
+    __slots__ = ("__weakref__", "kind", "nbytes")
+
+    def __init__(self, nbytes: int, kind: str) -> None:
+        self.nbytes = nbytes
+        self.kind = kind
+
+
+@dataclass
+class Peak:
+    """The highest live bytes seen and the storages live at that moment, summed by kind."""
+
+    bytes: int = 0
+    breakdown: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+
+
+class LiveStorage(TorchDispatchMode):
+    """Counts the bytes of live tensor storage after every aten op (use inside FakeTensorMode)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase = "setup"
+        self.current = 0
+        self._live: dict[int, _Block] = {}
+        self._by_storage: weakref.WeakKeyDictionary[Any, _Block] = weakref.WeakKeyDictionary()
+        self._peak = 0
+        self._at_peak: list[_Block] = []
+        self.autocast_copies = False
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+    def _free(self, key: int) -> None:
+        block = self._live.pop(key, None)
+        if block is not None:
+            self.current -= block.nbytes
+
+    def track(self, t: torch.Tensor, kind: str | None = None) -> None:
+        """Count ``t``'s storage (once); ``kind`` relabels it."""
+        if not isinstance(t, torch.Tensor) or t.is_sparse:
+            return
+        st = t.untyped_storage()
+        block = self._by_storage.get(st)
+        if block is None:
+            block = _Block(st.nbytes(), kind or _PHASE_KIND[self.phase])
+            self._by_storage[st] = block
+            self._live[id(block)] = block
+            weakref.finalize(st, self._free, id(block))
+            self.current += block.nbytes
+            self._note()
+        elif kind is not None:
+            block.kind = kind
+
+    def kind_of(self, t: torch.Tensor) -> str | None:
+        block = self._by_storage.get(t.untyped_storage())
+        return block.kind if block is not None else None
+
+    def _note(self) -> None:
+        if self.current > self._peak:
+            self._peak = self.current
+            self._at_peak = list(self._live.values())
+
+    def reset_peak(self) -> None:
+        self._peak = self.current
+        self._at_peak = list(self._live.values())
+
+    def peak(self) -> Peak:
+        out = Peak(self._peak)
+        for block in self._at_peak:
+            out.breakdown[block.kind] += block.nbytes
+        return out
+
+    def live_by_kind(self) -> dict[str, int]:
+        out = dict.fromkeys(KINDS, 0)
+        for block in self._live.values():
+            out[block.kind] += block.nbytes
+        return out
+
+    # ---- dispatch ----------------------------------------------------------------------------
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default:
+            # A data-dependent scalar: no memory depends on it (see the module docstring).
+            t = args[0]
+            return True if t.dtype == torch.bool else (1.0 if t.is_floating_point() else 1)
+        out = func(*args, **kwargs)
+        kind = None
+        if (
+            self.autocast_copies
+            and func is torch.ops.aten._to_copy.default
+            and isinstance(args[0], torch.Tensor)
+            and self.kind_of(args[0]) == "weights"
+        ):
+            kind = "weights"  # autocast's low-precision copy of a weight, kept until backward
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.track(t, kind)
+        return out
+
+
+# ---- state the optimizers cache between calls -------------------------------------------------
+@contextlib.contextmanager
+def isolated_kernel_caches() -> Iterator[None]:
+    """Empty leanopt's kernel caches for the trace (fake entries get made and counted), restore after;
+    stub the compiled CPU kernels (fused, in place: no memory of their own)."""
+    from leanopt.kernels import cpu
+    from leanopt.quant import codebooks
+
+    saved_dicts = []
+    for owner, name in ((codebooks, "_CACHE"), (cpu, "_ENCODE_TABLES"), (cpu, "_QUANTIZED")):
+        d = getattr(owner, name, None)
+        if isinstance(d, dict):
+            saved_dicts.append((d, dict(d)))
+            d.clear()
+    pool = cpu._workspaces.__dict__.pop("pool", None)
+    stubs = {name: getattr(cpu, name) for name in ("_adamw_compiled", "_dense_safe_compiled", "_quantized_compiled") if hasattr(cpu, name)}
+    nothing: Callable[..., None] = lambda *args, **kwargs: None
+    for name in stubs:
+        setattr(cpu, name, nothing)
+    try:
+        yield
+    finally:
+        for name, fn in stubs.items():
+            setattr(cpu, name, fn)
+        cpu._workspaces.__dict__.pop("pool", None)
+        if pool is not None:
+            cpu._workspaces.pool = pool
+        for d, before in saved_dicts:
+            d.clear()
+            d.update(before)
+
+
+def state_tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor an optimizer state entry holds (plain, nested, or a quantized-state object)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from state_tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from state_tensors(v)
+    elif hasattr(value, "__dict__"):
+        for v in vars(value).values():
+            if isinstance(v, torch.Tensor):
+                yield v
+    elif hasattr(value, "__slots__"):
+        for name in value.__slots__:
+            v = getattr(value, name, None)
+            if isinstance(v, torch.Tensor):
+                yield v
