@@ -107,3 +107,30 @@ def test_sparse_gradients_are_refused() -> None:
     w.grad = torch.randn(4, 3).to_sparse()
     with pytest.raises(RuntimeError, match="sparse"):
         leanopt.AdamW([w]).step()
+
+
+@pytest.mark.parametrize("direction", ["torch->leanopt", "leanopt->torch"])
+def test_channels_last_checkpoint_continues_in_the_other_optimizer(direction: str) -> None:
+    # torch keeps a channels_last param's moments channels_last (zeros_like); leanopt keeps
+    # them row-major. A checkpoint must carry the same *logical* moments either way: the fused
+    # CPU kernel used to pair elements by memory order and continue from scrambled moments.
+    torch.manual_seed(0)
+    init = torch.randn(16, 8, 3, 3).contiguous(memory_format=torch.channels_last)
+    grads = [torch.randn(16, 8, 3, 3).contiguous(memory_format=torch.channels_last) for _ in range(8)]
+    first, second = (torch.optim.AdamW, leanopt.AdamW) if direction == "torch->leanopt" else (leanopt.AdamW, torch.optim.AdamW)
+    a, b = init.clone().requires_grad_(), init.clone().requires_grad_()
+    opt_a, opt_ref = first([a], lr=1e-2), torch.optim.AdamW([b], lr=1e-2)
+    for g in grads[:4]:
+        a.grad, b.grad = g.clone(), g.clone()
+        opt_a.step()
+        opt_ref.step()
+    opt_c = second([a], lr=1e-2)
+    opt_c.load_state_dict(opt_a.state_dict())
+    for g in grads[4:]:
+        a.grad, b.grad = g.clone(), g.clone()
+        opt_c.step()
+        opt_ref.step()
+    assert a.is_contiguous(memory_format=torch.channels_last)
+    assert rel_err(a.detach(), b.detach()) <= 1e-6
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert rel_err(opt_c.state[a][key], opt_ref.state[b][key]) <= 1e-6, key

@@ -182,7 +182,14 @@ class LeanOptimizer(torch.optim.Optimizer):
 
     # ---- save / load --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        sd = super().state_dict()
+        # torch runs the post hooks inside its state_dict; run them here instead, so that they
+        # see (and may edit or replace) the state_dict this method returns.
+        post_hooks = self._optimizer_state_dict_post_hooks
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        try:
+            sd = super().state_dict()
+        finally:
+            self._optimizer_state_dict_post_hooks = post_hooks
         params = [p for g in self.param_groups for p in g["params"]]
 
         def saved(pid: Any, st: Any) -> Any:
@@ -196,6 +203,10 @@ class LeanOptimizer(torch.optim.Optimizer):
             return {k: (v.to_state_dict() if isinstance(v, QuantizedState) else v) for k, v in st.items()}
 
         sd["state"] = {pid: saved(pid, st) for pid, st in sd["state"].items()}
+        for hook in list(post_hooks.values()):
+            result = hook(self, sd)
+            if result is not None:
+                sd = result
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -337,7 +348,7 @@ def _convert_entry(spec: StateSpec, value: Any, p: torch.Tensor, where: str) -> 
     # A fresh contiguous tensor: states are kept in the param's logical (row-major) element
     # order whatever the saved strides (a channels_last param's state saved by torch).
     dtype = spec.dtype if (value.is_floating_point() or value.is_complex() or spec.dtype.is_floating_point) else value.dtype
-    return torch.empty(value.shape, dtype=dtype, device=device).copy_(value)
+    return value.to(device=device, dtype=dtype, copy=True, memory_format=torch.contiguous_format)
 
 
 def _check_step(value: Any, where: str) -> None:
