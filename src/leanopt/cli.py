@@ -2,6 +2,7 @@
 :mod:`leanopt.checkpoint` and :mod:`leanopt.compare`.
 
     leanopt estimate MODEL [--optimizers adamw,adafactor,...] [--json]
+    leanopt plan MODEL --batch B --seq S [--budget 24GiB] [--optimizers ...] [--precisions fp32,bf16-mixed] [--json]
     leanopt inspect optimizer.pt [--json]
     leanopt convert SRC DST --to adamw|adamw8bit|adamw4bit
     leanopt compare [--quick] [...]
@@ -79,6 +80,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     est.add_argument("--json", action="store_true", help="print JSON instead of a table")
     est.set_defaults(run=cmd_estimate)
+
+    from leanopt.memory.plan import DEFAULT_OPTIMIZERS, PLAN_PRECISIONS
+
+    pl = sub.add_parser(
+        "plan",
+        help="will training fit: peak memory per setup",
+        description="Peak memory of one steady-state training step (weights, gradients, optimizer state, "
+        "activations, temporaries) for each optimizer x precision x activation checkpointing, traced on fake "
+        "tensors: nothing is allocated or downloaded but a config.",
+    )
+    pl.add_argument("model", help="a preset (distilbert-base-cased, gpt2, llama-2-7b, ...), a config.json or a folder "
+                    "with one, or a Hugging Face Hub id")  # fmt: skip
+    pl.add_argument("--batch", type=int, required=True, help="sequences per step")
+    pl.add_argument("--seq", type=int, required=True, help="tokens per sequence")
+    pl.add_argument("--budget", help="memory to fit in: 24GiB, 24GB, 500MiB or bytes")
+    pl.add_argument("--gpus", type=int, default=1, help="ranks to shard over with FSDP2 (only 1 for now)")
+    pl.add_argument("--optimizers", help=f"comma-separated (default: {','.join(DEFAULT_OPTIMIZERS)}); known: {', '.join(OPTIMIZER_NAMES)}")
+    pl.add_argument("--precisions", help=f"comma-separated (default: {','.join(PLAN_PRECISIONS)})")
+    pl.add_argument("--json", action="store_true", help="print the rows as JSON")
+    pl.set_defaults(run=cmd_plan)
 
     ins = sub.add_parser(
         "inspect",
@@ -279,6 +300,71 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 # ---- inspect -------------------------------------------------------------------------------------
 _SHOWN_OPTIONS = ("lr", "betas", "beta1", "eps", "weight_decay")
+
+
+def _split(text: str | None, what: str) -> list[str] | None:
+    if text is None:
+        return None
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise ValueError(f"--{what} is empty")
+    return items
+
+
+def _mib(nbytes: int) -> str:
+    mb = nbytes / 2**20
+    return f"{mb:.1f}" if mb < 10 else f"{mb:,.0f}"
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """``leanopt plan``: a table ranked by precision kept (or ``--json``); errors are ValueErrors."""
+    from leanopt.memory.plan import KINDS, parse_bytes, plan, recommend
+
+    _quiet_peer_import_warnings()
+    budget = parse_bytes(args.budget) if args.budget is not None else None
+    rows = plan(
+        args.model,
+        batch=args.batch,
+        seq=args.seq,
+        budget=budget,
+        gpus=args.gpus,
+        optimizers=_split(args.optimizers, "optimizers"),
+        precisions=_split(args.precisions, "precisions"),
+    )
+    if args.json:
+        print(_json([r.as_dict() for r in rows]))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console = console if console.is_terminal else Console(width=140)
+    console.print(f"[bold]{args.model}[/bold]: one training step at batch {args.batch}, seq {args.seq}, peak per setup "
+                  "(MB = MiB)", highlight=False)  # fmt: skip
+    table = Table(show_edge=False, header_style="bold")
+    for title in ("optimizer", "precision", "ckpt", "peak MB", *(k.replace("_", " ") for k in KINDS)):
+        table.add_column(title, justify="left" if title in ("optimizer", "precision", "ckpt") else "right")
+    if budget is not None:
+        table.add_column(f"≤ {_mib(budget)} MB", justify="center")
+    for r in rows:
+        cells = [r.optimizer, r.precision, "on" if r.checkpointing else "off", _mib(r.peak_bytes),
+                 *(_mib(r.breakdown[k]) for k in KINDS)]  # fmt: skip
+        if budget is not None:
+            cells.append("[green]✔[/green]" if r.fits else "[red]✘[/red]")
+        table.add_row(*cells)
+    console.print(table)
+    best = recommend(rows)
+    if budget is None:
+        line = "no --budget: nothing to check against"
+    elif best is None:
+        line = f"nothing fits in {_mib(budget)} MB: lower --batch or --seq, or shard over more devices"
+    else:
+        line = (f"recommended: {best.optimizer}, {best.precision}, activation checkpointing "
+                f"{'on' if best.checkpointing else 'off'} ({_mib(best.peak_bytes)} MB)")  # fmt: skip
+    console.print(line, highlight=False)
+    console.print("MB = MiB. Second step's peak (state exists), CPU kernels; not planned yet: gradient release, "
+                  "--gpus > 1, CUDA (docs/plan.md).", style="dim", highlight=False)  # fmt: skip
+    return 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

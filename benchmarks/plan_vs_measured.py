@@ -1,0 +1,220 @@
+"""``leanopt plan``'s predicted peak against a real training step on this machine.
+
+    python benchmarks/plan_vs_measured.py                 # the table in docs/plan.md
+    python benchmarks/plan_vs_measured.py --cases small   # the tiny models tests/test_plan.py uses
+
+Each configuration runs in a fresh process (``MALLOC_MMAP_THRESHOLD_=65536``: glibc serves every
+block of 64 KiB and more with its own mmap, so a freed tensor leaves the resident set at once):
+
+1. warm-up: a forward, backward and two optimizer steps on a two-layer model of the same
+   architecture, same precision, checkpointing and optimizer (thread pools, oneDNN, the
+   optimizer compiling its update: one-time set-up, as ``leanopt compare`` puts it in the baseline);
+2. baseline: the anonymous resident memory (``RssAnon``);
+3. the model is built (random weights, train mode), two steps are run, the kernel's high-water
+   mark is reset (``/proc/self/clear_refs``), the third step is run;
+4. measured = ``VmHWM`` − file-backed RSS − baseline: the peak of the third step over the memory
+   before the model was built.
+
+Predicted = ``leanopt.memory.plan.plan(...)`` for the same configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+CASES = {
+    # name: (preset, batch, seq, [(optimizer, precision, checkpointing)])
+    "distilbert": ("distilbert-base-cased", 8, 128),
+    "gpt2": ("gpt2", 4, 256),
+}
+CONFIGS = [("adamw", "fp32", False), ("adamw8bit", "bf16-mixed", False), ("adafactor", "fp32", False), ("adamw", "fp32", True)]
+
+# A few MB each: what tests/test_plan.py runs.
+SMALL = {
+    "tiny-distilbert": ("DistilBertForSequenceClassification", "DistilBertConfig",
+                        {"vocab_size": 8000, "dim": 256, "n_layers": 2, "n_heads": 4, "hidden_dim": 1024,
+                         "max_position_embeddings": 256, "num_labels": 2}, 16, 128),
+    "tiny-gpt2": ("GPT2LMHeadModel", "GPT2Config",
+                  {"vocab_size": 8000, "n_positions": 256, "n_embd": 256, "n_layer": 2, "n_head": 4}, 8, 128),
+}  # fmt: skip
+
+
+def _status_kib() -> dict[str, int]:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if rest.strip().endswith("kB"):
+                out[key] = int(rest.split()[0])
+    return out
+
+
+def model_spec(case: str) -> tuple[str, str, dict[str, Any], int, int]:
+    """(model class, config class, config values, batch, seq) of a case."""
+    if case in SMALL:
+        return SMALL[case]
+    from leanopt.memory.presets import PRESETS
+
+    preset, batch, seq = CASES[case]
+    p = PRESETS[preset]
+    return p.model_class, p.config_class, dict(p.config), batch, seq
+
+
+def build(case: str, *, tiny: bool = False) -> Any:
+    import transformers
+
+    model_class, config_class, values, _, _ = model_spec(case)
+    values = dict(values)
+    if tiny:  # same code paths, two small layers
+        for key in ("n_layers", "n_layer", "num_hidden_layers"):
+            if key in values:
+                values[key] = 2
+    config = getattr(transformers, config_class)(**values)
+    return getattr(transformers, model_class)(config)
+
+
+def step_fn(model: Any, optimizer: Any, precision: str, batch: int, seq: int) -> Any:
+    import torch
+
+    vocab = model.config.vocab_size
+    input_ids = torch.randint(0, vocab, (batch, seq))
+    if type(model).__name__.endswith("ForSequenceClassification"):
+        labels = torch.randint(0, model.config.num_labels, (batch,))
+    else:
+        labels = input_ids
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+            loss = model(input_ids=input_ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def prepare(model: Any, optimizer: str, precision: str, checkpointing: bool) -> Any:
+    import warnings
+
+    import torch
+
+    from leanopt.memory.estimate import resolve_optimizer
+
+    if precision == "bf16":
+        model.to(torch.bfloat16)
+    model.train()
+    if checkpointing:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    return resolve_optimizer(optimizer)(model.parameters())
+
+
+def worker(case: str, optimizer: str, precision: str, checkpointing: bool) -> int:
+    """Run in a fresh process: the measured peak of the third step, in bytes."""
+    import gc
+
+    import torch
+
+    from leanopt.compare.meter import use_mmap_for_large_blocks
+
+    use_mmap_for_large_blocks()  # as MALLOC_MMAP_THRESHOLD_=65536, also where the variable is not read
+    torch.manual_seed(0)
+    _, _, _, batch, seq = model_spec(case)
+    # 1. warm-up on a small model of the same architecture
+    tiny = build(case, tiny=True)
+    opt = prepare(tiny, optimizer, precision, checkpointing)
+    warm = step_fn(tiny, opt, precision, batch, seq)
+    warm()
+    warm()
+    del tiny, opt, warm
+    gc.collect()
+    # 2. baseline
+    base = _status_kib()["RssAnon"]
+    # 3. the model, two steps, reset the high-water mark, the third step
+    model = build(case)
+    opt = prepare(model, optimizer, precision, checkpointing)
+    step = step_fn(model, opt, precision, batch, seq)
+    step()
+    step()
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    step()
+    s = _status_kib()
+    file_backed = s.get("RssFile", 0) + s.get("RssShmem", 0)
+    del model, opt, step
+    gc.collect()
+    return (s["VmHWM"] - file_backed - base) * 1024
+
+
+def measure(case: str, configs: list[tuple[str, str, bool]]) -> list[int]:
+    """Measured peaks of ``configs`` on ``case``, one after the other in one fresh process
+    (the full benchmark starts one process per configuration)."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, __file__, "--worker", case, *(f"{o}:{p}:{int(c)}" for o, p, c in configs)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"worker {case} {configs} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def predict(case: str, optimizer: str, precision: str, checkpointing: bool) -> int:
+    from leanopt.memory.plan import plan
+
+    model = build_meta(case)
+    _, _, _, batch, seq = model_spec(case)
+    (row,) = plan(model, batch=batch, seq=seq, optimizers=[optimizer], precisions=[precision], checkpointing=[checkpointing])
+    return row.peak_bytes
+
+
+def build_meta(case: str) -> Any:
+    import torch
+
+    with torch.device("meta"):
+        return build(case)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default="full", help="full, small, or comma-separated case names")
+    parser.add_argument("--worker", nargs="+", metavar="CASE OPTIMIZER:PRECISION:CKPT")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    if args.worker:
+        case, *configs = args.worker
+        measured = []
+        for config in configs:
+            optimizer, precision, ckpt = config.split(":")
+            measured.append(worker(case, optimizer, precision, ckpt == "1"))
+        print(json.dumps(measured))
+        return 0
+    cases = {"full": list(CASES), "small": list(SMALL)}.get(args.cases) or args.cases.split(",")
+    rows = []
+    for case in cases:
+        for optimizer, precision, ckpt in CONFIGS:
+            t0 = time.perf_counter()
+            predicted = predict(case, optimizer, precision, ckpt)
+            t1 = time.perf_counter()
+            (measured,) = measure(case, [(optimizer, precision, ckpt)])
+            err = 100.0 * (predicted - measured) / measured
+            row = dict(case=case, optimizer=optimizer, precision=precision, checkpointing=ckpt,
+                       predicted_mib=round(predicted / 2**20, 1), measured_mib=round(measured / 2**20, 1),
+                       error_pct=round(err, 1), plan_s=round(t1 - t0, 1))  # fmt: skip
+            rows.append(row)
+            if not args.json:
+                print(f"| {case} | {optimizer} | {precision} | {'on' if ckpt else 'off'} | {row['predicted_mib']:,.0f} | "
+                      f"{row['measured_mib']:,.0f} | {err:+.1f} % |", flush=True)  # fmt: skip
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
