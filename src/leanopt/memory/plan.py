@@ -39,8 +39,6 @@ from typing import Any
 import torch
 
 from leanopt.memory.estimate import (
-    OPTIMIZER_NAMES,
-    MiB,
     resolve_optimizer,
     unique_params,
 )
