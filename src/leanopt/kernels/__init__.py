@@ -36,7 +36,9 @@ def check_backend(backend: str) -> str:
 def resolve_backend(backend: str, device: torch.device) -> str:
     """The backend that runs for tensors on ``device`` when ``backend`` was asked for."""
     if backend == "auto":
-        if device.type == "cuda" and triton_available():
+        # Under TRITON_INTERPRET=1 (how the tests run kernels on the CPU) Triton's interpreter
+        # would read CUDA addresses on the host: CUDA tensors take the reference instead.
+        if device.type == "cuda" and triton_available() and not triton_interpreted():
             return "triton"
         return "cpu" if device.type == "cpu" else "reference"
     if backend == "triton":
@@ -44,6 +46,8 @@ def resolve_backend(backend: str, device: torch.device) -> str:
             raise RuntimeError("backend='triton' needs the triton package (pip install triton)")
         if device.type == "cpu" and not triton_interpreted():
             raise RuntimeError("backend='triton' on CPU tensors needs TRITON_INTERPRET=1 (Triton's interpreter)")
+        if device.type != "cpu" and triton_interpreted():
+            raise RuntimeError(f"backend='triton' on {device.type} tensors needs TRITON_INTERPRET unset (it is 1)")
         return "triton"
     if backend == "cpu" and device.type != "cpu":
         raise RuntimeError(f"backend='cpu' got tensors on {device}")

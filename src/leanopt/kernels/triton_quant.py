@@ -49,9 +49,10 @@ def _encode(x, scale, thresholds_ptr, LOG2_LEN: tl.constexpr):
     y = x / tl.where(scale > 0, scale, 1.0)
     idx = tl.zeros(y.shape, dtype=tl.int32)
     for k in tl.static_range(LOG2_LEN):
-        step: tl.constexpr = (1 << LOG2_LEN) >> (k + 1)
-        t = tl.load(thresholds_ptr + idx + (step - 1))
-        idx = tl.where(t < y, idx + step, idx)
+        # The stride of this level written inline: a constexpr assigned inside a static_range
+        # is a reassignment on the second pass, which Triton's compiler (not its interpreter) refuses.
+        t = tl.load(thresholds_ptr + idx + (((1 << LOG2_LEN) >> (k + 1)) - 1))
+        idx = tl.where(t < y, idx + ((1 << LOG2_LEN) >> (k + 1)), idx)
     return idx
 
 
