@@ -171,28 +171,22 @@ class Adafactor(LeanOptimizer):
             specs.append(StateSpec("exp_avg_sq", shape, sd))
         return specs
 
-    @kernels.eager
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = self._closure_loss(closure)
-        self._check_grads()
-        for gi, group in enumerate(self.param_groups):
-            if group["relative_step"]:
-                self._check_lr_untouched(gi, group)
-            stepped = []
-            for p in self._stepped_params(group):
-                if is_dtensor(p) and not shardable(p):
-                    # Fewer rows than ranks: DTensor has no sharding for Adafactor's ops on this
-                    # param, so every rank updates it whole and keeps its shard.
-                    update_whole(lambda q, g, st: self._update("reference", gi, group, [q], [g], [st]), p, self.state[p])
-                else:
-                    stepped.append(p)
-            for (backend, _), params in self._by_backend(stepped).items():
-                self._update(backend, gi, group, params, [p.grad for p in params], [self.state[p] for p in params])
-            if group["relative_step"] and stepped:
-                latest = max(int(self.state[p]["step"]) for p in stepped)
-                group["lr"] = self._reported[gi] = _relative_step_size(group, latest)
-        return loss
+    def _step_group(self, gi: int, group: Mapping[str, Any], params: list[torch.Tensor], key: str) -> None:
+        if group["relative_step"]:
+            self._check_lr_untouched(gi, group)
+        stepped = []
+        for p in params:
+            if is_dtensor(p) and not shardable(p):
+                # Fewer rows than ranks: DTensor has no sharding for Adafactor's ops on this
+                # param, so every rank updates it whole and keeps its shard.
+                update_whole(lambda q, g, st: self._update("reference", key, group, [q], [g], [st]), p, self.state[p])
+            else:
+                stepped.append(p)
+        for (backend, _), bucket in self._by_backend(stepped).items():
+            self._update(backend, key, group, bucket, [p.grad for p in bucket], [self.state[p] for p in bucket])
+        if group["relative_step"] and params:
+            latest = max(int(self.state[p]["step"]) for p in params)
+            group["lr"] = self._reported[gi] = _relative_step_size(group, latest)
 
     def _check_lr_untouched(self, gi: int, group: Mapping[str, Any]) -> None:
         lr = group["lr"]
@@ -208,12 +202,12 @@ class Adafactor(LeanOptimizer):
             stacklevel=3,
         )
 
-    def _update(self, backend: str, gi: int, group: Mapping[str, Any], params, grads, states) -> None:
+    def _update(self, backend: str, key: str, group: Mapping[str, Any], params, grads, states) -> None:
         eps1, eps2 = group["eps"]
         kernels.adafactor(
             backend,
             self._tables,
-            f"group{gi}",
+            key,
             params,
             grads,
             [s.get("exp_avg") for s in states],

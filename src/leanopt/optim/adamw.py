@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -110,34 +110,28 @@ class AdamW(LeanOptimizer):
             )
         return None
 
-    @kernels.eager
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = self._closure_loss(closure)
-        self._check_grads()
-        for gi, group in enumerate(self.param_groups):
-            beta1, beta2 = group["betas"]
-            for (backend, _), params in self._by_backend(self._stepped_params(group)).items():
-                # Elementwise: a DTensor (FSDP2) param updates its own shard, in any backend.
-                state = lambda key: [real_view(local(self.state[p][key])) for p in params]  # noqa: E731
-                kernels.adamw(
-                    backend,
-                    self._tables,
-                    f"group{gi}",
-                    [real_view(local(p)) for p in params],
-                    [real_view(local(p.grad)) for p in params],
-                    state("exp_avg"),
-                    state("exp_avg_sq"),
-                    state("max_exp_avg_sq") if group["amsgrad"] else None,
-                    [self.state[p]["step"] for p in params],
-                    lr=as_float(group["lr"]),
-                    beta1=beta1,
-                    beta2=beta2,
-                    eps=group["eps"],
-                    weight_decay=group["weight_decay"],
-                    maximize=group["maximize"],
-                )
-        return loss
+    def _step_group(self, gi: int, group: Mapping[str, Any], params: list[torch.Tensor], key: str) -> None:
+        beta1, beta2 = group["betas"]
+        for (backend, _), bucket in self._by_backend(params).items():
+            # Elementwise: a DTensor (FSDP2) param updates its own shard, in any backend.
+            state = lambda name: [real_view(local(self.state[p][name])) for p in bucket]  # noqa: E731
+            kernels.adamw(
+                backend,
+                self._tables,
+                key,
+                [real_view(local(p)) for p in bucket],
+                [real_view(local(p.grad)) for p in bucket],
+                state("exp_avg"),
+                state("exp_avg_sq"),
+                state("max_exp_avg_sq") if group["amsgrad"] else None,
+                [self.state[p]["step"] for p in bucket],
+                lr=as_float(group["lr"]),
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                maximize=group["maximize"],
+            )
 
 
 def validate_betas(betas: Any) -> None:

@@ -7,7 +7,7 @@ formats and default block size; the maths is :func:`leanopt.kernels.reference.ad
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -132,37 +132,29 @@ class LowBitAdamW(LeanOptimizer):
         super().load_state_dict(state_dict)
 
     # ---- step -----------------------------------------------------------------------------
-    @kernels.eager
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = self._closure_loss(closure)
-        self._check_grads()
-        for gi, group in enumerate(self.param_groups):
-            beta1, beta2 = group["betas"]
-            # A DTensor (FSDP2) param updates its own shard; its quantized states hold that shard
-            # already, with scales shared across shard edges (leanopt.optim.sharding), which the
-            # reference rule handles.
-            buckets = self._by_backend(
-                self._stepped_params(group), lambda p: "reference" if is_dtensor(p) else self._backend_for(p)
+    def _step_group(self, gi: int, group: Mapping[str, Any], params: list[torch.Tensor], key: str) -> None:
+        beta1, beta2 = group["betas"]
+        # A DTensor (FSDP2) param updates its own shard; its quantized states hold that shard
+        # already, with scales shared across shard edges (leanopt.optim.sharding), which the
+        # reference rule handles.
+        buckets = self._by_backend(params, lambda p: "reference" if is_dtensor(p) else self._backend_for(p))
+        for (backend, _), bucket in buckets.items():
+            kernels.adamw_quantized(
+                backend,
+                self._tables,
+                key,
+                [local(p) for p in bucket],
+                [local(p.grad) for p in bucket],
+                [local(self.state[p]["exp_avg"]) for p in bucket],
+                [local(self.state[p]["exp_avg_sq"]) for p in bucket],
+                [self.state[p]["step"] for p in bucket],
+                lr=as_float(group["lr"]),
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                maximize=group["maximize"],
             )
-            for (backend, _), params in buckets.items():
-                kernels.adamw_quantized(
-                    backend,
-                    self._tables,
-                    f"group{gi}",
-                    [local(p) for p in params],
-                    [local(p.grad) for p in params],
-                    [local(self.state[p]["exp_avg"]) for p in params],
-                    [local(self.state[p]["exp_avg_sq"]) for p in params],
-                    [self.state[p]["step"] for p in params],
-                    lr=as_float(group["lr"]),
-                    beta1=beta1,
-                    beta2=beta2,
-                    eps=group["eps"],
-                    weight_decay=group["weight_decay"],
-                    maximize=group["maximize"],
-                )
-        return loss
 
 
 def _check_amsgrad(cls: str, amsgrad: Any) -> None:

@@ -76,6 +76,13 @@ class LeanOptimizer(torch.optim.Optimizer):
         self._tables = TableCache()
         super().__init__(params, defaults)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        # Released (leanopt.release_gradients): the gradients were freed inside backward.
+        if getattr(self, "_gradient_release", None) is not None:
+            self._gradient_release._optimizer_stepped()
+            return
+        super().zero_grad(set_to_none)
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("backend", "auto")
@@ -173,6 +180,43 @@ class LeanOptimizer(torch.optim.Optimizer):
         for p in params:
             buckets.setdefault((backend_of(p), p.device), []).append(p)
         return buckets
+
+    # ---- step -----------------------------------------------------------------------------
+    @kernels.eager
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One update of every param that has a gradient (see the class for the rule).
+
+        Gradients are checked first (sparse, wrong shape: an error before anything changes).
+        Under :func:`leanopt.release_gradients` params are stepped inside ``backward`` and this
+        only runs ``closure``.
+        """
+        loss = self._closure_loss(closure)
+        if getattr(self, "_gradient_release", None) is not None:
+            self._gradient_release._optimizer_stepped()
+            return loss
+        self._check_grads()
+        for gi, group in enumerate(self.param_groups):
+            self._step_group(gi, group, self._stepped_params(group), f"group{gi}")
+        return loss
+
+    def _step_group(self, gi: int, group: Mapping[str, Any], params: list[torch.Tensor], key: str) -> None:
+        """Update ``params`` of ``group`` (state created, ``step`` advanced); ``key`` names the
+        kernels' cached launch tables for this list of params."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def _step_param(self, p: torch.Tensor, gi: int, index: int) -> None:
+        """Update one param from its gradient now (gradient release): the same maths, per
+        param, as :meth:`step`."""
+        group = self.param_groups[gi]
+        g = p.grad
+        if g is None:
+            return
+        if g.is_sparse or g.layout != torch.strided:
+            raise RuntimeError(f"leanopt.{type(self).__name__} does not support sparse gradients (param {index} of group {gi})")
+        self._init_state(p, group)["step"] += 1
+        self._step_group(gi, group, [p], f"group{gi}/param{index}")
 
     def _closure_loss(self, closure: Callable[[], Any] | None) -> Any:
         if closure is None:
