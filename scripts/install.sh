@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install leanopt (editable) into the current Python, with transformers (the model presets of
+# Install leanopt (editable) into the current Python, with transformers, accelerate and matplotlib (the model presets of
 # `leanopt estimate` build models from their configs) and accelerate (transformers' Trainer needs
 # it): everything the README's examples use. With --test, also the test extras.
 #

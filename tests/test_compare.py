@@ -1,29 +1,38 @@
-"""``leanopt compare`` on a tiny configuration: the report's files and numbers hold together.
+"""``leanopt compare``: the tuning protocol, its statistics, progress, and the report's files.
 
-One comparison (the default task's --quick model, 6 steps, leanopt's optimizers, each in its
-own process as the command runs them) feeds most tests; the 8-bit and 4-bit checks run
-where those optimizers are importable and are skipped, by name, where they are not.
+The protocol's rules (the lr pick, mean ± std, the verdict, the time-left estimate, the load
+warning) are pure functions tested on synthetic numbers. One small comparison run as the command
+runs it (the default task's --quick model, 4 steps, a 2-point grid, 2 seeds, leanopt's
+optimizers, one process each) feeds the tests of the files and of the progress lines.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from leanopt.compare import compare, get_task, main
-from leanopt.compare.contenders import Contender, contender
+from leanopt.compare import stats
+from leanopt.compare.contenders import CONTENDERS, RELATIVE, Contender, contender
+from leanopt.compare.progress import RemainingTime, RunLines, eta_check, load_summary
 from leanopt.compare.report import markdown, table_rows
-from leanopt.compare.tasks import warmup_cosine
-from leanopt.memory import available_optimizers
+from leanopt.compare.runner import lr_grid, runs_planned, summarize
+from leanopt.compare.tasks import LR_MULTIPLIERS, SEEDS, warmup_cosine
+from leanopt.memory import OPTIMIZER_NAMES, available_optimizers
 
 LEANOPT = ("adamw", "adafactor", "adamw8bit", "adamw4bit")
-STEPS = 6
-REQUIRED = ("optimizer", "state_bytes", "peak_bytes", "step_ms", "train_step_ms", "final_loss", "val_loss",
-            "initial_loss", "loss_curve")
+STEPS = 4
+GRID = "1,3"  # two points: the centre and 3x
+ROW_KEYS = ("optimizer", "lr", "lr_grid", "seeds", "val_loss_mean", "val_loss_std", "final_loss_mean", "state_bytes",
+            "peak_bytes", "step_ms_median", "verdict", "delta", "delta_std")
 
 
 def needs(name: str) -> None:
@@ -31,139 +40,382 @@ def needs(name: str) -> None:
         pytest.skip(f"leanopt optimizer {name!r} is not importable yet")
 
 
+# ---- the statistics, on synthetic numbers ------------------------------------------------------
+@pytest.mark.parametrize(
+    "points, best",
+    [
+        ([(1e-4, 3.0), (1e-3, 2.5), (1e-2, 2.7)], 1),
+        ([(1e-4, 3.0), (1e-3, None), (1e-2, math.nan), (RELATIVE, 2.9)], 3),  # diverged points never win
+        ([(1e-4, 2.5), (1e-3, 2.5)], 0),  # a tie keeps the first
+        ([(1e-3, None), (1e-2, math.inf)], None),  # every point diverged
+    ],
+)
+def test_pick_lowest_finite_val_loss(points: list[tuple[Any, Any]], best: int | None) -> None:
+    assert stats.pick(points) == best
+
+
+def test_pick_at_grid_edge() -> None:
+    grid = [2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, RELATIVE]
+    assert stats.at_edge(grid, 4e-3) and stats.at_edge(grid, 2.5e-4)
+    assert not stats.at_edge(grid, 1e-3) and not stats.at_edge(grid, RELATIVE)
+    assert not stats.at_edge([1e-3], 1e-3)
+
+
+def test_verdict_rule_on_synthetic_numbers() -> None:
+    ref = [3.00, 3.02, 2.98]  # mean 3.00, std 0.02
+    # Far apart: worse by the difference of means ± its standard error sqrt(s1²/n1 + s2²/n2).
+    worse = stats.verdict([3.50, 3.52, 3.48], ref)
+    se = math.sqrt(0.02**2 / 3 + 0.02**2 / 3)
+    assert worse["delta"] == pytest.approx(0.5) and worse["delta_std"] == pytest.approx(se)
+    assert worse["verdict"] == f"worse by 0.500 ± {se:.3f}"
+    assert stats.verdict([2.50, 2.52, 2.48], ref)["verdict"].startswith("better by 0.500")
+    # Closer than t * SE (t = 2.78 at 4 degrees of freedom): within noise, delta still given.
+    near = stats.verdict([3.03, 3.05, 3.01], ref)
+    assert near["verdict"] == "within noise" and near["delta"] == pytest.approx(0.03)
+    # ... but 0.06 (3.6 SE) is not.
+    assert stats.verdict([3.06, 3.08, 3.04], ref)["verdict"].startswith("worse by 0.060")
+    # Two seeds each: SE 0.014, t = 4.30 at Welch's df = 2: a gap of 0.06 is noise, 0.08 is not.
+    assert stats.verdict([3.06, 3.08], [3.00, 3.02])["verdict"] == "within noise"
+    assert stats.verdict([3.08, 3.10], [3.00, 3.02])["verdict"].startswith("worse by 0.080")
+    # No spread on either side: only an exact tie is within noise.
+    assert stats.verdict([3.0, 3.0], [3.0, 3.0])["verdict"] == "within noise"
+    # One seed: no noise estimate, no verdict either way.
+    single = stats.verdict([3.2], [3.0, 3.1])
+    assert single["verdict"].startswith("untested") and single["delta_std"] is None
+
+
+def test_t_quantile_and_welch() -> None:
+    assert stats.t_quantile(2) == pytest.approx(4.303) and stats.t_quantile(4) == pytest.approx(2.776)
+    assert stats.t_quantile(4.9) == stats.t_quantile(4)  # rounded down: more cautious
+    assert stats.t_quantile(1e6) == stats.Z975
+    delta, se, df = stats.welch([1.0, 2.0, 3.0], [1.0, 1.0, 1.0])
+    assert delta == pytest.approx(1.0) and se == pytest.approx(math.sqrt(1 / 3)) and df == pytest.approx(2.0)
+
+
+def test_mean_std_and_quartiles() -> None:
+    assert stats.mean_std([1.0, 2.0, 3.0]) == (2.0, 1.0)
+    assert stats.mean_std([2.0]) == (2.0, None) and stats.mean_std([]) == (None, None)
+    assert stats.quartiles([1, 2, 3, 4, 100]) == (2, 3, 4)  # one outlier moves neither median nor IQR
+
+
+# ---- the lr grid ---------------------------------------------------------------------------------
+def test_grid_centred_on_each_optimizers_usual_lr() -> None:
+    plan = get_task("bytes-gpt").plan(device="cpu", quick=True, seed=0, steps=None, lr=None)
+    assert plan.lr == 1e-3 and plan.lr_multipliers == LR_MULTIPLIERS[True] and len(plan.seeds) == SEEDS[True] >= 2
+    assert lr_grid(plan, contender("adamw")) == pytest.approx([1e-3 / 3, 1e-3, 3e-3], rel=1e-5)
+    assert lr_grid(plan, contender("adafactor"))[-1] == RELATIVE  # the relative step: one more point
+    assert lr_grid(plan, contender("torch-adafactor")) == pytest.approx([1e-2 / 3, 1e-2, 3e-2], rel=1e-5)
+    assert runs_planned(plan, contender("adamw")) == 3 + SEEDS[True] - 1
+    full = get_task("bytes-gpt").plan(device="cpu", quick=False, seed=5, steps=None, lr=None)
+    assert len(full.lr_multipliers) >= 5 and full.seeds == [5, 6, 7]
+    fixed = get_task("bytes-gpt").plan(device="cpu", quick=True, seed=0, steps=None, lr=2e-3)
+    assert fixed.fixed_lr and lr_grid(fixed, contender("adafactor")) == [2e-3]
+    # The Trainer adds its own schedule: no relative step there.
+    trainer = get_task("distilbert-trainer").plan(device="cpu", quick=True, seed=0, steps=None, lr=None)
+    assert RELATIVE not in lr_grid(trainer, contender("adafactor"))
+
+
+def test_every_registered_optimizer_is_a_contender() -> None:
+    for name in OPTIMIZER_NAMES:
+        entry = contender(name)
+        grid = entry.lr_grid(1e-3, [0.5, 1.0, 2.0])
+        assert len(grid) == 3 + (entry.family == "adafactor")
+        kwargs = entry.kwargs(lr=grid[0], weight_decay=0.01, device=torch.device("cpu"))
+        assert kwargs["lr"] == grid[0]
+    for name in available_optimizers():
+        contender(name).build([torch.nn.Parameter(torch.zeros(2, 2))], lr=1e-3, weight_decay=0.0,
+                              device=torch.device("cpu"))
+    relative = contender("adafactor").kwargs(lr=RELATIVE, weight_decay=0.0, device=torch.device("cpu"))
+    assert relative["relative_step"] and relative["lr"] is None and not contender("adafactor").scheduled(RELATIVE)
+    with pytest.raises(ValueError, match="no relative step"):
+        contender("adamw").kwargs(lr=RELATIVE, weight_decay=0.0, device=torch.device("cpu"))
+
+
+def test_adafactor_contenders_follow_the_schedule() -> None:
+    for name in ("adafactor", "hf-adafactor"):
+        kwargs = contender(name).kwargs(lr=1e-3, weight_decay=0.01, device=torch.device("cpu"))
+        assert kwargs["relative_step"] is False and kwargs["scale_parameter"] is False and kwargs["lr"] == 1e-3
+    factor = warmup_cosine(100, 10)
+    assert factor(0) == pytest.approx(0.1) and factor(9) == pytest.approx(1.0) and factor(99) < 0.01
+
+
+def _run(lr: Any, seed: int, val: float | None, phase: str, step_ms: list[float]) -> dict[str, Any]:
+    return {"lr": lr, "seed": seed, "phase": phase, "val_loss": val, "final_loss": (val or 0) + 0.1,
+            "diverged": val is None, "state_bytes": 800, "params": 100, "peak_bytes": 5000, "fresh_process": True,
+            "step_ms_timed": step_ms, "train_step_ms_timed": [10 * x for x in step_ms], "first_step_ms": 9.0,
+            "loss_curve": [5.0, 4.0], "wall_s": 1.0}
+
+
+def test_summarize_picks_on_the_grid_and_averages_the_seeds() -> None:
+    plan = get_task("bytes-gpt").plan(device="cpu", quick=True, seed=0, steps=2, lr=None)
+    runs = [_run(1e-4, 0, 3.0, "grid", [1.0, 1.0]), _run(1e-3, 0, 2.6, "grid", [1.0, 50.0]),
+            _run(1e-2, 0, None, "grid", [1.0]), _run(1e-3, 1, 2.8, "seed", [2.0, 1.0])]
+    row = summarize("adamw", plan, {"setup_s": 0.5}, runs)
+    assert row["status"] == "ok" and row["lr"] == 1e-3 and row["lr_grid"] == [1e-4, 1e-3, 1e-2]
+    assert row["grid_val_loss"] == [3.0, 2.6, None] and row["seeds"] == [0, 1]
+    assert row["val_loss_mean"] == pytest.approx(2.7) and row["val_loss_std"] == pytest.approx(statistics.stdev([2.6, 2.8]))
+    assert row["final_loss_mean"] == pytest.approx(2.8)
+    assert row["step_ms_median"] == 1.0 and row["step_ms_max"] == 50.0  # pooled over all runs; the median ignores 50
+    assert row["setup_s"] == 0.5 and row["first_step_ms"] == 9.0 and row["peak_bytes"] == 5000
+    diverged = summarize("adamw", plan, None, [_run(1e-3, 0, None, "grid", [1.0])])
+    assert diverged["status"] == "diverged"
+
+
+# ---- progress ----------------------------------------------------------------------------------
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_remaining_time_from_finished_runs() -> None:
+    clock = FakeClock()
+    eta = RemainingTime({"a": 4, "b": 4, "c": 2}, clock=clock)
+    assert eta.estimate() is None  # nothing measured: no guess
+    eta.start("a")
+    clock.now = 3.0
+    eta.setup("a")
+    for _ in range(2):
+        clock.now += 10.0
+        eta.run("a")
+    # a: 2 runs of 10 s left; b: set-up 3 s + 4 runs; c: set-up + 2 runs, at a's pace.
+    assert eta.estimate() == pytest.approx(20 + (3 + 40) + (3 + 20))
+    eta.step("a", 0.5)
+    assert eta.estimate() == pytest.approx(15 + 43 + 23)
+    two_jobs = RemainingTime({"a": 4, "b": 4}, jobs=2, clock=clock)
+    two_jobs.start("a")
+    two_jobs.setup("a")
+    clock.now += 10.0
+    two_jobs.run("a")
+    assert two_jobs.estimate() == pytest.approx(40.0)  # b's part alone: never less than the longest part
+
+
+@pytest.mark.parametrize("torchao_setup", [(26.9, 22.0), (120.0, 120.0)], ids=["warm-cache", "cold-cache"])
+def test_remaining_time_holds_within_2x_on_a_simulated_run(torchao_setup: tuple[float, float]) -> None:
+    """Set-up and run seconds of the default full comparison as measured on 2 loaded cores
+    (docs/report: set-up plus ~3 s of process start; the mean run), with torchao's compile
+    cache warm (as it was) and cold (about 2 minutes each)."""
+    clock = FakeClock()
+    costs = {"adamw": (3.1, 8.0), "adafactor": (3.1, 9.7), "adamw8bit": (10.8, 18.4), "adamw4bit": (8.8, 18.5),
+             "torch-adamw": (3.1, 12.3), "torch-adafactor": (3.1, 11.6), "hf-adafactor": (3.5, 10.8),
+             "bnb-adamw8bit": (3.9, 9.2), "torchao-adamw8bit": (torchao_setup[0], 10.9),
+             "torchao-adamw4bit": (torchao_setup[1], 14.9)}
+    runs = 7
+    priors = {n: c.cpu_compile_s for n, c in CONTENDERS.items()}
+    eta = RemainingTime({n: runs for n in costs}, clock=clock, compile_s=priors)
+    log = []
+    for name, (setup, run) in costs.items():
+        eta.start(name)
+        clock.now += setup
+        eta.setup(name)
+        for _ in range(runs):
+            clock.now += run
+            eta.run(name)
+            log.append((clock.now, eta.estimate()))
+    check = eta_check(log, clock.now)
+    assert check is not None and check["within_2x"], check
+
+
+def test_eta_check() -> None:
+    check = eta_check([(10.0, 90.0), (50.0, 100.0), (95.0, 30.0)], 100.0)
+    assert check == {"estimates": 2, "ratio_min": 1.0, "ratio_max": 2.0, "within_2x": True}
+    assert eta_check([], 10.0) is None
+
+
+def test_load_warning() -> None:
+    busy = load_summary([3.1, 3.5, 2.9], cores=2, own_threads=1)
+    assert busy["loaded"] and "loaded" in busy["warning"] and busy["max"] == 3.5
+    quiet = load_summary([0.9, 1.2], cores=2, own_threads=1)
+    assert not quiet["loaded"] and quiet["warning"] is None
+    assert load_summary([], cores=2, own_threads=1)["loaded"] is None
+
+
+def test_one_line_per_finished_run() -> None:
+    stream = io.StringIO()
+    lines = RunLines(total=3, estimate=RemainingTime({"adamw": 3}), stream=stream)
+    lines.begin("adamw")
+    lines.event("adamw", {"event": "setup", "setup_s": 0.1, "runs": 3})
+    for i, lr in enumerate([1e-3, 3e-3, 3e-3]):
+        for step in (1, 2):
+            lines.event("adamw", {"event": "step", "step": step, "total": 2, "loss": 3.0})
+        lines.event("adamw", {"event": "run", "row": {"lr": lr, "seed": int(i == 2), "phase": "grid",
+                                                       "val_loss": 2.5, "step_ms_median": 0.7, "wall_s": 1.0}})
+    out = stream.getvalue().splitlines()
+    assert len(out) == 3 and out[0].startswith("[1/3] adamw") and out[2].startswith("[3/3] adamw")
+    assert "val 2.500" in out[0] and "left" in out[0] and "step 0.70 ms" in out[0]
+    assert len(lines.log) == 3
+
+
+# ---- one small comparison through the command ----------------------------------------------------
 @pytest.fixture(scope="module")
-def report(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+def report(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], str]:
     out = tmp_path_factory.mktemp("compare")
     argv = ["--task", "bytes-gpt", "--quick", "--steps", str(STEPS), "--device", "cpu", "--threads", "1",
-            "--optimizers", ",".join(LEANOPT), "--out", str(out)]
+            "--optimizers", ",".join(LEANOPT), "--lr-grid", GRID, "--seeds", "2", "--jobs", "2", "--out", str(out)]
+    printed = io.StringIO()  # not a terminal: one line per finished run
     # leanopt's low-bit CPU update runs eagerly here: compiling it (tested with the kernels)
     # would double this fixture's time and change none of the numbers checked below.
-    with pytest.MonkeyPatch.context() as mp:
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(printed):
         mp.setenv("LEANOPT_NO_COMPILE", "1")
         assert main(argv) == 0
-    return out, json.loads((out / "results.json").read_text())
+    return out, json.loads((out / "results.json").read_text()), printed.getvalue()
 
 
 def rows(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {r["optimizer"]: r for r in data["results"]}
 
 
-def test_files_written(report: tuple[Path, dict[str, Any]]) -> None:
-    out, data = report
+def test_progress_lines_when_not_a_terminal(report: tuple[Path, dict[str, Any], str]) -> None:
+    _, data, printed = report
+    ran = [r for r in data["results"] if r["status"] == "ok"]
+    total = sum(r["runs"] for r in ran)
+    lines = [ln for ln in printed.splitlines() if ln.startswith("[")]
+    assert len(lines) == total, printed
+    assert lines[-1].startswith(f"[{total}/{total}]") and all("left" in ln for ln in lines)
+    assert sum("picked lr" in ln for ln in printed.splitlines()) == len(ran)
+    assert data["eta"]["log"] and len(data["eta"]["log"]) == total
+
+
+def test_results_json_rows(report: tuple[Path, dict[str, Any], str]) -> None:
+    _, data = report[:2]
+    by_name = rows(data)
+    assert list(by_name) == list(LEANOPT)
+    available = set(available_optimizers())
+    for name, row in by_name.items():
+        if name not in available:
+            assert row["status"] == "skipped" and "not available" in row["reason"]
+            continue
+        assert row["status"] == "ok", row.get("reason")
+        for key in ROW_KEYS:
+            assert key in row, (name, key)
+        for key in ("lr", "val_loss_mean", "val_loss_std", "final_loss_mean", "state_bytes", "peak_bytes",
+                    "step_ms_median", "verdict"):
+            assert row[key] is not None, (name, key)
+        assert row["seeds"] == [0, 1] and len(row["val_losses"]) == 2
+        assert row["lr"] in row["lr_grid"] and len(row["grid_val_loss"]) == len(row["lr_grid"])
+        assert row["val_losses"][0] == row["grid_val_loss"][row["lr_grid"].index(row["lr"])]
+        assert row["runs"] == len(row["lr_grid"]) + 1
+    assert by_name["adamw"]["lr_grid"] == pytest.approx([1e-3, 3e-3])
+    assert by_name["adafactor"]["lr_grid"][-1] == RELATIVE
+    assert by_name["adamw"]["verdict"] == "reference" and data["reference"] == "adamw"
+    assert data["verdict_rule"] == stats.VERDICT_RULE
+    assert data["load"]["samples"] >= 1 and data["load"]["cores"] >= 1
+
+
+def test_verdicts_follow_the_rule(report: tuple[Path, dict[str, Any], str]) -> None:
+    by_name = rows(report[1])
+    ref = by_name["adamw"]["val_losses"]
+    for name, row in by_name.items():
+        if row["status"] == "ok" and name != "adamw":
+            expected = stats.verdict(row["val_losses"], ref)
+            assert (row["verdict"], row["delta"]) == (expected["verdict"], pytest.approx(expected["delta"]))
+
+
+def test_files_written(report: tuple[Path, dict[str, Any], str]) -> None:
+    out, data = report[:2]
     assert (out / "report.md").is_file()
     pytest.importorskip("matplotlib")
-    assert sorted(data["plots"]) == ["loss_curves.png", "memory_vs_loss.png"]
+    assert sorted(data["plots"]) == ["loss_curves.png", "lr_sweep.png", "memory_vs_loss.png"]
     for name in data["plots"]:
         png = out / name
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert png.stat().st_size < 200_000
 
 
-def test_one_row_per_optimizer(report: tuple[Path, dict[str, Any]]) -> None:
-    _, data = report
-    by_name = rows(data)
-    assert list(by_name) == list(LEANOPT)
-    available = set(available_optimizers())
-    for name, row in by_name.items():
-        if name in available:
-            assert row["status"] == "ok", row.get("reason")
-            for key in REQUIRED:
-                assert row[key] is not None, (name, key)
-        else:
-            assert row["status"] == "skipped" and "not available" in row["reason"]
-
-
-def test_losses_finite_and_same_data(report: tuple[Path, dict[str, Any]]) -> None:
-    _, data = report
-    ok = [r for r in data["results"] if r["status"] == "ok"]
+def test_losses_finite_and_same_data(report: tuple[Path, dict[str, Any], str]) -> None:
+    ok = [r for r in report[1]["results"] if r["status"] == "ok"]
     assert len(ok) >= 2
     for r in ok:
-        assert len(r["loss_curve"]) == STEPS
-        assert all(math.isfinite(x) for x in r["loss_curve"]), r["optimizer"]
-        assert math.isfinite(r["final_loss"]) and math.isfinite(r["val_loss"])
-        assert r["peak_bytes"] > 0 and r["step_ms"] > 0
-    # The same initial weights and first batch in every process: the first loss is bit-identical.
-    assert len({r["initial_loss"] for r in ok}) == 1
-    assert 5.0 < ok[0]["initial_loss"] < 6.0  # ~ln(256): an untrained byte model
+        assert all(len(c) == STEPS and all(math.isfinite(x) for x in c) for c in r["loss_curves"]), r["optimizer"]
+        assert r["peak_bytes"] > 0 and r["step_ms_median"] > 0
+    # The same seed means the same initial weights and first batch in every process: the
+    # first loss is bit-identical across optimizers, and differs between seeds.
+    assert len({r["initial_losses"][0] for r in ok}) == 1 and len({r["initial_losses"][1] for r in ok}) == 1
+    assert ok[0]["initial_losses"][0] != ok[0]["initial_losses"][1]
+    assert 5.0 < ok[0]["initial_losses"][0] < 6.0  # ~ln(256): an untrained byte model
 
 
-def test_adafactor_state_under_10_percent(report: tuple[Path, dict[str, Any]]) -> None:
+def test_adafactor_state_under_10_percent(report: tuple[Path, dict[str, Any], str]) -> None:
     by_name = rows(report[1])
     assert by_name["adafactor"]["state_bytes"] < 0.10 * by_name["adamw"]["state_bytes"]
     assert by_name["adamw"]["state_bytes_per_param"] == pytest.approx(8.0, abs=0.01)
 
 
-def test_8bit_state_under_30_percent(report: tuple[Path, dict[str, Any]]) -> None:
+def test_low_bit_states(report: tuple[Path, dict[str, Any], str]) -> None:
     needs("adamw8bit")
+    needs("adamw4bit")
     by_name = rows(report[1])
     assert by_name["adamw8bit"]["state_bytes"] < 0.30 * by_name["adamw"]["state_bytes"]
-
-
-def test_4bit_state_under_8bit(report: tuple[Path, dict[str, Any]]) -> None:
-    needs("adamw4bit")
-    needs("adamw8bit")
-    by_name = rows(report[1])
     assert by_name["adamw4bit"]["state_bytes"] < by_name["adamw8bit"]["state_bytes"]
 
 
-def test_estimate_matches_measurement(report: tuple[Path, dict[str, Any]]) -> None:
+def test_estimate_matches_measurement(report: tuple[Path, dict[str, Any], str]) -> None:
     for r in report[1]["results"]:
         if r["status"] == "ok" and r.get("estimated_state_bytes") is not None:
             assert r["estimated_state_bytes"] == r["state_bytes"], r["optimizer"]
 
 
-def test_report_states_environment_and_command(report: tuple[Path, dict[str, Any]]) -> None:
-    out, data = report
-    env = data["environment"]
+def test_report_states_protocol_environment_and_command(report: tuple[Path, dict[str, Any], str]) -> None:
+    out, data = report[:2]
     for key in ("device", "torch", "leanopt", "cpu_count"):
-        assert env[key] is not None
-    assert data["settings"]["seed"] == 0
+        assert data["environment"][key] is not None
     text = (out / "report.md").read_text()
-    assert data["command"] in text
+    assert data["command"] in text and markdown(data) == text
     assert data["command"].startswith("leanopt compare --task bytes-gpt")
-    assert "--quick" in data["command"] and f"--steps {STEPS}" in data["command"]
+    for part in ("--quick", f"--steps {STEPS}", "--seeds 2", "--lr-grid 1,3"):
+        assert part in data["command"]
+    assert "## The lr grid" in text and "| reference |" in text and stats.VERDICT_RULE in text
     assert len(table_rows(data)) == sum(r["status"] == "ok" for r in data["results"])
-    assert markdown(data) == text
 
 
 # ---- the other tasks and paths, in this process ------------------------------------------------
 def test_digits_reports_accuracy() -> None:
     plan = get_task("digits").plan(device="cpu", quick=True, seed=1, steps=5, lr=None)
+    plan.lr_multipliers, plan.seeds = [1.0], [1, 2]
     result = compare(plan, ["adamw", "adafactor"], isolate=False)
     for row in result.rows:
         assert row["status"] == "ok", row.get("reason")
-        assert 0.0 <= row["accuracy"] <= 1.0
-        assert len(row["loss_curve"]) == 5
-    assert result.rows[0]["initial_loss"] == result.rows[1]["initial_loss"]
+        assert all(0.0 <= a <= 1.0 for a in row["accuracy_by_seed"])
+        assert [len(c) for c in row["loss_curves"]] == [5, 5]
+    assert result.rows[0]["initial_losses"] == result.rows[1]["initial_losses"]
 
 
 @pytest.mark.slow
 def test_distilbert_trainer_path() -> None:
     pytest.importorskip("transformers")
     plan = get_task("distilbert-trainer").plan(device="cpu", quick=True, seed=0, steps=3, lr=None)
+    plan.lr_multipliers, plan.seeds = [1.0], [0]
     result = compare(plan, ["adamw", "hf-adafactor"], isolate=False)
     for row in result.rows:
         assert row["status"] == "ok", row.get("reason")
-        assert len(row["loss_curve"]) == 3 and row["accuracy"] is not None
-    assert result.rows[0]["initial_loss"] == result.rows[1]["initial_loss"]
+        assert row["lr_grid"] == [plan.lr] and row["accuracy_mean"] is not None
+    assert result.rows[0]["initial_losses"] == result.rows[1]["initial_losses"]
+
+
+def test_processes_in_parallel_give_the_same_losses(report: tuple[Path, dict[str, Any], str]) -> None:
+    """The fixture ran 2 optimizer processes at once; the same runs in this process agree exactly."""
+    plan = get_task("bytes-gpt").plan(device="cpu", quick=True, seed=0, steps=STEPS, lr=None)
+    plan.lr_multipliers, plan.seeds, plan.threads = [1.0, 3.0], [0, 1], 1
+    threads = torch.get_num_threads()
+    try:
+        (here,) = compare(plan, ["adamw"], isolate=False).rows
+    finally:
+        torch.set_num_threads(threads)
+    there = rows(report[1])["adamw"]
+    assert report[1]["jobs"] == 2
+    assert (here["lr"], here["grid_val_loss"], here["val_losses"]) == (there["lr"], there["grid_val_loss"],
+                                                                       there["val_losses"])
 
 
 def test_skips_are_rows_with_reasons() -> None:
     plan = get_task("digits").plan(device="cpu", quick=True, seed=0, steps=2, lr=None)
     result = compare(plan, ["adamw"], isolate=False, skip={"adamw": "left out on purpose"})
-    assert result.rows == [{"optimizer": "adamw", "status": "skipped", "reason": "left out on purpose"}]
+    (row,) = result.rows
+    assert (row["status"], row["reason"], row["verdict"]) == ("skipped", "left out on purpose", None)
     missing = Contender("nowhere-adamw", "adamw", "nowhere_pkg", "nowhere_pkg.optim:AdamW")
     assert missing.unavailable() == "nowhere_pkg is not installed"
-
-
-def test_adafactor_contenders_follow_the_schedule() -> None:
-    import torch
-
-    for name in ("adafactor", "hf-adafactor"):
-        kwargs = contender(name).kwargs(lr=1e-3, weight_decay=0.01, device=torch.device("cpu"))
-        assert kwargs["relative_step"] is False and kwargs["scale_parameter"] is False and kwargs["lr"] == 1e-3
-    factor = warmup_cosine(100, 10)
-    assert factor(0) == pytest.approx(0.1) and factor(9) == pytest.approx(1.0) and factor(99) < 0.01
 
 
 @pytest.mark.parametrize(
@@ -172,6 +424,10 @@ def test_adafactor_contenders_follow_the_schedule() -> None:
         (["--optimizers", "adamw,sgd-deluxe"], "unknown optimizer 'sgd-deluxe'"),
         (["--task", "nope"], "unknown task 'nope'"),
         (["--steps", "many"], "invalid int value"),
+        (["--seeds", "0"], "--seeds 0"),
+        (["--lr-grid", "1,x"], "--lr-grid 1,x"),
+        (["--lr-grid", "1,2", "--lr", "1e-3"], "exclude each other"),
+        (["--jobs", "0"], "--jobs 0"),
         # Offline, without `datasets`, or online with no such repository: one line each way.
         (["--task", "hf:some-model:some-dataset"], "--task hf:some-model:some-dataset"),
     ],

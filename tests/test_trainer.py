@@ -219,3 +219,24 @@ def test_default_adafactor_under_a_constant_scheduler_reports_its_step_size(make
         assert opt.param_groups[0]["lr"] == pytest.approx(1e-6 * t, rel=1e-12)
         scheduler.step()
     assert not [w for w in recwarn if "relative_step" in str(w.message)]
+
+
+@names
+def test_released_gradients_under_trainer_equal_the_usual_run(name: str, tmp_path) -> None:
+    # Gradient release through Trainer's own loop (optimizer.step/zero_grad are no-ops while
+    # released); clipping off, as release needs (max_grad_norm=0).
+    finals = []
+    for release in (False, True):
+        model = tiny_distilbert()
+        opt = make_optimizer(name, model.parameters())
+        handle = leanopt.release_gradients(model, opt) if release else None
+        trainer = transformers.Trainer(
+            model=model, args=training_args(tmp_path / str(release), max_grad_norm=0.0),
+            train_dataset=TokenDataset(), optimizers=(opt, None),
+        )  # fmt: skip
+        trainer.train()
+        assert state_steps(opt) == {8}
+        if handle is not None:
+            handle.remove()
+        finals.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*finals))

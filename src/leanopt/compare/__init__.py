@@ -1,8 +1,10 @@
 """Trade-off report: train one task with each optimizer, measure memory, speed and loss.
 
+Each optimizer's lr is tuned on a small grid centred on its usual default, the best is repeated
+over seeds, and each gets a verdict against AdamW that knows the seed-to-seed noise.
 ``main(argv)`` is the ``leanopt compare`` command (also ``python -m leanopt.compare``);
 ``compare(plan, optimizers)`` runs a comparison from code, ``get_task(name).plan(...)`` makes
-its plan. See docs/compare.md.
+its plan (grid and seeds included). See docs/compare.md.
 """
 
 from leanopt.compare.command import main

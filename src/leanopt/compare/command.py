@@ -13,13 +13,13 @@ from typing import Any, NoReturn
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from leanopt.compare.contenders import DEFAULT_CONTENDERS, contender
 from leanopt.compare.plots import write_plots
+from leanopt.compare.progress import LoadMonitor, RemainingTime, RunBars, RunLines, eta_check, load_summary
 from leanopt.compare.report import command_line, markdown, print_table, to_json, write_json
-from leanopt.compare.runner import compare
-from leanopt.compare.tasks import BUILTIN_TASKS, DEFAULT_TASK, TaskUnavailable, get_task
+from leanopt.compare.runner import compare, runs_planned
+from leanopt.compare.tasks import BUILTIN_TASKS, DEFAULT_TASK, LR_MULTIPLIERS, SEEDS, TaskUnavailable, get_task
 
 PROG = "leanopt compare"
 
@@ -36,8 +36,9 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog=PROG,
-        description="Train the same model on the same data with each optimizer; report state memory, "
-        "peak memory, step time, loss curves and validation loss (results.json, report.md, PNGs).",
+        description="Train the same model on the same data with each optimizer, its learning rate tuned "
+        "on a small grid and the best repeated over seeds; report state memory, peak memory, step time, "
+        "validation loss (mean ± std) and a verdict against AdamW (results.json, report.md, PNGs).",
     )
     parser.add_argument("--task", default=DEFAULT_TASK,
                         help=f"{', '.join(BUILTIN_TASKS)}, or hf:<model>:<dataset> (needs the network) "
@@ -45,22 +46,36 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--optimizers", default=None,
                         help="comma-separated names; unavailable ones are skipped with the reason "
                         f"(default: {','.join(DEFAULT_CONTENDERS)}; with --quick on the CPU the torchao ones "
-                        "are left out unless named, for their compile time)")
+                        "(their compile time) and torch-adafactor are left out unless named)")
     parser.add_argument("--steps", type=int, default=None, help="training steps (default: the task's)")
     parser.add_argument("--device", default=None,
                         help="cpu or cuda (default: cuda when available); on CUDA the task sizes scale up")
     parser.add_argument("--out", default="out/compare", help="output directory (default: %(default)s)")
     parser.add_argument("--quick", action="store_true",
-                        help="small sizes: the default task with every default optimizer in about 3 minutes "
-                        "on 2 CPU cores")
-    parser.add_argument("--seed", type=int, default=0, help="initial weights and data order (default: 0)")
-    parser.add_argument("--lr", type=float, default=None, help="peak learning rate for all (default: the task's)")
+                        help=f"small sizes, a {len(LR_MULTIPLIERS[True])}-point lr grid and {SEEDS[True]} seeds: "
+                        "the default task and optimizers (on the CPU less the torchao pair and torch-adafactor) in under "
+                        "4 minutes on 2 CPU cores")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the first seed (initial weights and data order); the lr is tuned on it (default: 0)")
+    parser.add_argument("--seeds", type=int, default=None,
+                        help=f"seeds at each optimizer's best lr (default {SEEDS[False]}, {SEEDS[True]} with --quick)")
+    parser.add_argument("--lr-grid", default=None, metavar="M1,M2,...",
+                        help="multipliers of each optimizer's usual lr to try (default "
+                        f"{_multipliers(LR_MULTIPLIERS[False])}; {_multipliers(LR_MULTIPLIERS[True])} with --quick)")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="one peak learning rate for all, no tuning (default: tune each optimizer's)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="optimizers trained at once, one process each (default 1: the steadiest timings)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads in each run (default: torch's; 1 gives steadier timings "
                         "on a machine shared with other work)")
     parser.add_argument("--no-isolate", dest="isolate", action="store_false",
                         help="run every optimizer in this process (faster start; CPU peaks then depend on order)")
     return parser
+
+
+def _multipliers(values: list[float]) -> str:
+    return ",".join(f"{v:.4g}" for v in values)
 
 
 def fail(message: str) -> int:
@@ -97,6 +112,19 @@ def _argument_problem(args: argparse.Namespace) -> str | None:
         return f"--lr {args.lr}: the learning rate must be a finite number > 0"
     if args.steps is not None and args.steps < 1:
         return f"--steps {args.steps}: must be at least 1"
+    if args.seeds is not None and args.seeds < 1:
+        return f"--seeds {args.seeds}: must be at least 1"
+    if args.jobs < 1:
+        return f"--jobs {args.jobs}: must be at least 1"
+    if args.lr_grid is not None:
+        if args.lr is not None:
+            return "--lr-grid and --lr exclude each other (--lr fixes one lr for all)"
+        try:
+            values = [float(x) for x in args.lr_grid.split(",") if x.strip()]
+        except ValueError:
+            return f"--lr-grid {args.lr_grid}: expected comma-separated numbers, e.g. 0.5,1,2"
+        if not values or not all(math.isfinite(v) and v > 0 for v in values):
+            return f"--lr-grid {args.lr_grid}: expected finite numbers > 0"
     target = os.path.abspath(args.out)
     folder = target
     while not os.path.exists(folder):  # the nearest existing ancestor: where mkdir would start
@@ -134,50 +162,54 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as e:
         return fail(str(e))
     plan.threads = args.threads
+    if args.seeds is not None:
+        plan.seeds = [plan.seed + i for i in range(args.seeds)]
+    if args.lr_grid is not None:
+        plan.lr_multipliers = sorted({float(x) for x in args.lr_grid.split(",") if x.strip()})
     skip = {}
     if args.optimizers is None and plan.quick and device == "cpu":
         skip = {n: c.slow_on_cpu for n in names if (c := contender(n)).slow_on_cpu}
 
     # Piped output keeps the whole table instead of squeezing it to 80 columns.
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 150)
-    console.print(f"[bold]{PROG}[/bold]: {task.name} — {task.description}; {plan.steps} steps on {device}, "
-                  f"seed {plan.seed}{' (quick)' if plan.quick else ''}")
+    tty = sys.stdout.isatty()
+    console = Console(highlight=False, width=None if tty else 150)
+    runnable = [n for n in names if n not in skip and contender(n).unavailable() is None]
+    planned = {n: runs_planned(plan, contender(n)) for n in runnable}
+    total = sum(planned.values())
+    grid_text = "lr fixed at " + f"{plan.lr:g}" if plan.fixed_lr else (
+        f"lr grid x{_multipliers(plan.lr_multipliers)} of each optimizer's usual lr"
+        + (" + Adafactor's relative step" if plan.relative_step else ""))
+    console.print(f"[bold]{PROG}[/bold]: {task.name} — {task.description}; {plan.steps} steps on {device}; "
+                  f"{grid_text}; seeds {','.join(map(str, plan.seeds))}; {total} runs of {len(runnable)} optimizers"
+                  f"{' (quick)' if plan.quick else ''}")
     start = time.perf_counter()
-    progress = Progress(
-        TextColumn("{task.description:<18}"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), console=console,
-    )
-    bars: dict[str, TaskID] = {}
-    current: list[str] = []
-
-    def on_start(name: str) -> None:
-        current[:] = [name]
-        bars[name] = progress.add_task(name, total=plan.steps, loss="…")
-
-    def on_event(event: dict[str, Any]) -> None:
-        if event.get("event") == "step" and current:
-            loss = event.get("loss")
-            progress.update(bars[current[0]], completed=event["step"],
-                            loss="nan" if loss is None else f"{loss:.3f}")
-
-    def on_row(row: dict[str, Any]) -> None:
-        if row["status"] != "ok":
-            progress.console.print(f"[yellow]{row['optimizer']}: {row['status']}[/yellow] — {row['reason']}",
-                                   markup=True, highlight=False)
-
-    with progress:
-        result = compare(plan, names, isolate=args.isolate, skip=skip, on_start=on_start, on_event=on_event, on_row=on_row)
+    compiles = {n: contender(n).cpu_compile_s for n in runnable} if device == "cpu" else {}
+    if os.environ.get("LEANOPT_NO_COMPILE", "") not in ("", "0"):  # leanopt's own update runs eagerly
+        compiles = {n: s for n, s in compiles.items() if contender(n).origin != "leanopt"}
+    estimate = RemainingTime(planned, jobs=args.jobs, compile_s=compiles)
+    display = RunBars(total, estimate, console) if tty else RunLines(total, estimate)
+    threads = (args.threads or torch.get_num_threads()) * min(args.jobs, max(1, len(runnable)))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    with LoadMonitor() as load, display:
+        result = compare(plan, names, isolate=args.isolate, jobs=args.jobs, skip=skip, on_start=display.begin,
+                         on_event=display.event, on_row=display.row)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     command = command_line(result, args.out, lr_given=args.lr is not None, threads=args.threads,
-                           names_given=args.optimizers is not None)
+                           names_given=args.optimizers is not None, seeds_given=args.seeds is not None,
+                           grid_given=args.lr_grid is not None, jobs=args.jobs)
     data = to_json(result, command, [], None)
+    data["load"] = load_summary(load.samples, cores, threads if device == "cpu" else 1)
+    data["eta"] = {"log": [[round(a, 2), round(b, 2)] for a, b in display.log],
+                   "check": eta_check(display.log, result.wall_s)}
     plots, note = write_plots(data, out)
     data.update(plots=plots, plot_note=note)
     write_json(data, out / "results.json")
     (out / "report.md").write_text(markdown(data))
     print_table(data, console)
+    if data["load"].get("warning"):
+        console.print(f"[yellow]warning[/yellow]: {data['load']['warning']}")
     if note:
         console.print(f"no plots: {note}")
     written = ", ".join(str(out / f) for f in ["results.json", "report.md", *plots])

@@ -219,6 +219,9 @@ class Recorder:
             "step_ms_median": median_after_warmup(self.optimizer_ms),
             "train_step_ms": mean_after_warmup(self.train_ms),
             "first_step_ms": self.optimizer_ms[0] if self.optimizer_ms else None,
+            # Every timed step, for medians and spreads pooled over a protocol's runs.
+            "step_ms_timed": self.optimizer_ms[skip:] or self.optimizer_ms,
+            "train_step_ms_timed": self.train_ms[skip:] or self.train_ms,
             "timed_after_step": skip,
             "initial_loss": self.losses[0] if self.losses else None,
             "final_loss": statistics.fmean(last) if last else None,

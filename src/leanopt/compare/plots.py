@@ -1,4 +1,4 @@
-"""PNG plots of a comparison (matplotlib, Agg backend; optional: without it, no plots)."""
+"""PNG plots of a comparison (matplotlib, Agg backend; without it, no plots and the report says so)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 MiB = 1024**2
 LOSS_CURVES = "loss_curves.png"
 MEMORY_VS_LOSS = "memory_vs_loss.png"
+LR_SWEEP = "lr_sweep.png"
 
 
 def _smooth(values: list[float | None], window: int) -> list[float]:
@@ -62,6 +63,25 @@ def _place_labels(groups: list[tuple[float, float, str]]) -> list[tuple[float, f
     return out
 
 
+def _mean_band(curves: list[list[float | None]], window: int) -> tuple[list[float], list[float], list[float]]:
+    """Per-step mean of the smoothed curves and mean ± std (the band) across seeds."""
+    smoothed = [_smooth(c, window) for c in curves if c]
+    n = min((len(c) for c in smoothed), default=0)
+    mean, low, high = [], [], []
+    for i in range(n):
+        xs = [c[i] for c in smoothed]
+        m = sum(xs) / len(xs)
+        sd = (sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 if len(xs) > 1 else 0.0
+        mean.append(m)
+        low.append(m - sd)
+        high.append(m + sd)
+    return mean, low, high
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
 def write_plots(data: dict[str, Any], out_dir: Path) -> tuple[list[str], str | None]:
     """Write the plots; returns (file names, None) or ([], why there are none)."""
     try:
@@ -71,21 +91,24 @@ def write_plots(data: dict[str, Any], out_dir: Path) -> tuple[list[str], str | N
         import matplotlib.pyplot as plt
     except ImportError:
         return [], "matplotlib is not installed (pip install matplotlib)"
-    rows = [r for r in data["results"] if r["status"] == "ok" and r.get("loss_curve")]
+    rows = [r for r in data["results"] if r["status"] == "ok" and r.get("loss_curves")]
     if not rows:
         return [], "no optimizer finished"
     colors = {r["optimizer"]: plt.get_cmap("tab10")(i % 10) for i, r in enumerate(data["results"])}
     task, steps = data["settings"]["task"], data["settings"]["steps"]
+    n_seeds = len(data["settings"]["seeds"])
     files = []
 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=90)
     window = max(1, steps // 12)
     tops, bottoms = [], []
     for r in rows:
-        curve = _smooth(r["loss_curve"], window)
+        mean, low, high = _mean_band(r["loss_curves"], window)
+        x = range(1, len(mean) + 1)
         style = "--" if r["origin"] != "leanopt" else "-"
-        ax.plot(range(1, len(curve) + 1), curve, style, lw=1.4, color=colors[r["optimizer"]], label=r["optimizer"])
-        tail = [v for v in curve[max(1, steps // 8) :] if math.isfinite(v)]
+        ax.plot(x, mean, style, lw=1.4, color=colors[r["optimizer"]], label=f"{r['optimizer']} (lr {_lr(r['lr'])})")
+        ax.fill_between(x, low, high, color=colors[r["optimizer"]], alpha=0.15, lw=0)
+        tail = [v for v in mean[max(1, steps // 8) :] if math.isfinite(v)]
         if tail:
             tops.append(max(tail))
             bottoms.append(min(tail))
@@ -94,31 +117,73 @@ def write_plots(data: dict[str, Any], out_dir: Path) -> tuple[list[str], str | N
         ax.set_ylim(min(bottoms) - 0.05 * span, max(tops) + 0.05 * span)
     ax.set_xlabel("step")
     ax.set_ylabel(f"training loss (moving mean of {window})")
-    ax.set_title(f"{task}: training loss (dashed: peers)")
+    ax.set_title(f"{task}: training loss at each tuned lr, mean ± std over {n_seeds} seeds (dashed: peers)",
+                 fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, ncol=2)
+    ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(out_dir / LOSS_CURVES)
     plt.close(fig)
     files.append(LOSS_CURVES)
 
-    scored = [r for r in rows if r.get("val_loss") is not None and math.isfinite(r["val_loss"])]
+    scored = [r for r in rows if _finite(r.get("val_loss_mean"))]
     if scored:
         fig, axes = plt.subplots(1, 2, figsize=(9, 4), dpi=90, sharey=True)
         for ax, key, label in ((axes[0], "state_bytes", "optimizer state (MiB)"),
                                (axes[1], "peak_bytes", "peak training memory (MiB)")):
-            points = [(r[key] / MiB, r["val_loss"], r) for r in scored if r.get(key) is not None]
+            points = [(r[key] / MiB, r["val_loss_mean"], r) for r in scored if r.get(key) is not None]
             for x, y, r in points:
-                ax.scatter(x, y, color=colors[r["optimizer"]], s=36, marker="o" if r["origin"] == "leanopt" else "^")
+                ax.errorbar(x, y, yerr=r.get("val_loss_std") or 0.0, color=colors[r["optimizer"]], capsize=3,
+                            marker="o" if r["origin"] == "leanopt" else "^", ms=6, lw=1)
             for x, y, names, dy in _place_labels(_label_groups(points)):
                 ax.annotate(names, (x, y), fontsize=7, xytext=(5, dy), textcoords="offset points")
             ax.margins(x=0.3, y=0.12)
             ax.set_xlabel(label)
             ax.grid(alpha=0.3)
-        axes[0].set_ylabel("validation loss")
-        fig.suptitle(f"{task}: memory vs validation loss (circles: leanopt, triangles: peers)", fontsize=10)
+        axes[0].set_ylabel(f"validation loss (mean ± std, {n_seeds} seeds)")
+        fig.suptitle(f"{task}: memory vs validation loss at each tuned lr (circles: leanopt, triangles: peers)",
+                     fontsize=10)
         fig.tight_layout()
         fig.savefig(out_dir / MEMORY_VS_LOSS)
         plt.close(fig)
         files.append(MEMORY_VS_LOSS)
+
+    swept = [r for r in rows if len(r.get("lr_grid") or []) > 1]
+    if swept:
+        fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=90)
+        values = [v for r in swept for v in r.get("grid_val_loss") or [] if _finite(v)]
+        for r in swept:
+            color = colors[r["optimizer"]]
+            style = "--" if r["origin"] != "leanopt" else "-"
+            pts = [(lr, v) for lr, v in zip(r["lr_grid"], r["grid_val_loss"]) if _finite(lr) and _finite(v)]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker=".", color=color, lw=1.2,
+                        label=r["optimizer"])
+            relative = [v for lr, v in zip(r["lr_grid"], r["grid_val_loss"]) if lr == "relative" and _finite(v)]
+            for v in relative:
+                ax.axhline(v, color=color, ls=":", lw=1)
+                ax.annotate(f"{r['optimizer']}: relative step", (1.0, v), xycoords=("axes fraction", "data"),
+                            xytext=(-4, 2), textcoords="offset points", ha="right", fontsize=6, color=color)
+            if _finite(r.get("lr")) and _finite(r.get("val_loss_mean")):
+                ax.errorbar([r["lr"]], [r["val_loss_mean"]], yerr=[r.get("val_loss_std") or 0.0], color=color,
+                            marker="*", ms=10, capsize=4, lw=1.2)
+        if values:
+            low, high = min(values), max(values)
+            span = (high - low) or 0.1
+            ax.set_ylim(low - 0.08 * span, high + 0.12 * span)
+        ax.set_xscale("log")
+        ax.set_xlabel("peak learning rate")
+        ax.set_ylabel("validation loss (first seed)")
+        ax.set_title(f"{task}: validation loss vs lr (star: the pick, mean ± std over {n_seeds} seeds; "
+                     "dotted: relative step)", fontsize=8)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        fig.savefig(out_dir / LR_SWEEP)
+        plt.close(fig)
+        files.append(LR_SWEEP)
     return files, None
+
+
+def _lr(lr: Any) -> str:
+    return f"{lr:.3g}" if isinstance(lr, (int, float)) else str(lr)

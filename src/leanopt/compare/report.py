@@ -10,35 +10,40 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from leanopt.compare.runner import Comparison, _finite
+from leanopt.compare import stats
+from leanopt.compare.progress import duration, lr_text
+from leanopt.compare.runner import REFERENCES, Comparison, _finite
 
 MiB = 1024**2
-FORMAT = "leanopt-compare/1"
-REFERENCES = ("adamw", "torch-adamw")  # "state vs AdamW" is relative to the first of these that ran
+FORMAT = "leanopt-compare/2"
 
 MEASURES = {
+    "lr": "the pick: the grid point with the lowest validation loss on the first seed (lr_grid, grid_val_loss); "
+    "'relative' is Adafactor's own relative step size (no external schedule)",
+    "val_loss_mean": "validation loss after training, mean ± sample std over the seeds at the picked lr "
+    "(val_losses: each seed's; the first seed's run is the grid's)",
+    "final_loss_mean": "mean training loss over the last 10 steps, mean over the seeds",
+    "verdict": stats.VERDICT_RULE,
     "state_bytes": "bytes of optimizer state after the last step, leanopt.measure(optimizer) "
     "(each storage once; quantized and nested states followed)",
-    "step_ms": "mean wall time of optimizer.step() (step hooks; CUDA synchronized), "
-    "leaving out the first steps (lazy state, allocator); first_step_ms is the first",
-    "setup_s": "seconds of the warm-up before the measured run: a throwaway model's forward, backward and "
-    "step with the same optimizer (imports, first-use set-up, the optimizer compiling its update)",
-    "train_step_ms": "mean wall time of a whole training step: forward, backward, step, schedule, zero_grad",
-    "final_loss": "mean training loss over the last 10 steps",
-    "val_loss": "loss on the held-out data after training (and accuracy where the task has labels)",
-    "initial_loss": "the first step's loss, before any update: equal for every optimizer "
-    "(same initial weights, same first batch)",
+    "step_ms_median": "median wall time of optimizer.step() (step hooks; CUDA synchronized) over every timed step "
+    "of every run of the optimizer (grid and seeds), leaving out each run's first steps; step_ms_q1/q3: the "
+    "quartiles, step_ms_min/max: the extremes",
+    "first_step_ms": "the first optimizer.step() of the process's first measured run (lazy state creation)",
+    "setup_s": "seconds of the warm-up, once per optimizer before any measured run: a throwaway model's forward, "
+    "backward and step (imports, first-use set-up, the optimizer compiling its update)",
+    "train_step_ms_median": "median wall time of a whole training step: forward, backward, step, schedule, zero_grad",
 }
 
 
 def _order(row: dict[str, Any]) -> tuple[int, int]:
     if row["status"] == "ok":
         return (0, row["rank"]) if "rank" in row else (1, 0)
-    return ({"failed": 2, "skipped": 3}.get(row["status"], 4), 0)
+    return ({"diverged": 2, "failed": 3, "skipped": 4}.get(row["status"], 5), 0)
 
 
 def ordered(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Ranked rows first (best validation loss first), then diverged, failed and skipped ones."""
+    """Ranked rows first (best mean validation loss first), then diverged, failed and skipped ones."""
     return sorted(rows, key=_order)
 
 
@@ -51,15 +56,22 @@ def reference_state(rows: list[dict[str, Any]]) -> tuple[str, int] | None:
 
 
 def command_line(comparison: Comparison, out: str, *, lr_given: bool = False, threads: int | None = None,
-                 names_given: bool = True, prog: str = "leanopt compare") -> str:
+                 names_given: bool = True, seeds_given: bool = False, grid_given: bool = False, jobs: int = 1,
+                 prog: str = "leanopt compare") -> str:
     """The command that reruns this comparison (``--optimizers`` left out when it was the default)."""
     plan = comparison.plan
     parts = [prog, "--task", plan.task]
     if names_given:
         parts += ["--optimizers", ",".join(comparison.optimizers)]
-    parts += ["--steps", str(plan.steps), "--device", plan.device, "--seed", str(plan.seed), "--out", out]
+    parts += ["--steps", str(plan.steps), "--device", plan.device, "--seed", str(plan.seeds[0]), "--out", out]
+    if seeds_given:
+        parts += ["--seeds", str(len(plan.seeds))]
+    if grid_given:
+        parts += ["--lr-grid", ",".join(f"{m:.4g}" for m in plan.lr_multipliers)]
     if threads:
         parts += ["--threads", str(threads)]
+    if jobs != 1:
+        parts += ["--jobs", str(jobs)]
     if lr_given:
         parts += ["--lr", repr(plan.lr)]
     if plan.quick:
@@ -76,6 +88,9 @@ def to_json(comparison: Comparison, command: str, plots: list[str], plot_note: s
         "command": command,
         "environment": comparison.environment,
         "measured": dict(MEASURES, peak_bytes=comparison.memory_method),
+        "verdict_rule": stats.VERDICT_RULE,
+        "reference": comparison.reference,
+        "jobs": comparison.jobs,
         "wall_s": comparison.wall_s,
         "plots": plots,
         "plot_note": plot_note,
@@ -84,7 +99,7 @@ def to_json(comparison: Comparison, command: str, plots: list[str], plot_note: s
 
 
 def write_json(data: dict[str, Any], path: Path) -> None:
-    path.write_text(json.dumps(data, indent=1) + "\n")
+    path.write_text(json.dumps(_finite(data), indent=1) + "\n")
 
 
 # ---- formatting --------------------------------------------------------------------------------
@@ -102,11 +117,20 @@ def _ms(x: Any) -> str:
     return "" if x is None else (f"{x:.2f}" if x < 10 else f"{x:.1f}")
 
 
-COLUMNS = ["rank", "optimizer", "state MiB", "B/param", "vs AdamW", "peak MiB", "step ms", "train step ms",
-           "final loss", "val loss", "accuracy"]
+def _pm(mean: Any, std: Any, digits: int = 3) -> str:
+    if mean is None:
+        return ""
+    return _num(mean, digits) + ("" if std is None else f" ± {_num(std, digits)}")
 
 
-def table_rows(data: dict[str, Any]) -> list[list[str]]:
+COLUMNS = ["rank", "optimizer", "lr (pick)", "val loss (mean ± std)", "verdict vs AdamW", "final loss",
+           "state MiB", "B/param", "vs AdamW", "peak MiB", "step ms median [IQR]", "first step ms", "set-up s",
+           "accuracy"]
+TERMINAL_COLUMNS = {"rank", "optimizer", "lr (pick)", "val loss (mean ± std)", "verdict vs AdamW", "state MiB",
+                    "vs AdamW", "peak MiB", "step ms median [IQR]", "accuracy"}
+
+
+def table_rows(data: dict[str, Any], *, markdown: bool = False) -> list[list[str]]:
     rows = data["results"]
     ref = reference_state(rows)
     out = []
@@ -114,39 +138,90 @@ def table_rows(data: dict[str, Any]) -> list[list[str]]:
         if r["status"] != "ok":
             continue
         ratio = f"{r['state_bytes'] / ref[1]:.3f}" if ref and r.get("state_bytes") is not None else ""
+        pick = lr_text(r.get("lr")) + (" (edge)" if r.get("lr_at_grid_edge") else "")
+        step = _ms(r.get("step_ms_median"))
+        if r.get("step_ms_q1") is not None:
+            step += f" [{_ms(r['step_ms_q1'])}–{_ms(r['step_ms_q3'])}]"
+        acc = r.get("accuracy_mean")
         out.append([
             str(r.get("rank", "-")),
             r["optimizer"],
+            pick,
+            _pm(r.get("val_loss_mean"), r.get("val_loss_std")) + f" (n={len(r.get('seeds') or [])})",
+            r.get("verdict") or "",
+            _pm(r.get("final_loss_mean"), r.get("final_loss_std")),
             _mib(r.get("state_bytes")),
             _num(r.get("state_bytes_per_param"), 2),
             ratio,
             _mib(r.get("peak_bytes")),
-            _ms(r.get("step_ms")),
-            _ms(r.get("train_step_ms")),
-            _num(r.get("final_loss")),
-            _num(r.get("val_loss")),
-            "" if r.get("accuracy") is None else f"{100 * r['accuracy']:.1f}%",
+            step,
+            _ms(r.get("first_step_ms")),
+            _num(r.get("setup_s"), 1),
+            "" if acc is None else f"{100 * acc:.1f}%",
         ])
+    if not any(row[-1] for row in out):
+        for row in out:
+            row.pop()
     return out
 
 
+def columns(data: dict[str, Any]) -> list[str]:
+    has_acc = any(r.get("accuracy_mean") is not None for r in data["results"] if r["status"] == "ok")
+    return COLUMNS if has_acc else COLUMNS[:-1]
+
+
 def not_run(data: dict[str, Any]) -> list[str]:
-    return [f"{r['optimizer']} ({r['status']}): {r['reason']}" for r in ordered(data["results"])
-            if r["status"] != "ok" or r.get("diverged")]
+    return [f"{r['optimizer']} ({r['status']}): {r.get('reason') or 'diverged at its pick'}"
+            for r in ordered(data["results"]) if r["status"] != "ok" or r.get("diverged")]
 
 
 def print_table(data: dict[str, Any], console: Console) -> None:
     settings = data["settings"]
     table = Table(title=f"leanopt compare: {settings['task']} ({settings['steps']} steps, {settings['device']}, "
-                        f"seed {settings['seed']})")
-    numeric = set(COLUMNS) - {"optimizer"}
-    for col in COLUMNS:
-        table.add_column(col, justify="right" if col in numeric else "left")
+                        f"seeds {','.join(map(str, settings['seeds']))})")
+    cols = columns(data)
+    keep = [i for i, c in enumerate(cols) if c in TERMINAL_COLUMNS]  # report.md has them all
+    numeric = set(cols) - {"optimizer", "verdict vs AdamW", "lr (pick)"}
+    for i in keep:
+        table.add_column(cols[i], justify="right" if cols[i] in numeric else "left")
     for row in table_rows(data):
-        table.add_row(*row)
+        table.add_row(*(row[i] for i in keep))
     console.print(table)
     for line in not_run(data):
         console.print(f"[yellow]not ranked[/yellow] {line}")
+
+
+def grid_rows(data: dict[str, Any]) -> list[str]:
+    out = []
+    for r in ordered(data["results"]):
+        if r.get("lr_grid"):
+            pairs = []
+            for lr, loss in zip(r["lr_grid"], r.get("grid_val_loss") or []):
+                text = f"{lr_text(lr)}: {_num(loss) if stats.finite(loss) else 'diverged'}"
+                pairs.append(f"**{text}**" if lr == r.get("lr") else text)
+            edge = " (edge)" if r.get("lr_at_grid_edge") else ""
+            out.append(f"| {r['optimizer']} | {', '.join(pairs)} | {lr_text(r.get('lr'))}{edge} |")
+    return out
+
+
+def timing_note(data: dict[str, Any]) -> list[str]:
+    load = data.get("load") or {}
+    lines = []
+    if load.get("warning"):
+        lines += [f"**Warning: {load['warning']}.**", ""]
+    elif load.get("samples"):
+        lines += [f"Load during the run: 1-minute load average {load['mean']:.1f} on average (max {load['max']:.1f}) "
+                  f"on {load['cores']} cores; not over the core count.", ""]
+    return lines
+
+
+def eta_note(data: dict[str, Any]) -> list[str]:
+    check = (data.get("eta") or {}).get("check")
+    if not check:
+        return []
+    held = "held within 2x" if check["within_2x"] else "did not hold within 2x"
+    return [f"Progress: the remaining-time estimate {held} ({check['estimates']} estimates, estimate/actual "
+            f"{check['ratio_min']:.2f}–{check['ratio_max']:.2f}, leaving out the last 10% of the run).", ""]
 
 
 def markdown(data: dict[str, Any]) -> str:
@@ -154,35 +229,58 @@ def markdown(data: dict[str, Any]) -> str:
     ok = [r for r in data["results"] if r["status"] == "ok"]
     params = ok[0]["params"] if ok else None
     ref = reference_state(data["results"])
+    cols = columns(data)
+    if s.get("fixed_lr"):
+        protocol = f"one lr for all, {s['lr']:g} (not tuned: rankings at one shared lr mislead, see docs/compare.md)"
+    else:
+        protocol = ("each optimizer's lr tuned on the grid " +
+                    ", ".join(f"{m:.3g}" for m in s["lr_multipliers"]) + " × its usual lr"
+                    + (" plus Adafactor's relative step" if s.get("relative_step") else "")
+                    + f", picked by validation loss on seed {s['seeds'][0]}")
     lines = [
         f"# leanopt compare: `{task['name']}`",
         "",
         f"{task['description']}.",
-        f"{'' if params is None else f'{params:,} parameters, '}{s['steps']} steps of batch {s['batch_size']}, "
-        f"peak lr {s['lr']:g} (linear warm-up over {s['warmup_steps']} step{'s' if s['warmup_steps'] != 1 else ''}, "
-        f"then cosine to 0), weight decay {s['weight_decay']:g} (none on biases and norms); "
-        "the same initial weights and batches for every optimizer.",
+        f"{'' if params is None else f'{params:,} parameters, '}{s['steps']} steps of batch {s['batch_size']} "
+        f"(linear warm-up over {s['warmup_steps']} step{'s' if s['warmup_steps'] != 1 else ''}, then cosine to 0), "
+        f"weight decay {s['weight_decay']:g} (none on biases and norms); {protocol}; then the pick repeated on "
+        f"seeds {', '.join(map(str, s['seeds']))} (seed: initial weights and batch order, the same for every "
+        "optimizer).",
         "",
-        "| " + " | ".join(COLUMNS) + " |",
-        "|" + "|".join("---" if c == "optimizer" else "---:" for c in COLUMNS) + "|",
+        "| " + " | ".join(cols) + " |",
+        "|" + "|".join("---" if c in ("optimizer", "verdict vs AdamW", "lr (pick)") else "---:" for c in cols) + "|",
     ]
     lines += ["| " + " | ".join(row) + " |" for row in table_rows(data)]
     lines.append("")
+    if data.get("reference"):
+        lines.append(f"Verdict: against `{data['reference']}`. {stats.VERDICT_RULE}.")
+        lines.append("")
     if ref:
-        lines.append(f"\"vs AdamW\" is state bytes relative to `{ref[0]}`. Rank: by validation loss.")
+        lines.append(f"\"vs AdamW\" is state bytes relative to `{ref[0]}`. Rank: by mean validation loss. "
+                     "\"(edge)\": the pick is the grid's smallest or largest lr, so the best may lie outside it.")
         lines.append("")
     skipped = not_run(data)
     if skipped:
         lines += ["Not ranked:", ""] + [f"- {line}" for line in skipped] + [""]
+    lines += ["## The lr grid", "", "Validation loss on the first seed at each lr tried, lr: loss (the pick in bold; "
+              "`relative`: Adafactor's own relative step).", "", "| optimizer | lr: val loss | pick |", "|---|---|---|"]
+    lines += grid_rows(data) + [""]
     if data["plots"]:
         lines += [f"![{Path(p).stem.replace('_', ' ')}]({p})" for p in data["plots"]] + [""]
     elif data.get("plot_note"):
         lines += [f"No plots: {data['plot_note']}.", ""]
+    lines += ["## Timings", ""]
+    lines += timing_note(data)
+    lines += ["Step times are medians over every timed step of all an optimizer's runs (grid and seeds); the "
+              "bracket is the interquartile range. The first step and the set-up (warm-up, compilation) are "
+              f"apart. {data.get('jobs', 1)} optimizer(s) trained at a time, {env.get('torch_threads')} torch "
+              "thread(s) each.", ""]
+    lines += eta_note(data)
     lines += ["## What is measured", ""]
     lines += [f"- `{k}`: {v}" for k, v in data["measured"].items()]
     lines += ["", "## Environment", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in env.items() if v is not None]
-    lines += [f"| seed | {s['seed']} |", f"| wall time | {data['wall_s']:.0f} s |", "",
+    lines += [f"| seeds | {', '.join(map(str, s['seeds']))} |", f"| wall time | {duration(data['wall_s'])} |", "",
               "## Reproduce", "", "```", data["command"],
               "# or: " + data["command"].replace("leanopt compare", "python -m leanopt.compare", 1), "```", ""]
     return "\n".join(lines)

@@ -1,11 +1,16 @@
-"""Run one task with each optimizer and collect one result row per optimizer.
+"""Run one task with each optimizer: tune its lr on a grid, repeat the best over seeds.
 
-Each optimizer trains in a fresh Python process (``python -m leanopt.compare.worker``): its
-peak memory is then its own (nothing left behind by the previous optimizer's pages, compile
-caches or allocator state), and a peer that crashes on this device (a segfault in a native
-kernel) costs one row, not the comparison. The child reports progress and its row as JSON lines.
-``isolate=False`` runs them in this process instead (faster to start; the CPU peaks then
-depend on the order).
+Each optimizer trains in a fresh Python process (``python -m leanopt.compare.worker``) that
+runs that optimizer's whole protocol (:func:`run_protocol`): load the data, one warm-up (where
+an optimizer compiles its update), then a run at every lr of its grid on the first seed, the
+pick (lowest validation loss), and the remaining seeds at the pick. Its peak memory is then its
+own (nothing left behind by another optimizer's pages, compile caches or allocator state; it is
+read in the process's first run), and a peer that crashes on this device (a segfault in a
+native kernel) costs one row, not the comparison. The child reports progress and each run as
+JSON lines; the parent folds the runs into one row per optimizer (:func:`summarize`) and gives
+each its verdict against AdamW. ``jobs`` processes run at once (1: the steadiest timings);
+``isolate=False`` runs them in this process instead (faster to start; the CPU peaks then depend
+on the order).
 """
 
 from __future__ import annotations
@@ -14,27 +19,33 @@ import json
 import math
 import os
 import platform
+import queue
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import metadata
 from typing import Any
 
 import torch
 
 import leanopt
-from leanopt.compare.contenders import Contender, contender
+from leanopt.compare import stats
+from leanopt.compare.contenders import LR, RELATIVE, Contender, contender
 from leanopt.compare.meter import PeakMemory, Recorder, use_mmap_for_large_blocks
-from leanopt.compare.tasks import Plan, get_task
+from leanopt.compare.tasks import Plan, Workload, get_task
 from leanopt.memory import OPTIMIZER_NAMES
 
 EVENT_PREFIX = "@@leanopt-compare "
 Emit = Callable[[dict[str, Any]], None]
+# An optimizer-tagged event handler: (optimizer, event).
+OnEvent = Callable[[str, dict[str, Any]], None]
+REFERENCES = ("adamw", "torch-adamw")  # the verdict is against the first of these that ran
 
 
 @dataclass
@@ -46,21 +57,63 @@ class Comparison:
     environment: dict[str, Any] = field(default_factory=dict)
     memory_method: str = ""
     wall_s: float = 0.0
+    reference: str | None = None
+    jobs: int = 1
+
+
+def runs_planned(plan: Plan, entry: Contender) -> int:
+    """How many training runs one optimizer's protocol makes: its grid, then the other seeds."""
+    return len(lr_grid(plan, entry)) + max(0, len(plan.seeds) - 1)
+
+
+def lr_grid(plan: Plan, entry: Contender) -> list[LR]:
+    if plan.fixed_lr:
+        return [float(plan.lr)]
+    return entry.lr_grid(float(plan.lr), plan.lr_multipliers, relative=plan.relative_step)
 
 
 # ---- one optimizer, in whatever process runs it --------------------------------------------------
-def run_one(optimizer: str, plan: Plan, emit: Emit) -> dict[str, Any]:
-    """Train ``plan``'s task with one optimizer and measure it; returns the result row."""
+def run_protocol(optimizer: str, plan: Plan, emit: Emit) -> None:
+    """Tune ``optimizer``'s lr on its grid, then train the pick on every seed; emits events.
+
+    Events: ``setup`` (once, after the warm-up), ``step`` (every training step), ``run`` (one
+    per finished run, with its row), and ``picked`` after the grid.
+    """
     entry = contender(optimizer)
     device = torch.device(plan.device)
     if plan.threads:
         torch.set_num_threads(plan.threads)
+    workload = get_task(plan.task).prepare(plan)
+    grid = lr_grid(plan, entry)
+    centre = grid[len([x for x in grid if x != RELATIVE]) // 2]
+    start = time.perf_counter()
+    workload.warm_up(entry, centre)
+    emit({"event": "setup", "setup_s": time.perf_counter() - start, "grid": grid, "runs": runs_planned(plan, entry)})
+    first_seed, points = plan.seeds[0], []
+    for lr in grid:
+        row = run_one(entry, workload, replace(plan, lr=lr, seed=first_seed), emit, fresh=not points)
+        row["phase"] = "grid"
+        points.append((lr, row.get("val_loss") if not row.get("diverged") else None))
+        emit({"event": "run", "row": row})
+    best = stats.pick(points)
+    emit({"event": "picked", "lr": None if best is None else grid[best]})
+    if best is None:
+        return
+    for seed in plan.seeds[1:]:
+        row = run_one(entry, workload, replace(plan, lr=grid[best], seed=seed), emit, fresh=False)
+        row["phase"] = "seed"
+        emit({"event": "run", "row": row})
+
+
+def run_one(entry: Contender, workload: Workload, plan: Plan, emit: Emit, *, fresh: bool) -> dict[str, Any]:
+    """Train once at ``plan.lr`` and ``plan.seed``; returns the run's row.
+
+    ``fresh``: the process's first run, whose peak memory is the one reported (a later run's
+    baseline follows what earlier runs left in the allocator).
+    """
+    device = torch.device(plan.device)
     if device.type == "cpu":
         use_mmap_for_large_blocks()
-    workload = get_task(plan.task).prepare(plan)
-    start = time.perf_counter()
-    workload.warm_up(entry)
-    setup_s = time.perf_counter() - start
     recorder = Recorder(device, plan.steps, emit)
     recorder.memory.reset()
     start = time.perf_counter()
@@ -72,24 +125,24 @@ def run_one(optimizer: str, plan: Plan, emit: Emit) -> dict[str, Any]:
     kwargs = entry.kwargs(lr=plan.lr, weight_decay=plan.weight_decay, device=device)
     cls = type(trained.optimizer)
     row: dict[str, Any] = {
-        "optimizer": entry.name,
-        "status": "ok",
-        "origin": entry.origin,
+        "lr": plan.lr,
+        "seed": plan.seed,
+        "fresh_process": fresh,
         "class": f"{cls.__module__}.{cls.__qualname__}",
         "kwargs": {k: list(v) if isinstance(v, tuple) else v for k, v in kwargs.items()},
         "params": n_params,
         "param_bytes": sum(p.numel() * p.element_size() for p in params),
         "state_bytes": state.bytes,
-        "state_bytes_per_param": state.bytes / n_params if n_params else None,
         "state_by_key": state.by_key,
         "estimated_state_bytes": _estimate(entry, trained.model, kwargs),
         "memory_method": recorder.memory.method,
-        "setup_s": setup_s,
         "train_s": train_s,
+        "val_loss": None,
+        "accuracy": None,
     }
     row.update(recorder.summary())
-    row.update({"val_loss": None, "accuracy": None})
     row.update(trained.metrics)
+    row["wall_s"] = time.perf_counter() - start
     return row
 
 
@@ -113,18 +166,18 @@ def worker_main() -> int:
         events.write(EVENT_PREFIX + json.dumps(_finite(event)) + "\n")
 
     try:
-        row = run_one(spec["optimizer"], Plan(**spec["plan"]), emit)
+        run_protocol(spec["optimizer"], Plan(**spec["plan"]), emit)
     except Exception as err:
         traceback.print_exc()
         emit({"event": "error", "reason": _one_line(err)})
         return 1
-    emit({"event": "result", "row": row})
+    emit({"event": "done"})
     return 0
 
 
 # ---- the comparison ----------------------------------------------------------------------------
-def run_isolated(optimizer: str, plan: Plan, emit: Emit) -> dict[str, Any]:
-    """Run :func:`run_one` in a fresh process; a crash becomes a ``failed`` row."""
+def run_isolated(optimizer: str, plan: Plan, emit: Emit) -> str | None:
+    """Run :func:`run_protocol` in a fresh process; returns why it failed (None: it finished)."""
     spec = json.dumps({"optimizer": optimizer, "plan": plan.to_dict()})
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     with tempfile.TemporaryFile(mode="w+") as stderr:
@@ -139,33 +192,34 @@ def run_isolated(optimizer: str, plan: Plan, emit: Emit) -> dict[str, Any]:
         assert proc.stdin is not None and proc.stdout is not None
         proc.stdin.write(spec)
         proc.stdin.close()
-        row, reason = None, None
+        done, reason = False, None
         for line in proc.stdout:
             if not line.startswith(EVENT_PREFIX):
                 continue
             event = json.loads(line[len(EVENT_PREFIX) :])
-            if event["event"] == "result":
-                row = event["row"]
+            if event["event"] == "done":
+                done = True
             elif event["event"] == "error":
                 reason = event["reason"]
             else:
                 emit(event)
         code = proc.wait()
-        if row is not None:
-            return row
+        if done:
+            return None
         if reason is None:
             stderr.seek(0)
             tail = [ln.strip() for ln in stderr.read().splitlines() if ln.strip()]
             died = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
             reason = f"the training process died ({died})" + (f": {tail[-1]}" if tail else "")
-    return failed_row(optimizer, reason)
+    return reason
 
 
-def run_in_process(optimizer: str, plan: Plan, emit: Emit) -> dict[str, Any]:
+def run_in_process(optimizer: str, plan: Plan, emit: Emit) -> str | None:
     try:
-        return run_one(optimizer, plan, emit)
+        run_protocol(optimizer, plan, lambda event: emit(_finite(event)))
     except Exception as err:
-        return failed_row(optimizer, _one_line(err))
+        return _one_line(err)
+    return None
 
 
 def skipped_row(optimizer: str, reason: str) -> dict[str, Any]:
@@ -181,40 +235,169 @@ def compare(
     optimizers: list[str],
     *,
     isolate: bool = True,
+    jobs: int = 1,
     skip: dict[str, str] | None = None,
     on_start: Callable[[str], None] = lambda name: None,
-    on_event: Emit = lambda event: None,
+    on_event: OnEvent = lambda name, event: None,
     on_row: Callable[[dict[str, Any]], None] = lambda row: None,
 ) -> Comparison:
-    """Train ``plan`` with each optimizer in turn; unavailable ones become ``skipped`` rows.
+    """Run every optimizer's protocol; unavailable ones become ``skipped`` rows.
 
     ``skip`` maps names to a reason for leaving them out (they get a ``skipped`` row too).
+    ``on_start(name)``, ``on_event(name, event)`` and ``on_row(row)`` are called from the
+    calling thread, one at a time, also when ``jobs`` > 1.
     """
     task = get_task(plan.task)
-    result = Comparison(plan=plan, description=task.description, optimizers=list(optimizers))
+    result = Comparison(plan=plan, description=task.description, optimizers=list(optimizers), jobs=jobs)
     result.environment = environment(torch.device(plan.device), plan.threads)
     start = time.perf_counter()
+    runs: dict[str, list[dict[str, Any]]] = {}
+    setups: dict[str, dict[str, Any]] = {}
+    rows: dict[str, dict[str, Any]] = {}
+    todo = []
     for name in optimizers:
         reason = (skip or {}).get(name) or contender(name).unavailable()
         if reason is not None:
-            row = skipped_row(name, reason)
+            rows[name] = skipped_row(name, reason)
+            on_row(rows[name])
         else:
+            todo.append(name)
+
+    def handle(name: str, event: dict[str, Any]) -> None:
+        if event["event"] == "run":
+            runs.setdefault(name, []).append(event["row"])
+        elif event["event"] == "setup":
+            setups[name] = event
+        on_event(name, event)
+
+    def finish(name: str, reason: str | None) -> None:
+        rows[name] = summarize(name, plan, setups.get(name), runs.get(name, []), reason)
+        on_row(rows[name])
+
+    execute = run_isolated if isolate else run_in_process
+    if jobs <= 1 or not isolate:
+        for name in todo:
             on_start(name)
-            row = (run_isolated if isolate else run_in_process)(name, plan, on_event)
-            if row["status"] == "ok" and row.get("diverged"):
-                row["reason"] = "the training loss became non-finite"
-        result.rows.append(row)
-        on_row(row)
+            finish(name, execute(name, plan, lambda event, name=name: handle(name, event)))
+    else:
+        inbox: queue.Queue[tuple[str, str, Any]] = queue.Queue()
+        slots = threading.Semaphore(jobs)
+
+        def work(name: str) -> None:
+            with slots:
+                inbox.put(("start", name, None))
+                why = execute(name, plan, lambda event: inbox.put(("event", name, event)))
+                inbox.put(("end", name, why))
+
+        threads = [threading.Thread(target=work, args=(n,), daemon=True) for n in todo]
+        for t in threads:
+            t.start()
+        ended = 0
+        while ended < len(todo):
+            kind, name, payload = inbox.get()
+            if kind == "start":
+                on_start(name)
+            elif kind == "event":
+                handle(name, payload)
+            else:
+                ended += 1
+                finish(name, payload)
+    result.rows = [rows[name] for name in optimizers]
     result.wall_s = time.perf_counter() - start
     methods = {r["memory_method"] for r in result.rows if r.get("memory_method")}
     result.memory_method = "; ".join(sorted(methods)) or PeakMemory(torch.device(plan.device)).method
+    result.reference = judge(result.rows)
     _rank(result.rows)
     return result
 
 
+def summarize(name: str, plan: Plan, setup: dict[str, Any] | None, runs: list[dict[str, Any]],
+              reason: str | None = None) -> dict[str, Any]:
+    """One row per optimizer from its runs: the grid and the pick, mean ± std over the seeds at
+    the pick, memory from the fresh process's run, timings pooled over every run."""
+    entry = contender(name)
+    if not runs:
+        return failed_row(name, reason or "no run finished")
+    grid_runs = [r for r in runs if r.get("phase", "grid") == "grid"]
+    grid = [r["lr"] for r in grid_runs]
+    points = [(r["lr"], None if r.get("diverged") else r.get("val_loss")) for r in grid_runs]
+    best = stats.pick(points)
+    first = runs[0]
+    row: dict[str, Any] = {
+        "optimizer": name,
+        "status": "ok",
+        "origin": entry.origin,
+        "lr": None if best is None else grid[best],
+        "lr_grid": grid,
+        "grid_val_loss": [p[1] for p in points],
+        "lr_at_grid_edge": best is not None and stats.at_edge(grid, grid[best]),
+        "lr_fixed": plan.fixed_lr,
+    }
+    if reason is not None:
+        row["status"], row["reason"] = "failed", reason
+    if best is None:
+        if row["status"] == "ok":
+            row["status"], row["reason"] = "diverged", "the training loss became non-finite at every lr of the grid"
+        at_pick = []
+    else:
+        at_pick = [r for r in runs if r["lr"] == grid[best] and (r.get("phase") == "seed" or r is grid_runs[best])]
+    for key in ("class", "params", "param_bytes", "state_bytes", "state_by_key", "estimated_state_bytes",
+                "memory_method"):
+        row[key] = first.get(key)
+    row["kwargs"] = (at_pick[0] if at_pick else first).get("kwargs")
+    row["state_bytes_per_param"] = row["state_bytes"] / row["params"] if row.get("params") else None
+    row["peak_bytes"] = first.get("peak_bytes") if first.get("fresh_process", True) else None
+    row["seeds"] = [r["seed"] for r in at_pick]
+    # Per seed (a list) and its mean and std: val_losses, val_loss_mean, val_loss_std, ...
+    for key, per_seed in (("val_loss", "val_losses"), ("final_loss", "final_losses"),
+                          ("initial_loss", "initial_losses"), ("accuracy", "accuracy_by_seed")):
+        values = [r.get(key) for r in at_pick]
+        row[per_seed] = values
+        row[f"{key}_mean"], row[f"{key}_std"] = stats.mean_std([v for v in values if v is not None])
+    row["diverged"] = any(r.get("diverged") for r in at_pick)
+    # Step times hardly depend on the lr: every run's timed steps are pooled.
+    steps = [x for r in runs for x in r.get("step_ms_timed", [])]
+    train_steps = [x for r in runs for x in r.get("train_step_ms_timed", [])]
+    q1, med, q3 = stats.quartiles(steps)
+    row.update(step_ms_median=med, step_ms_q1=q1, step_ms_q3=q3,
+               step_ms_min=min(steps) if steps else None, step_ms_max=max(steps) if steps else None,
+               step_ms_mean=stats.mean_std(steps)[0], timed_steps=len(steps))
+    t1, tmed, t3 = stats.quartiles(train_steps)
+    row.update(train_step_ms_median=tmed, train_step_ms_q1=t1, train_step_ms_q3=t3)
+    row["first_step_ms"] = first.get("first_step_ms")
+    row["setup_s"] = None if setup is None else setup.get("setup_s")
+    row["runs"] = len(runs)
+    row["train_s"] = sum(r.get("wall_s") or 0.0 for r in runs)
+    curves = [r.get("loss_curve") or [] for r in at_pick]
+    row["loss_curves"] = curves
+    row["runs_detail"] = [{k: r.get(k) for k in ("phase", "lr", "seed", "val_loss", "final_loss", "accuracy",
+                                                 "diverged", "step_ms_median", "wall_s")} for r in runs]
+    # Names kept from the single-run report: the means at the pick.
+    row["val_loss"], row["final_loss"] = row["val_loss_mean"], row["final_loss_mean"]
+    row["accuracy"] = row["accuracy_mean"]
+    return row
+
+
+def judge(rows: list[dict[str, Any]]) -> str | None:
+    """Set ``verdict``, ``delta`` and ``delta_std`` on every ranked row; returns the reference's name."""
+    by_name = {r["optimizer"]: r for r in rows}
+    ref = next((n for n in REFERENCES if by_name.get(n, {}).get("status") == "ok"
+                and stats.finite(by_name[n].get("val_loss_mean"))), None)
+    for row in rows:
+        if row["status"] != "ok":
+            row.update(verdict=None, delta=None, delta_std=None)
+        elif ref is None:
+            row.update(verdict="no AdamW reference ran", delta=None, delta_std=None)
+        elif row["optimizer"] == ref:
+            row.update(verdict=stats.REFERENCE, delta=0.0, delta_std=None)
+        else:
+            row.update(stats.verdict(row["val_losses"], by_name[ref]["val_losses"]))
+    return ref
+
+
 def _rank(rows: list[dict[str, Any]]) -> None:
-    scored = [r for r in rows if r["status"] == "ok" and _is_finite(r.get("val_loss")) and not r.get("diverged")]
-    for i, row in enumerate(sorted(scored, key=lambda r: r["val_loss"]), start=1):
+    scored = [r for r in rows if r["status"] == "ok" and _is_finite(r.get("val_loss_mean")) and not r.get("diverged")]
+    for i, row in enumerate(sorted(scored, key=lambda r: r["val_loss_mean"]), start=1):
         row["rank"] = i
 
 

@@ -14,10 +14,11 @@
 - ``hf:<model>:<dataset>``: a Hub model fine-tuned on a Hub text-classification dataset
   through the same Trainer path; needs the network (or both in the local cache) and ``datasets``.
 
-A task is planned once in the parent (:meth:`Task.plan`: sizes, steps, lr), then each
-optimizer's process calls :meth:`Task.prepare` to load the data and :meth:`Workload.run` to
-train. Every run of one comparison starts from the same initial weights (``torch.manual_seed``
-before the model is built) and sees the same batches in the same order.
+A task is planned once in the parent (:meth:`Task.plan`: sizes, steps, the lr grid's centre,
+the seeds), then each optimizer's process calls :meth:`Task.prepare` to load the data once and
+:meth:`Workload.run` for every (lr, seed) it trains. Runs with the same seed start from the same
+initial weights (``torch.manual_seed`` before the model is built) and see the same batches in
+the same order, whatever the optimizer.
 """
 
 from __future__ import annotations
@@ -38,11 +39,16 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from leanopt.compare.contenders import Contender, decay_groups
+from leanopt.compare.contenders import LR, Contender, decay_groups
 from leanopt.compare.gpt import ByteGPT, GPTConfig
 from leanopt.compare.meter import Recorder
 
 DEFAULT_TASK = "bytes-gpt"
+
+# The tuning protocol, by --quick: lr multipliers of each optimizer's centre, and seed count.
+# The full one is sized to run every default optimizer in about half an hour on 2 loaded cores.
+LR_MULTIPLIERS = {True: [1 / 3, 1.0, 3.0], False: [0.25, 0.5, 1.0, 2.0, 4.0]}
+SEEDS = {True: 2, False: 3}
 
 
 class TaskUnavailable(Exception):
@@ -55,15 +61,21 @@ class Plan:
 
     task: str
     device: str
-    seed: int
+    seed: int  # the seed of this run; the first of ``seeds``, on which the lr is tuned
     quick: bool
     steps: int
-    lr: float
+    lr: LR  # AdamW's lr grid centre (other families scale it); a run's own lr in a run's plan
     weight_decay: float
     batch_size: int
     warmup_steps: int
     sizes: dict[str, Any] = field(default_factory=dict)
     threads: int | None = None  # torch.set_num_threads in each run; None: torch's default
+    # The protocol: the lr grid (multipliers of each optimizer's centre; [1.0] with a fixed
+    # --lr), whether Adafactor's relative step is a grid point, and the seeds at the best lr.
+    lr_multipliers: list[float] = field(default_factory=lambda: [1.0])
+    relative_step: bool = True
+    fixed_lr: bool = False
+    seeds: list[int] = field(default_factory=lambda: [0])
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -98,7 +110,7 @@ class Workload(ABC):
     @abstractmethod
     def build_model(self) -> nn.Module: ...
 
-    def warm_up(self, contender: Contender) -> None:
+    def warm_up(self, contender: Contender, lr: LR) -> None:
         """One forward, backward and ``contender`` step on a throwaway model, before the baseline.
 
         The one-time set-up then happens here rather than in the measured run: thread pools,
@@ -110,11 +122,12 @@ class Workload(ABC):
         self.warm_loss(model).backward()
         optimizer = contender.build(
             decay_groups(model.named_parameters(), self.plan.weight_decay),
-            lr=self.plan.lr,
+            lr=lr,
             weight_decay=self.plan.weight_decay,
             device=self.device,
         )
-        torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        if contender.scheduled(lr):
+            torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
         optimizer.step()
 
     @abstractmethod
@@ -132,6 +145,10 @@ class LoopWorkload(Workload):
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     @abstractmethod
+    def shuffle(self, seed: int) -> None:
+        """Draw the order of the training batches for ``seed``."""
+
+    @abstractmethod
     def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor: ...
 
     @abstractmethod
@@ -141,6 +158,7 @@ class LoopWorkload(Workload):
         return self.loss(model, self.batch(0))
 
     def run(self, contender: Contender, plan: Plan, recorder: Recorder) -> Trained:
+        self.shuffle(plan.seed)
         torch.manual_seed(plan.seed)
         model = self.build_model().to(self.device)
         optimizer = contender.build(
@@ -149,7 +167,9 @@ class LoopWorkload(Workload):
             weight_decay=plan.weight_decay,
             device=self.device,
         )
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(plan.steps, plan.warmup_steps))
+        # A relative step size is its own schedule (it would ignore, or break on, an external one).
+        schedule = (torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(plan.steps, plan.warmup_steps))
+                    if contender.scheduled(plan.lr) else None)
         recorder.watch(optimizer)
         model.train()
         for step in range(plan.steps):
@@ -157,7 +177,8 @@ class LoopWorkload(Workload):
             loss = self.loss(model, self.batch(step))
             loss.backward()
             optimizer.step()
-            schedule.step()
+            if schedule is not None:
+                schedule.step()
             optimizer.zero_grad(set_to_none=True)
             value = loss.item()
             recorder.end_step(value)
@@ -173,6 +194,9 @@ class LoopWorkload(Workload):
 class Task(ABC):
     name: str
     description: str
+    # Whether Adafactor's relative step can be a grid point (the HF Trainer always adds its own
+    # lr schedule, which a relative step size cannot take).
+    relative_step: bool = True
 
     def check(self) -> None:
         """Raise :class:`TaskUnavailable` when the task cannot run here (called in the parent)."""
@@ -201,6 +225,10 @@ class Task(ABC):
             batch_size=sizes.pop("batch_size"),
             warmup_steps=max(1, n // 10),
             sizes=sizes,
+            lr_multipliers=[1.0] if lr is not None else list(LR_MULTIPLIERS[quick]),
+            relative_step=self.relative_step and lr is None,
+            fixed_lr=lr is not None,
+            seeds=[seed + i for i in range(SEEDS[quick])],
         )
 
 
@@ -235,10 +263,12 @@ class BytesGPT(Task):
     name = "bytes-gpt"
     description = "byte-level GPT on the Python standard library's source (next-byte cross-entropy, nats)"
     SIZES = {
-        ("cpu", True): dict(steps=120, lr=3e-3, batch_size=16, n_layer=2, n_head=4, dim=128, context=64,
+        ("cpu", True): dict(steps=100, lr=1e-3, batch_size=16, n_layer=2, n_head=4, dim=128, context=64,
                             train_bytes=2_000_000, val_windows=256),
-        ("cpu", False): dict(steps=500, lr=2e-3, batch_size=32, n_layer=4, n_head=8, dim=256, context=128,
-                             train_bytes=8_000_000, val_windows=512),
+        # Sized so that the full protocol (5 lrs, 3 seeds, every default optimizer, one
+        # process each) fits in about half an hour on 2 shared cores: the --quick model, longer.
+        ("cpu", False): dict(steps=200, lr=1e-3, batch_size=16, n_layer=2, n_head=4, dim=128, context=64,
+                             train_bytes=4_000_000, val_windows=512),
         ("cuda", True): dict(steps=300, lr=2e-3, batch_size=64, n_layer=4, n_head=8, dim=256, context=256,
                              train_bytes=8_000_000, val_windows=512),
         ("cuda", False): dict(steps=1000, lr=1e-3, batch_size=64, n_layer=8, n_head=8, dim=512, context=256,
@@ -269,11 +299,15 @@ class BytesGPTWorkload(LoopWorkload):
         ctx = self.config.context
         self.train = torch.frombuffer(train, dtype=torch.uint8).to(self.device)
         self.val = torch.frombuffer(val, dtype=torch.uint8).to(self.device)
-        gen = torch.Generator().manual_seed(plan.seed)
-        self.starts = torch.randint(0, len(train) - ctx - 1, (plan.steps, plan.batch_size), generator=gen)
+        self.shuffle(plan.seed)
         n_val = s["val_windows"]
         self.val_starts = torch.linspace(0, len(val) - ctx - 2, n_val).long()
         self.offsets = torch.arange(ctx + 1)
+
+    def shuffle(self, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        high = len(self.train) - self.config.context - 1
+        self.starts = torch.randint(0, high, (self.plan.steps, self.plan.batch_size), generator=gen)
 
     def _windows(self, data: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         idx = (starts[:, None] + self.offsets).to(self.device)
@@ -333,10 +367,13 @@ class DigitsWorkload(LoopWorkload):
         as_tensor = lambda a, dtype: torch.as_tensor(a, dtype=dtype, device=self.device)  # noqa: E731
         self.x_train, self.y_train = as_tensor(x_train / 16.0, torch.float32), as_tensor(y_train, torch.long)
         self.x_val, self.y_val = as_tensor(x_val / 16.0, torch.float32), as_tensor(y_val, torch.long)
-        gen = torch.Generator().manual_seed(plan.seed)
-        n, need = len(x_train), plan.steps * plan.batch_size
+        self.shuffle(plan.seed)
+
+    def shuffle(self, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        n, need = len(self.x_train), self.plan.steps * self.plan.batch_size
         epochs = [torch.randperm(n, generator=gen) for _ in range(-(-need // n))]
-        self.order = torch.cat(epochs)[:need].view(plan.steps, plan.batch_size)
+        self.order = torch.cat(epochs)[:need].view(self.plan.steps, self.plan.batch_size)
 
     def build_model(self) -> nn.Module:
         hidden, depth = self.plan.sizes["hidden"], self.plan.sizes["depth"]
@@ -487,6 +524,7 @@ PAD, CLS, SEP, BYTE0 = 0, 1, 2, 3  # byte b is token b + BYTE0
 
 class DistilBertTrainer(Task):
     name = "distilbert-trainer"
+    relative_step = False
     description = (
         "DistilBERT-architecture classifier via the HF Trainer: is a stdlib source snippet test code "
         "or library code? (byte tokens, balanced, held out by file)"
@@ -587,6 +625,8 @@ def _encode_bytes(pairs: list[tuple[bytes, int]], seq_len: int) -> dict[str, tor
 # ---- hf:<model>:<dataset> ----------------------------------------------------------------------
 class HubClassification(Task):
     """``hf:<model>:<dataset>``: fine-tune a Hub model on a Hub text-classification dataset."""
+
+    relative_step = False
 
     SIZES = {
         ("cpu", True): dict(steps=50, lr=5e-5, batch_size=8, seq_len=128, train_examples=1024, val_examples=256),
