@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Install leanopt (editable) into the current Python, with transformers, accelerate and matplotlib (the model presets of
-# `leanopt estimate` build models from their configs) and accelerate (transformers' Trainer needs
-# it): everything the README's examples use. With --test, also the test extras.
+# Install leanopt (editable) into the current Python, with transformers (the model presets of
+# `leanopt estimate` build models from their configs), accelerate (transformers' Trainer needs
+# it) and matplotlib (`leanopt compare` draws its plots): everything the README's examples use.
+# With --test, also the test extras.
 #
 # torch: if none is installed and a CPU wheel of torch lies on this machine's disk (some
 # build machines keep one in a local wheel folder, see LEANOPT_TORCH_WHEELS), install that one
