@@ -9,9 +9,10 @@ grid point with its own relative step (:data:`RELATIVE`: ``relative_step=True``,
 ``scale_parameter=True``, no external schedule). Any other name in
 ``leanopt.memory.OPTIMIZER_NAMES`` runs with only ``lr`` and ``weight_decay`` set.
 
-Training modes (bf16 weights with Kahan summation or stochastic rounding, gradient release)
-are not in the library yet; when they are, each becomes a contender here (a name, a family,
-the kwargs that switch it on) and needs nothing else from the comparison.
+Training modes: bf16 weights with Kahan summation or stochastic rounding are not in the library
+yet; gradient release (``leanopt.release_gradients``) is, but is not a contender yet (it wraps
+the training loop rather than the optimizer's kwargs, so the runner has to call it). Each will be
+a contender here (a name, a family, how to switch it on).
 """
 
 from __future__ import annotations
