@@ -39,6 +39,7 @@ ADAM_INVALID = [
     {"betas": (0.9, 1.0)},
     {"betas": (-0.1, 0.999)},
     {"lr": float("nan")},
+    {"rounding": "up"},
 ]
 
 # Each set is invalid on its own and merged over the registry kwargs below (relative_step=False, lr set).
@@ -58,6 +59,7 @@ ADAFACTOR_INVALID = [
     {"beta1": 1.0},
     {"beta1": -0.1},
     {"weight_decay": -0.1},
+    {"rounding": "truncate"},
 ]
 
 # Quantized AdamW: amsgrad is refused, storage options are validated.

@@ -134,8 +134,9 @@ def test_defaults_match_transformers() -> None:
 
     ours = dict(inspect.signature(leanopt.Adafactor).parameters)
     theirs = inspect.signature(HFAdafactor).parameters
-    # leanopt's one addition is keyword-only, after transformers' parameters.
+    # leanopt's additions are keyword-only, after transformers' parameters.
     assert ours.pop("backend").kind is inspect.Parameter.KEYWORD_ONLY
+    assert ours.pop("rounding").kind is inspect.Parameter.KEYWORD_ONLY
     assert list(ours) == list(theirs)
     assert {k: v.default for k, v in ours.items()} == {k: v.default for k, v in theirs.items()}
 
@@ -247,7 +248,7 @@ def test_loads_transformers_state_dict_and_continues(kw: dict, request: pytest.F
             assert step.shape == () and step.dtype == torch.float32 and step.device.type == "cpu"
             assert step.item() == hf.state[q]["step"]
     # With relative_step, transformers' lr is None; ours reports the relative step size to come.
-    reported = lambda g: {k: v for k, v in g.items() if k != "params" and not (k == "lr" and g["relative_step"])}  # noqa: E731
+    reported = lambda g: {k: v for k, v in g.items() if k not in ("params", "rounding") and not (k == "lr" and g["relative_step"])}  # noqa: E731
     assert [reported(g) for g in ours.param_groups] == [reported(g) for g in hf.param_groups]
     for g in ours.param_groups:
         assert g["lr"] == (min(1e-2, 1 / 8**0.5) if g["relative_step"] else kw["lr"])

@@ -82,7 +82,26 @@ def _adamw_tensor(p, g, m, v, vmax, step_size, bc2_sqrt, decay, beta1, beta2, ep
     p.copy_(pf)
 
 
-_adamw_compiled = compiled(_adamw_tensor)
+def compiled_per_dtypes(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled(fn)`` once per combination of its tensor arguments' dtypes, called with flat,
+    detached tensors: each graph then only meets a few guard variants (a view or not, a
+    one-element tensor or not) and never dynamo's recompile limit, which a model's many ranks,
+    dtypes and ``requires_grad`` flags would hit in one graph (then the reference would run)."""
+    graphs: dict[tuple, Callable[..., Any]] = {}
+
+    @functools.wraps(fn)
+    def run(*args: Any) -> Any:
+        args = tuple(a.detach().view(-1) if isinstance(a, Tensor) and a.dim() != 0 else a for a in args)
+        key = tuple(a.dtype for a in args if isinstance(a, Tensor) and a.dim() != 0)
+        graph = graphs.get(key)
+        if graph is None:
+            graph = graphs[key] = compiled(fn)
+        return graph(*args)
+
+    return run
+
+
+_adamw_compiled = compiled_per_dtypes(_adamw_tensor)
 
 
 def adamw(
@@ -441,7 +460,7 @@ def _quantized_blocks(p, g, mc, ma, vc, va, m_values, m_lut, m_thresholds, v_val
     va.copy_(v_scale)
 
 
-_dense_safe_compiled = compiled(_dense_safe_tensor)
+_dense_safe_compiled = compiled_per_dtypes(_dense_safe_tensor)
 _QUANTIZED: dict[tuple[int, int], Callable[..., Any]] = {}
 
 

@@ -82,6 +82,9 @@ class Adafactor(LeanOptimizer):
         relative_step: use the time-dependent step size instead of ``lr`` (default True).
         warmup_init: with ``relative_step``, warm the step size up as :math:`10^{-6}t`
             (default False).
+        rounding: how the fp32 update is written into a bf16/fp16 param: ``"nearest"``
+            (default), ``"stochastic"`` or ``"kahan"`` (a compensation buffer, 2 B/param for
+            bf16); fp32/fp64 params ignore it. See :mod:`leanopt.optim.rounding`.
         backend: ``"auto"`` (Triton on CUDA, the fast CPU path on CPU), ``"reference"``
             (plain tensor maths, for debugging), ``"cpu"`` or ``"triton"`` (keyword-only; not
             in transformers' signature). The fast paths agree with the reference to rounding.
@@ -111,6 +114,7 @@ class Adafactor(LeanOptimizer):
         relative_step: bool = True,
         warmup_init: bool = False,
         *,
+        rounding: str = "nearest",
         backend: str = "auto",
     ) -> None:
         # Positional order and defaults are transformers', so it is a drop-in replacement.
@@ -124,6 +128,7 @@ class Adafactor(LeanOptimizer):
             scale_parameter=scale_parameter,
             relative_step=relative_step,
             warmup_init=warmup_init,
+            rounding=rounding,
         )
         validate_adafactor_hparams(defaults)
         self._reported: dict[int, float] = {}  # the lr each relative-step group last reported

@@ -54,6 +54,9 @@ class AdamW(LeanOptimizer):
         weight_decay: decoupled weight decay (default 1e-2).
         amsgrad: use the maximum of past second moments (default False).
         maximize: maximize the objective instead of minimizing it (default False).
+        rounding: how the fp32 update is written into a bf16/fp16 param: ``"nearest"``
+            (default), ``"stochastic"`` or ``"kahan"`` (a compensation buffer, 2 B/param for
+            bf16); fp32/fp64 params ignore it. See :mod:`leanopt.optim.rounding`.
         backend: ``"auto"`` (Triton on CUDA, the fast CPU path on CPU), ``"reference"``
             (plain tensor maths, for debugging), ``"cpu"`` or ``"triton"``.
 
@@ -80,10 +83,13 @@ class AdamW(LeanOptimizer):
         *,
         amsgrad: bool = False,
         maximize: bool = False,
+        rounding: str = "nearest",
         backend: str = "auto",
     ) -> None:
         validate_adam_hparams(lr, betas, eps, weight_decay)
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
+        defaults = dict(
+            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize, rounding=rounding
+        )
         super().__init__(params, defaults, backend=backend)
 
     def validate_group(self, group: Mapping[str, Any], *, loaded: bool = False) -> None:

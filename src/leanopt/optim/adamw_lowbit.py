@@ -59,6 +59,7 @@ class LowBitAdamW(LeanOptimizer):
         maximize: bool = False,
         block_size: int | None = None,
         min_quant_size: int = 4096,
+        rounding: str = "nearest",
         backend: str = "auto",
     ) -> None:
         validate_adam_hparams(lr, betas, eps, weight_decay)
@@ -77,6 +78,7 @@ class LowBitAdamW(LeanOptimizer):
             block_size=block_size,
             min_quant_size=min_quant_size,
             state_bits=self.state_bits,
+            rounding=rounding,
         )
         super().__init__(params, defaults, backend=backend)
 
@@ -227,6 +229,9 @@ _DOC = r"""AdamW (Loshchilov & Hutter) with {bits}-bit block-quantized moments.
         block_size: elements per fp32 scale (default {block}; the peers' choice, and the
             largest power of two keeping {bits}-bit states within {bpp} B/param).
         min_quant_size: params with fewer elements keep fp32 states (default 4096).
+        rounding: how the fp32 update is written into a bf16/fp16 param: ``"nearest"``
+            (default), ``"stochastic"`` or ``"kahan"`` (a compensation buffer, 2 B/param for
+            bf16); fp32/fp64 params ignore it. See :mod:`leanopt.optim.rounding`.
         backend: ``"auto"`` (fused Triton kernel on CUDA, the compiled CPU path on CPU),
             ``"reference"`` (plain tensor maths, for debugging), ``"cpu"`` or ``"triton"``.
 

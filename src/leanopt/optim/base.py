@@ -21,6 +21,7 @@ from leanopt import kernels
 from leanopt.optim.sharding import allocate_state, checkpoint_value, is_dtensor, load_value
 from leanopt.kernels.multi_tensor import TableCache
 from leanopt.optim.layout import StateSpec
+from leanopt.optim.rounding import LOW_PRECISION, check_rounding, generator_for, stochastic_round
 from leanopt.quant import QuantizedState
 
 
@@ -114,7 +115,9 @@ class LeanOptimizer(torch.optim.Optimizer):
                         f"{type(self).__name__} does not support complex params: param {i}{name} of group "
                         f"{len(self.param_groups)} is {p.dtype} (use leanopt.AdamW, or optimize torch.view_as_real(p))"
                     )
-        self.validate_group({**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}})
+        merged = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
+        self.validate_group(merged)
+        check_rounding(merged.get("rounding", "nearest"))
         super().add_param_group(param_group)
 
     def _check_grads(self) -> None:
@@ -151,7 +154,11 @@ class LeanOptimizer(torch.optim.Optimizer):
 
     def _param_layout(self, p: torch.Tensor, group: Mapping[str, Any]) -> list[StateSpec]:
         # ``p.shape`` is the global shape for a DTensor, so layouts never depend on sharding.
-        return self.state_layout(tuple(p.shape), p.dtype, group)
+        specs = self.state_layout(tuple(p.shape), p.dtype, group)
+        if group.get("rounding", "nearest") == "kahan" and p.dtype in LOW_PRECISION:
+            # What the last rounding of a low-precision param lost (leanopt.optim.rounding).
+            specs.append(StateSpec("kahan_comp", tuple(p.shape), p.dtype))
+        return specs
 
     def _init_state(self, p: torch.Tensor, group: Mapping[str, Any]) -> dict[str, Any]:
         state = self.state[p]
@@ -197,8 +204,46 @@ class LeanOptimizer(torch.optim.Optimizer):
             return loss
         self._check_grads()
         for gi, group in enumerate(self.param_groups):
-            self._step_group(gi, group, self._stepped_params(group), f"group{gi}")
+            self._update_group(gi, group, self._stepped_params(group), f"group{gi}")
         return loss
+
+    def _update_group(self, gi: int, group: Mapping[str, Any], params: list[torch.Tensor], key: str) -> None:
+        """:meth:`_step_group`, with low-precision params written back as ``group["rounding"]`` says."""
+        rounding = group.get("rounding", "nearest")
+        rounded = [p for p in params if rounding != "nearest" and p.dtype in LOW_PRECISION]
+        if not rounded:
+            self._step_group(gi, group, params, key)
+            return
+        plain = [p for p in params if not (rounding != "nearest" and p.dtype in LOW_PRECISION)]
+        if plain:
+            self._step_group(gi, group, plain, key)
+        index = {id(p): i for i, p in enumerate(group["params"])}
+        for p in rounded:
+            self._step_rounded(gi, group, p, index[id(p)], rounding, key)
+
+    def _step_rounded(self, gi: int, group: Mapping[str, Any], p: torch.Tensor, index: int, rounding: str, key: str) -> None:
+        # The rule runs on an fp32 copy of the param (plus its compensation), with the param's
+        # own state; then the result is written back with the group's rounding.
+        if is_dtensor(p):
+            raise ValueError(f"rounding={rounding!r} is not supported for DTensor (FSDP2) params (param {index} of group {gi})")
+        state = self.state[p]
+        master = p.detach().float()
+        if rounding == "kahan":
+            master.add_(state["kahan_comp"].float())
+        master.grad = p.grad.float()
+        self.state[master] = state
+        try:
+            self._step_group(gi, group, [master], f"{key}/rounded")
+        finally:
+            del self.state[master]
+        with torch.no_grad():
+            if rounding == "kahan":
+                nearest = master.to(p.dtype)
+                state["kahan_comp"].copy_(master.sub_(nearest.float()))
+                p.copy_(nearest)
+            else:
+                gen = generator_for(p.device, int(state["step"]), gi, index)
+                p.copy_(stochastic_round(master, p.dtype, gen))
 
     def _step_group(self, gi: int, group: Mapping[str, Any], params: list[torch.Tensor], key: str) -> None:
         """Update ``params`` of ``group`` (state created, ``step`` advanced); ``key`` names the
@@ -216,7 +261,7 @@ class LeanOptimizer(torch.optim.Optimizer):
         if g.is_sparse or g.layout != torch.strided:
             raise RuntimeError(f"leanopt.{type(self).__name__} does not support sparse gradients (param {index} of group {gi})")
         self._init_state(p, group)["step"] += 1
-        self._step_group(gi, group, [p], f"group{gi}/param{index}")
+        self._update_group(gi, group, [p], f"group{gi}/param{index}")
 
     def _closure_loss(self, closure: Callable[[], Any] | None) -> Any:
         if closure is None:
@@ -283,6 +328,7 @@ class LeanOptimizer(torch.optim.Optimizer):
             filled = {**{k: v for k, v in self.defaults.items() if k not in saved}, **saved}
             try:
                 self.validate_group(filled, loaded=True)
+                check_rounding(filled.get("rounding", "nearest"))
             except ValueError as err:
                 raise ValueError(f"{cls}.load_state_dict: param group {gi}: {err}") from None
             filled_groups.append(filled)
@@ -339,7 +385,8 @@ class LeanOptimizer(torch.optim.Optimizer):
         layout = self._param_layout(p, group)
         for spec in layout:
             if spec.key not in saved:
-                alt = self._missing_state(spec, p, saved)
+                # A state saved without compensation (another rounding) continues from none.
+                alt = spec.allocate(p.device) if spec.key == "kahan_comp" and not is_dtensor(p) else self._missing_state(spec, p, saved)
                 if alt is None:
                     raise ValueError(f"{cls}.load_state_dict: state of {label} has no {spec.key!r}")
                 out[spec.key] = alt
