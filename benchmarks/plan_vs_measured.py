@@ -2,6 +2,7 @@
 
     python benchmarks/plan_vs_measured.py                 # the table in docs/plan.md
     python benchmarks/plan_vs_measured.py --cases small   # the tiny models tests/test_plan.py uses
+    python benchmarks/plan_vs_measured.py --gpus 2        # FSDP2 over 2 gloo ranks: per-rank peaks
 
 Each configuration runs in a fresh process (``MALLOC_MMAP_THRESHOLD_=65536``: glibc serves every
 block of 64 KiB and more with its own mmap, so a freed tensor leaves the resident set at once):
@@ -16,6 +17,13 @@ block of 64 KiB and more with its own mmap, so a freed tensor leaves the residen
    before the model was built.
 
 Predicted = ``leanopt.memory.plan.plan(...)`` for the same configuration.
+
+``--gpus N`` (N > 1): one ``torchrun --nproc_per_node N`` launch (gloo, CPU, one thread per rank)
+per model runs its configurations one after the other; on every rank, as above, with the process
+group initialized before the warm-up (gloo's fixed costs are in the baseline) and the model
+sharded as ``plan`` plans it (``fully_shard`` on each transformer block, then the root; the batch
+per rank = ``batch``). Each rank's measured peak is printed beside rank 0's prediction
+(``plan(..., gpus=N)``; every rank's shards are padded to the same size).
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ CASES = {
     "gpt2": ("gpt2", 4, 256),
 }
 CONFIGS = [("adamw", "fp32", False), ("adamw8bit", "bf16-mixed", False), ("adafactor", "fp32", False), ("adamw", "fp32", True)]
+DIST_CONFIGS = [("adamw", "fp32", False), ("adafactor", "fp32", False), ("adamw8bit", "fp32", False),
+                ("adamw8bit", "bf16-mixed", False), ("adamw", "fp32", True)]
 
 # A few MB each: what tests/test_plan.py runs.
 SMALL = {
@@ -99,7 +109,7 @@ def step_fn(model: Any, optimizer: Any, precision: str, batch: int, seq: int) ->
     return step
 
 
-def prepare(model: Any, optimizer: str, precision: str, checkpointing: bool) -> Any:
+def prepare(model: Any, optimizer: str, precision: str, checkpointing: bool, *, sharded: bool = False) -> Any:
     import warnings
 
     import torch
@@ -113,11 +123,16 @@ def prepare(model: Any, optimizer: str, precision: str, checkpointing: bool) -> 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    if sharded:
+        from leanopt.memory.plan_fsdp import shard_blocks
+
+        shard_blocks(model)
     return resolve_optimizer(optimizer)(model.parameters())
 
 
-def worker(case: str, optimizer: str, precision: str, checkpointing: bool) -> int:
-    """Run in a fresh process: the measured peak of the third step, in bytes."""
+def worker(case: str, optimizer: str, precision: str, checkpointing: bool, *, sharded: bool = False) -> int:
+    """Run in a fresh process: the measured peak of the third step, in bytes (``sharded``: this
+    rank's, under FSDP2, in an initialized process group)."""
     import gc
 
     import torch
@@ -129,21 +144,24 @@ def worker(case: str, optimizer: str, precision: str, checkpointing: bool) -> in
     _, _, _, batch, seq = model_spec(case)
     # 1. warm-up on a small model of the same architecture
     tiny = build(case, tiny=True)
-    opt = prepare(tiny, optimizer, precision, checkpointing)
+    opt = prepare(tiny, optimizer, precision, checkpointing, sharded=sharded)
     warm = step_fn(tiny, opt, precision, batch, seq)
     warm()
     warm()
     del tiny, opt, warm
     gc.collect()
+    barrier = _barrier if sharded else lambda: None
+    barrier()
     # 2. baseline
     base = _status_kib()["RssAnon"]
     # 3. the model, two steps, reset the high-water mark, the third step
     model = build(case)
-    opt = prepare(model, optimizer, precision, checkpointing)
+    opt = prepare(model, optimizer, precision, checkpointing, sharded=sharded)
     step = step_fn(model, opt, precision, batch, seq)
     step()
     step()
     gc.collect()
+    barrier()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     step()
@@ -152,6 +170,58 @@ def worker(case: str, optimizer: str, precision: str, checkpointing: bool) -> in
     del model, opt, step
     gc.collect()
     return (s["VmHWM"] - file_backed - base) * 1024
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
+def dist_worker(case: str, configs: list[str]) -> None:
+    """Under torchrun: every rank measures each configuration; rank 0 prints [[rank 0, rank 1, ...], ...]."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    torch.set_num_threads(1)
+    measured = []
+    for config in configs:
+        optimizer, precision, ckpt = config.split(":")
+        mine = worker(case, optimizer, precision, ckpt == "1", sharded=True)
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        measured.append(every)
+    if dist.get_rank() == 0:
+        print(json.dumps(measured), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure_dist(case: str, configs: list[tuple[str, str, bool]], gpus: int, timeout: float = 1800) -> list[list[int]]:
+    """Each rank's measured peak of ``configs`` on ``case`` under FSDP2 over ``gpus`` gloo ranks (one launch)."""
+    import signal
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(gpus), "--master_addr", "127.0.0.1",
+           "--master_port", str(port), __file__, "--dist-worker", case, *(f"{o}:{p}:{int(c)}" for o, p, c in configs)]  # fmt: skip
+    # Its own session, so that a timeout ends torchrun's workers too.
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise RuntimeError(f"torchrun {case} {configs} timed out after {timeout} s:\n{stderr[-2000:]}") from None
+    if proc.returncode != 0:
+        raise RuntimeError(f"torchrun {case} {configs} failed:\n{stderr[-3000:]}")
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 def measure(case: str, configs: list[tuple[str, str, bool]]) -> list[int]:
@@ -165,12 +235,12 @@ def measure(case: str, configs: list[tuple[str, str, bool]]) -> list[int]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def predict(case: str, optimizer: str, precision: str, checkpointing: bool) -> int:
+def predict(case: str, optimizer: str, precision: str, checkpointing: bool, gpus: int = 1) -> int:
     from leanopt.memory.plan import plan
 
     model = build_meta(case)
     _, _, _, batch, seq = model_spec(case)
-    (row,) = plan(model, batch=batch, seq=seq, optimizers=[optimizer], precisions=[precision], checkpointing=[checkpointing])
+    (row,) = plan(model, batch=batch, seq=seq, gpus=gpus, optimizers=[optimizer], precisions=[precision], checkpointing=[checkpointing])
     return row.peak_bytes
 
 
@@ -186,7 +256,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", default="full", help="full, small, or comma-separated case names")
     parser.add_argument("--worker", nargs="+", metavar="CASE OPTIMIZER:PRECISION:CKPT")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--gpus", type=int, default=1, help="N > 1: FSDP2 over N gloo ranks (torchrun), per-rank peaks")
+    parser.add_argument("--dist-worker", nargs="+", metavar="CASE OPTIMIZER:PRECISION:CKPT", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.dist_worker:
+        dist_worker(args.dist_worker[0], args.dist_worker[1:])
+        return 0
     if args.worker:
         case, *configs = args.worker
         measured = []
@@ -197,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cases = {"full": list(CASES), "small": list(SMALL)}.get(args.cases) or args.cases.split(",")
     rows = []
+    if args.gpus > 1:
+        return _main_dist(cases, args.gpus, args.json)
     for case in cases:
         for optimizer, precision, ckpt in CONFIGS:
             t0 = time.perf_counter()
@@ -212,6 +289,25 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"| {case} | {optimizer} | {precision} | {'on' if ckpt else 'off'} | {row['predicted_mib']:,.0f} | "
                       f"{row['measured_mib']:,.0f} | {err:+.1f} % |", flush=True)  # fmt: skip
     if args.json:
+        print(json.dumps(rows, indent=2))
+    return 0
+
+
+def _main_dist(cases: list[str], gpus: int, as_json: bool) -> int:
+    rows = []
+    for case in cases:
+        predicted = [predict(case, o, p, c, gpus) for o, p, c in DIST_CONFIGS]
+        measured = measure_dist(case, DIST_CONFIGS, gpus)
+        for (optimizer, precision, ckpt), pred, per_rank in zip(DIST_CONFIGS, predicted, measured):
+            errs = [100.0 * (pred - m) / m for m in per_rank]
+            row = {"case": case, "gpus": gpus, "optimizer": optimizer, "precision": precision, "checkpointing": ckpt,
+                   "predicted_mib": round(pred / 2**20, 1), "measured_mib": [round(m / 2**20, 1) for m in per_rank],
+                   "error_pct": [round(e, 1) for e in errs]}  # fmt: skip
+            rows.append(row)
+            if not as_json:
+                for rank, (m, e) in enumerate(zip(per_rank, errs)):
+                    print(f"| {case} | {rank} | {optimizer} | {precision} | {pred / 2**20:,.0f} | {m / 2**20:,.0f} | {e:+.1f} % |", flush=True)
+    if as_json:
         print(json.dumps(rows, indent=2))
     return 0
 

@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--batch", type=int, required=True, help="sequences per step")
     pl.add_argument("--seq", type=int, required=True, help="tokens per sequence")
     pl.add_argument("--budget", help="memory to fit in: 24GiB, 24GB, 500MiB or bytes")
-    pl.add_argument("--gpus", type=int, default=1, help="ranks to shard over with FSDP2 (only 1 for now)")
+    pl.add_argument("--gpus", type=int, default=1, help="ranks to shard over with FSDP2 (fully_shard per block and root; per-rank peak, batch per rank)")
     pl.add_argument("--optimizers", help=f"comma-separated (default: {','.join(DEFAULT_OPTIMIZERS)}); known: {', '.join(OPTIMIZER_NAMES)}")
     pl.add_argument("--precisions", help=f"comma-separated (default: {','.join(PLAN_PRECISIONS)})")
     pl.add_argument("--json", action="store_true", help="print the rows as JSON")
@@ -363,7 +363,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 f"{'on' if best.checkpointing else 'off'} ({_mib(best.peak_bytes)} MB)")  # fmt: skip
     console.print(line, highlight=False)
     console.print("MB = MiB. Second step's peak (state exists), CPU kernels; not planned yet: gradient release, "
-                  "--gpus > 1, CUDA (docs/plan.md).", style="dim", highlight=False)  # fmt: skip
+                  "CUDA (docs/plan.md); --gpus N: rank 0's peak under FSDP2.", style="dim", highlight=False)  # fmt: skip
     return 0
 
 

@@ -22,8 +22,11 @@ combined exactly: in steady state the optimizer's state and whatever it keeps be
     peak = max(peak(forward + backward) + kept by the optimizer,
                peak(optimizer.step, second step, with the gradients) + left after backward)
 
-Not covered yet: gradient release (``grad_release`` is False in every row), FSDP2 sharding
-(``gpus`` > 1 is a ``ValueError``), CUDA (``device`` other than ``"cpu"`` is a ``ValueError``: on
+``gpus`` > 1: the per-rank peak under FSDP2 (``fully_shard`` on each transformer block and the
+root, batch per rank = ``batch``), traced as rank 0 of a fake process group
+(:mod:`leanopt.memory.plan_fsdp`); rows get ``gpus`` = N.
+
+Not covered yet: gradient release (``grad_release`` is False in every row), CUDA (``device`` other than ``"cpu"`` is a ``ValueError``: on
 the GPU attention and the optimizers take other kernels, with other temporaries).
 """
 
@@ -293,11 +296,27 @@ def _trace_forward_backward(model: torch.nn.Module, task: str, batch: int, seq: 
     return _ForwardBackward(peak, left)
 
 
-def _trace_step(model: torch.nn.Module, optimizer: str, dtype: torch.dtype) -> _Step:
+def _trace_forward_backward_fsdp(model: torch.nn.Module, task: str, batch: int, seq: int, precision: str, checkpointing: bool, gpus: int) -> _ForwardBackward:
+    from leanopt.memory import plan_fsdp
+
+    peak, left = plan_fsdp.trace_forward_backward(
+        model, task, batch, seq, precision, checkpointing, gpus,
+        fake_mode=_fake_mode(), fake_weights=_fake_weights, checkpointing_cm=_checkpointing,
+        vocab=_vocab_size(model), num_labels=int(getattr(getattr(model, "config", None), "num_labels", 2) or 2),
+        dtype=_PARAM_DTYPE[precision],
+    )  # fmt: skip
+    return _ForwardBackward(peak, left)
+
+
+def _trace_step(model: torch.nn.Module, optimizer: str, dtype: torch.dtype, gpus: int = 1) -> _Step:
     cls = resolve_optimizer(optimizer)
     fake_mode = _fake_mode()
-    tracker = LiveStorage()
     shapes = [(tuple(p.shape), dtype if p.is_floating_point() else p.dtype) for p in unique_params(list(_trainable(model)))]
+    if gpus > 1:
+        from leanopt.memory.plan_fsdp import trace_step
+
+        return _Step(*trace_step(shapes, cls, gpus, fake_mode))
+    tracker = LiveStorage()
     with isolated_kernel_caches(), fake_mode, tracker:
         params = [torch.nn.Parameter(torch.empty(s, dtype=dt)) for s, dt in shapes]
         for p in params:
@@ -372,8 +391,6 @@ def plan(
             raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
     if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
         raise ValueError(f"gpus must be a whole number >= 1, got {gpus!r}")
-    if gpus > 1:
-        raise ValueError("planning FSDP2 over several GPUs (--gpus > 1) is not supported yet; plan for one device")
     if device != "cpu":
         raise ValueError(f"device {device!r}: plan traces CPU steps only for now (CUDA kernels keep other temporaries)")
     budget_bytes = parse_bytes(budget) if budget is not None else None
@@ -394,6 +411,10 @@ def plan(
         ckpts = [c for c in ckpts if not c]
     if not ckpts:
         raise ValueError(f"{type(module).__name__} does not support activation checkpointing, and no row without it was asked for")
+    if gpus > 1:
+        from leanopt.memory.plan_fsdp import check_shardable
+
+        check_shardable(module, gpus)
 
     forward_backward: dict[tuple[str, bool], _ForwardBackward] = {}
     steps: dict[tuple[str, torch.dtype], _Step] = {}
@@ -401,7 +422,10 @@ def plan(
     for precision in precs:
         for ckpt in ckpts:
             try:
-                forward_backward[precision, ckpt] = _trace_forward_backward(module, task, batch, seq, precision, ckpt)
+                if gpus > 1:
+                    forward_backward[precision, ckpt] = _trace_forward_backward_fsdp(module, task, batch, seq, precision, ckpt, gpus)
+                else:
+                    forward_backward[precision, ckpt] = _trace_forward_backward(module, task, batch, seq, precision, ckpt)
             except ValueError:
                 raise
             except Exception as err:  # noqa: BLE001 - whatever a model's code raises on fake tensors: one line
@@ -413,7 +437,7 @@ def plan(
             key = (name, _PARAM_DTYPE[precision])
             if key not in steps:
                 try:
-                    steps[key] = _trace_step(module, name, _PARAM_DTYPE[precision])
+                    steps[key] = _trace_step(module, name, _PARAM_DTYPE[precision], gpus)
                 except Exception as err:  # noqa: BLE001 - as above, for the optimizer's code
                     raise ValueError(f"cannot trace {name}.step() on fake tensors ({precision}): {_one_line(err)}") from None
             for ckpt in ckpts:

@@ -20,6 +20,10 @@ Two things a fake tensor cannot do are answered here, both without effect on mem
   that matters. The mixed-dtype AdamW update (bf16 params with fp32 state: pure bf16, which
   :func:`~leanopt.memory.plan.plan` does not offer yet) is stubbed with nothing, unmeasured.
 
+Under FSDP2 (:mod:`~leanopt.memory.plan_fsdp`, ``LiveStorage.distributed``) DTensor ops are let
+through to their local ops, ``UntypedStorage.resize_`` (how FSDP2 frees and refills unsharded
+params) is followed, and an eager ``wait_tensor`` returns its input, as it does for real.
+
 Caches the optimizers fill on first use (code books, lookup tables, Adafactor's workspace)
 are emptied for the trace, so that the fake ones are created and counted, and put back after.
 """
@@ -76,8 +80,35 @@ class LiveStorage(TorchDispatchMode):
         self._live: dict[int, _Block] = {}
         self._by_storage: weakref.WeakKeyDictionary[Any, _Block] = weakref.WeakKeyDictionary()
         self._peak = 0
-        self._at_peak: list[_Block] = []
+        self._at_peak: list[tuple[_Block, int]] = []
         self.autocast_copies = False
+        # FSDP2 (see plan_fsdp): follow ``UntypedStorage.resize_`` (how FSDP2 frees and refills an
+        # unsharded param's storage; not an aten op), let DTensor ops run down to their local ops.
+        self.distributed = False
+        self._orig_resize: Any = None
+
+    def __enter__(self) -> LiveStorage:  # noqa: PYI034
+        if self.distributed and self._orig_resize is None:
+            orig = self._orig_resize = torch.UntypedStorage.resize_
+            tracker = self
+
+            def resize_(st: Any, size: int) -> Any:
+                out = orig(st, size)
+                block = tracker._by_storage.get(st)
+                if block is not None and block.nbytes != st.nbytes():
+                    tracker.current += st.nbytes() - block.nbytes
+                    block.nbytes = st.nbytes()
+                    tracker._note()
+                return out
+
+            torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        return super().__enter__()
+
+    def __exit__(self, *args: object) -> None:
+        if self._orig_resize is not None:
+            torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
+            self._orig_resize = None
+        super().__exit__(*args)
 
     # ---- bookkeeping -------------------------------------------------------------------------
     def _free(self, key: int) -> None:
@@ -88,6 +119,11 @@ class LiveStorage(TorchDispatchMode):
     def track(self, t: torch.Tensor, kind: str | None = None) -> None:
         """Count ``t``'s storage (once); ``kind`` relabels it."""
         if not isinstance(t, torch.Tensor) or t.is_sparse:
+            return
+        if hasattr(t, "__tensor_flatten__"):  # a wrapper subclass (DTensor): its inner tensors hold the memory
+            names, _ = t.__tensor_flatten__()
+            for name in names:
+                self.track(getattr(t, name), kind)
             return
         st = t.untyped_storage()
         block = self._by_storage.get(st)
@@ -102,22 +138,24 @@ class LiveStorage(TorchDispatchMode):
             block.kind = kind
 
     def kind_of(self, t: torch.Tensor) -> str | None:
+        if hasattr(t, "__tensor_flatten__"):
+            t = getattr(t, t.__tensor_flatten__()[0][0])
         block = self._by_storage.get(t.untyped_storage())
         return block.kind if block is not None else None
 
     def _note(self) -> None:
         if self.current > self._peak:
             self._peak = self.current
-            self._at_peak = list(self._live.values())
+            self._at_peak = [(b, b.nbytes) for b in self._live.values()]  # sizes then (resize_ changes them)
 
     def reset_peak(self) -> None:
         self._peak = self.current
-        self._at_peak = list(self._live.values())
+        self._at_peak = [(b, b.nbytes) for b in self._live.values()]
 
     def peak(self) -> Peak:
         out = Peak(self._peak)
-        for block in self._at_peak:
-            out.breakdown[block.kind] += block.nbytes
+        for block, nbytes in self._at_peak:
+            out.breakdown[block.kind] += nbytes
         return out
 
     def live_by_kind(self) -> dict[str, int]:
@@ -129,6 +167,11 @@ class LiveStorage(TorchDispatchMode):
     # ---- dispatch ----------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if self.distributed:
+            if any(getattr(t, "__name__", "") == "DTensor" for t in types):
+                return NotImplemented  # DTensor runs, and its local ops come back here
+            if func is torch.ops._c10d_functional.wait_tensor.default:
+                return args[0]  # eager wait returns its input; the fake kernel would make a new tensor
         if func is torch.ops.aten._local_scalar_dense.default:
             # A data-dependent scalar: no memory depends on it (see the module docstring).
             t = args[0]

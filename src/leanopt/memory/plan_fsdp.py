@@ -1,0 +1,234 @@
+"""The per-rank step under FSDP2, traced on fake tensors: what ``plan(..., gpus=N)`` runs.
+
+The step planned is the one-process step with the model sharded by
+``torch.distributed.fsdp.fully_shard`` over N ranks: each transformer block (the classes the
+model lists in ``_no_split_modules``) and then the root, default ``reshard_after_forward=True``,
+the batch per rank = ``batch``. It is traced as rank 0 of a *fake* process group
+(``torch.testing._internal.distributed.fake_pg``: collectives return at once, nothing is sent)
+under ``FakeTensorMode``, with the same :class:`~leanopt.memory.plan_trace.LiveStorage` count as
+one process, which follows, in addition (``LiveStorage.distributed``):
+
+* DTensor ops down to the local ops on this rank's shards (sharded weights, gradients and the
+  optimizer's state are shards: ceil(dim0 / N) rows per tensor);
+* ``UntypedStorage.resize_``: how FSDP2 allocates and frees the unsharded parameters of a block
+  around its forward and backward (its all-gather buffers), and
+* the reduce-scatter buffers FSDP2 makes for a block's gradients in backward.
+
+The real FSDP2 code runs (its hooks, its copy-in/copy-out, its prefetching of the next block), so
+whatever it keeps alive is counted. Rank 0 holds the largest shards (FSDP2 pads every rank's
+shard to the same size), so its peak is every rank's peak.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from leanopt.memory.plan_trace import (
+    LiveStorage,
+    Peak,
+    isolated_kernel_caches,
+    state_tensors,
+)
+
+__all__ = ["check_shardable", "fake_process_group", "shard_blocks", "trace_forward_backward", "trace_step"]
+
+
+def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks: modules of the classes in ``_no_split_modules``, or else the
+    largest ``ModuleList`` of modules of one class (DistilBERT's ``transformer.layer``)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    found = [m for m in model.modules() if type(m).__name__ in names and m is not model]
+    if found:
+        return found
+    lists = [
+        list(m) for m in model.modules()
+        if isinstance(m, torch.nn.ModuleList) and len(m) > 0 and len({type(c) for c in m}) == 1
+        and any(True for _ in m.parameters())
+    ]  # fmt: skip
+    return max(lists, key=lambda ms: sum(p.numel() for c in ms for p in c.parameters()), default=[])
+
+
+def check_shardable(model: torch.nn.Module, gpus: int) -> None:
+    """One-line ValueError where N ranks cannot shard ``model`` sensibly."""
+    blocks = _blocks(model)
+    if not blocks:
+        raise ValueError(
+            f"cannot plan FSDP2 for {type(model).__name__}: no transformer blocks found to shard (neither _no_split_modules nor a ModuleList of layers)"
+        )
+    params = [p for p in model.parameters() if p.requires_grad]
+    smallest = min((p.shape[0] for p in params if p.dim() > 0), default=0)
+    if smallest < gpus:
+        raise ValueError(
+            f"cannot plan FSDP2 over {gpus} ranks for {type(model).__name__}: a parameter has only {smallest} rows "
+            "on dim 0 (some ranks would hold nothing of it)"
+        )
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int) -> Iterator[None]:
+    """A default process group of ``world_size`` fake ranks (this process is rank 0), destroyed after."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise ValueError("planning FSDP2 needs torch.distributed, which this torch build lacks")
+    if dist.is_initialized():
+        raise ValueError("cannot plan FSDP2 inside an initialized process group: plan in a process of its own")
+    import sys
+
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    hook = sys.excepthook  # init_process_group wraps it to prefix "[rank0]:"; put it back after
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        sys.excepthook = hook
+
+
+def _meta_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` with every parameter and buffer on ``meta`` (ties kept); ``model`` unchanged."""
+    swapped: list[tuple[dict[str, Any], str, Any]] = []
+    memo: dict[int, torch.Tensor] = {}
+    try:
+        for mod in model.modules():
+            for table in (mod._parameters, mod._buffers):
+                for name, t in list(table.items()):
+                    if t is None:
+                        continue
+                    new = memo.get(id(t))
+                    if new is None:
+                        data = torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
+                        new = torch.nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else data
+                        memo[id(t)] = new
+                    swapped.append((table, name, t))
+                    table[name] = new
+        return copy.deepcopy(model)
+    finally:
+        for table, name, t in reversed(swapped):
+            table[name] = t
+
+
+def default_mesh() -> Any:
+    """The 1-D mesh over every rank that ``fully_shard`` defaults to (made outside FakeTensorMode)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def shard_blocks(model: torch.nn.Module, mesh: Any = None) -> None:
+    """``fully_shard`` each transformer block, then the root (defaults: reshard after forward)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in _blocks(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def trace_forward_backward(
+    model: torch.nn.Module, task: str, batch: int, seq: int, precision: str, checkpointing: bool, gpus: int,
+    *, fake_mode: Any, fake_weights: Any, checkpointing_cm: Any, vocab: int, num_labels: int, dtype: torch.dtype,
+) -> tuple[Peak, dict[str, int]]:  # fmt: skip
+    """Peak of rank 0's forward + backward under FSDP2, and what is left after it other than
+    weights and gradients. Two steps are traced: the first makes FSDP2's lazy state, the
+    second (gradients set to None before it, as ``zero_grad`` leaves them) is the one counted."""
+    tracker = LiveStorage()
+    tracker.distributed = True
+    mixed = precision == "bf16-mixed"
+    work = _meta_copy(model)
+    with fake_process_group(gpus), fake_weights(work, fake_mode, dtype), checkpointing_cm(work, checkpointing):
+        work.train()
+        mesh = default_mesh()
+        with fake_mode:
+            shard_blocks(work, mesh)
+        params = [p for p in work.parameters() if p.requires_grad]
+        with fake_mode, tracker:
+            for mod in work.modules():
+                for p in mod._parameters.values():
+                    if p is not None:
+                        tracker.track(p, "weights")
+                for b in mod._buffers.values():
+                    if b is not None:
+                        tracker.track(b, "other")
+            input_ids = torch.randint(0, vocab, (batch, seq))
+            labels = torch.randint(0, num_labels, (batch,)) if task == "classification" else input_ids
+            tracker.track(input_ids)
+            tracker.track(labels)
+            for it in range(2):
+                if it == 1:
+                    for p in params:
+                        p.grad = None
+                    tracker.phase = "setup"
+                    tracker.reset_peak()
+                tracker.phase = "forward"
+                tracker.autocast_copies = mixed
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
+                    out = work(input_ids=input_ids, labels=labels)
+                loss = out.loss if hasattr(out, "loss") else None
+                if not isinstance(loss, torch.Tensor):
+                    raise ValueError(f"cannot trace {type(model).__name__}: its forward returned no loss")  # noqa: TRY004
+                tracker.track(loss, "other")
+                if isinstance(getattr(out, "logits", None), torch.Tensor):
+                    tracker.track(out.logits, "other")
+                del out
+                tracker.autocast_copies = False
+                tracker.phase = "backward"
+                loss.backward()
+                for p in params:
+                    if p.grad is not None:
+                        tracker.track(p.grad, "gradients")
+                    tracker.track(p, "weights")
+                del loss
+            peak = tracker.peak()
+            live = tracker.live_by_kind()
+            left = {k: v for k, v in live.items() if k not in ("weights", "gradients")}
+            del input_ids, labels, params
+    return peak, left
+
+
+class _Holder(torch.nn.Module):
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        super().__init__()
+        self.params = torch.nn.ParameterList(params)
+
+
+def trace_step(shapes: list[tuple[tuple[int, ...], torch.dtype]], optimizer_cls: Any, gpus: int, fake_mode: Any) -> tuple[Peak, dict[str, int]]:
+    """Peak of rank 0's second ``optimizer.step()`` on params sharded as FSDP2 shards them (with
+    their sharded gradients), and what it keeps between steps other than weights."""
+    from torch.distributed.fsdp import fully_shard
+
+    tracker = LiveStorage()
+    tracker.distributed = True
+    with fake_process_group(gpus), isolated_kernel_caches():
+        mesh = default_mesh()
+        with fake_mode:
+            holder = _Holder([torch.nn.Parameter(torch.empty(s, dtype=dt)) for s, dt in shapes])
+            fully_shard(holder, mesh=mesh)
+        params = list(holder.parameters())
+        with fake_mode, tracker:
+            for p in params:
+                tracker.track(p, "weights")
+            opt = optimizer_cls(params)
+            for it in range(2):
+                tracker.phase = "setup"
+                for p in params:
+                    p.grad = torch.empty_like(p)
+                    tracker.track(p.grad, "gradients")
+                if it == 1:
+                    tracker.reset_peak()
+                tracker.phase = "step"
+                opt.step()
+                for st in opt.state.values():
+                    for t in state_tensors(st):
+                        tracker.track(t, "optimizer_state")
+                opt.zero_grad(set_to_none=True)
+            peak = tracker.peak()
+            kept = {k: v for k, v in tracker.live_by_kind().items() if k != "weights"}
+            del opt, params, holder
+    return peak, kept
