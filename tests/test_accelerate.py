@@ -100,3 +100,40 @@ def test_bf16_params_keep_fp32_state_through_save_and_load_state(name: str, tmp_
 
 def test_example_script_runs() -> None:
     assert example.main(["--optimizer", "adamw", "--steps", "4"]) == 0
+
+
+def _accelerate_run(name: str, *, release: bool, rounding: str, steps: int = 6) -> torch.nn.Module:
+    """A plain Accelerate loop (prepare, backward, step, zero_grad) on a bf16 model."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.Tanh(), torch.nn.Linear(256, 1)).to(torch.bfloat16)
+    cls = resolve_optimizer(name)
+    fixed = {"relative_step": False, "scale_parameter": False} if name == "adafactor" else {}
+    opt = cls(model.parameters(), lr=1e-3, rounding=rounding, **fixed)
+    accelerator = Accelerator(cpu=True)
+    model, opt = accelerator.prepare(model, opt)
+    import leanopt
+
+    handle = leanopt.release_gradients(model, opt.optimizer) if release else None
+    for step in range(steps):
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+        loss = model(x).float().square().mean()
+        accelerator.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    if handle is not None:
+        handle.remove()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    return model
+
+
+@names
+@pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
+def test_released_gradients_and_bf16_rounding_through_accelerate(name: str, rounding: str) -> None:
+    # Both training modes of issue 13 in Accelerate's loop: pure bf16 weights with the rounding
+    # mode, with and without gradient release; released training equals the usual loop.
+    usual = _accelerate_run(name, release=False, rounding=rounding)
+    released = _accelerate_run(name, release=True, rounding=rounding)
+    start = _accelerate_run(name, release=False, rounding=rounding, steps=0)
+    assert any(not torch.equal(a, b) for a, b in zip(usual.parameters(), start.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(usual.parameters(), released.parameters()))

@@ -240,3 +240,20 @@ def test_released_gradients_under_trainer_equal_the_usual_run(name: str, tmp_pat
             handle.remove()
         finals.append([p.detach().clone() for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*finals))
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
+def test_pure_bf16_model_with_rounding_trains_under_trainer(rounding: str, tmp_path) -> None:
+    # bf16 weights and gradients, no fp32 master copy: the optimizer's rounding writes updates.
+    model = tiny_distilbert().to(torch.bfloat16)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = leanopt.AdamW(model.parameters(), lr=LR, rounding=rounding)
+    trainer = transformers.Trainer(
+        model=model, args=training_args(tmp_path), train_dataset=TokenDataset(), optimizers=(opt, None)
+    )
+    result = trainer.train()
+    assert torch.isfinite(torch.tensor(result.training_loss)) and state_steps(opt) == {8}
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()) if a.numel() > 1)
+    has_comp = {("kahan_comp" in st) for st in opt.state.values()}
+    assert has_comp == {rounding == "kahan"}
