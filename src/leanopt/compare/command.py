@@ -9,7 +9,7 @@ import tempfile
 import sys
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import torch
 from rich.console import Console

@@ -80,7 +80,6 @@ def run_protocol(optimizer: str, plan: Plan, emit: Emit) -> None:
     per finished run, with its row), and ``picked`` after the grid.
     """
     entry = contender(optimizer)
-    device = torch.device(plan.device)
     if plan.threads:
         torch.set_num_threads(plan.threads)
     workload = get_task(plan.task).prepare(plan)

@@ -50,7 +50,9 @@ from leanopt.memory.plan_trace import (
     LiveStorage,
     Peak,
     isolated_kernel_caches,
-    state_tensors,
+    track_module,
+    traced_forward_backward,
+    traced_steps,
 )
 
 __all__ = [
@@ -160,6 +162,10 @@ def _vocab_size(model: torch.nn.Module) -> int:
     return vocab
 
 
+def _num_labels(model: torch.nn.Module) -> int:
+    return int(getattr(getattr(model, "config", None), "num_labels", 2) or 2)
+
+
 def _check_positions(model: torch.nn.Module, seq: int) -> None:
     """A model with learned position embeddings takes no sequence longer than its table (fake
     tensors would not notice the out-of-range lookup that fails a real step)."""
@@ -253,40 +259,18 @@ def _trace_forward_backward(model: torch.nn.Module, task: str, batch: int, seq: 
     tracker = LiveStorage()
     mixed = precision == "bf16-mixed"
     vocab = _vocab_size(model)
-    num_labels = int(getattr(getattr(model, "config", None), "num_labels", 2) or 2)
+    num_labels = _num_labels(model)
     was_training = model.training
     with _fake_weights(model, fake_mode, _PARAM_DTYPE[precision]) as params, _checkpointing(model, checkpointing):
         model.train()
         try:
             with fake_mode, tracker:
-                for mod in model.modules():
-                    for p in mod._parameters.values():
-                        if p is not None:
-                            tracker.track(p, "weights")
-                    for b in mod._buffers.values():
-                        if b is not None:
-                            tracker.track(b, "other")
+                track_module(tracker, model)
                 input_ids = torch.randint(0, vocab, (batch, seq))
                 labels = torch.randint(0, num_labels, (batch,)) if task == "classification" else input_ids
                 tracker.track(input_ids)
                 tracker.track(labels)
-                tracker.phase = "forward"
-                tracker.autocast_copies = mixed
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
-                    out = model(input_ids=input_ids, labels=labels)
-                loss = out.loss if hasattr(out, "loss") else None
-                if not isinstance(loss, torch.Tensor):
-                    raise ValueError(f"cannot trace {type(model).__name__}: its forward returned no loss")  # noqa: TRY004
-                tracker.track(loss, "other")
-                if isinstance(getattr(out, "logits", None), torch.Tensor):
-                    tracker.track(out.logits, "other")
-                del out  # as `model(**batch).loss` does: logits live on only if backward saved them
-                tracker.autocast_copies = False
-                tracker.phase = "backward"
-                loss.backward()
-                for p in params:
-                    if p.grad is not None:
-                        tracker.track(p.grad, "gradients")
+                loss = traced_forward_backward(tracker, model, input_ids, labels, params, mixed, type(model).__name__)
                 peak = tracker.peak()
                 live = tracker.live_by_kind()
                 left = {k: v for k, v in live.items() if k not in ("weights", "gradients")}
@@ -302,7 +286,7 @@ def _trace_forward_backward_fsdp(model: torch.nn.Module, task: str, batch: int, 
     peak, left = plan_fsdp.trace_forward_backward(
         model, task, batch, seq, precision, checkpointing, gpus,
         fake_mode=_fake_mode(), fake_weights=_fake_weights, checkpointing_cm=_checkpointing,
-        vocab=_vocab_size(model), num_labels=int(getattr(getattr(model, "config", None), "num_labels", 2) or 2),
+        vocab=_vocab_size(model), num_labels=_num_labels(model),
         dtype=_PARAM_DTYPE[precision],
     )  # fmt: skip
     return _ForwardBackward(peak, left)
@@ -316,28 +300,8 @@ def _trace_step(model: torch.nn.Module, optimizer: str, dtype: torch.dtype, gpus
         from leanopt.memory.plan_fsdp import trace_step
 
         return _Step(*trace_step(shapes, cls, gpus, fake_mode))
-    tracker = LiveStorage()
-    with isolated_kernel_caches(), fake_mode, tracker:
-        params = [torch.nn.Parameter(torch.empty(s, dtype=dt)) for s, dt in shapes]
-        for p in params:
-            tracker.track(p, "weights")
-        opt = cls(params)
-        for it in range(2):  # the second step is the steady state: its state exists before it
-            tracker.phase = "setup"
-            for p in params:
-                p.grad = torch.empty_like(p)
-                tracker.track(p.grad, "gradients")
-            if it == 1:
-                tracker.reset_peak()
-            tracker.phase = "step"
-            opt.step()
-            for st in opt.state.values():
-                for t in state_tensors(st):
-                    tracker.track(t, "optimizer_state")
-            opt.zero_grad(set_to_none=True)
-        peak = tracker.peak()
-        kept = {k: v for k, v in tracker.live_by_kind().items() if k != "weights"}
-        del opt, params
+    with isolated_kernel_caches(), fake_mode, LiveStorage() as tracker:
+        peak, kept = traced_steps(tracker, [torch.nn.Parameter(torch.empty(s, dtype=dt)) for s, dt in shapes], cls)
     return _Step(peak, kept)
 
 

@@ -32,7 +32,9 @@ from leanopt.memory.plan_trace import (
     LiveStorage,
     Peak,
     isolated_kernel_caches,
-    state_tensors,
+    track_module,
+    traced_forward_backward,
+    traced_steps,
 )
 
 __all__ = ["check_shardable", "fake_process_group", "shard_blocks", "trace_forward_backward", "trace_step"]
@@ -149,13 +151,7 @@ def trace_forward_backward(
             shard_blocks(work, mesh)
         params = [p for p in work.parameters() if p.requires_grad]
         with fake_mode, tracker:
-            for mod in work.modules():
-                for p in mod._parameters.values():
-                    if p is not None:
-                        tracker.track(p, "weights")
-                for b in mod._buffers.values():
-                    if b is not None:
-                        tracker.track(b, "other")
+            track_module(tracker, work)
             input_ids = torch.randint(0, vocab, (batch, seq))
             labels = torch.randint(0, num_labels, (batch,)) if task == "classification" else input_ids
             tracker.track(input_ids)
@@ -166,23 +162,8 @@ def trace_forward_backward(
                         p.grad = None
                     tracker.phase = "setup"
                     tracker.reset_peak()
-                tracker.phase = "forward"
-                tracker.autocast_copies = mixed
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
-                    out = work(input_ids=input_ids, labels=labels)
-                loss = out.loss if hasattr(out, "loss") else None
-                if not isinstance(loss, torch.Tensor):
-                    raise ValueError(f"cannot trace {type(model).__name__}: its forward returned no loss")  # noqa: TRY004
-                tracker.track(loss, "other")
-                if isinstance(getattr(out, "logits", None), torch.Tensor):
-                    tracker.track(out.logits, "other")
-                del out
-                tracker.autocast_copies = False
-                tracker.phase = "backward"
-                loss.backward()
-                for p in params:
-                    if p.grad is not None:
-                        tracker.track(p.grad, "gradients")
+                loss = traced_forward_backward(tracker, work, input_ids, labels, params, mixed, type(model).__name__)
+                for p in params:  # FSDP2 swaps the sharded params back in after backward
                     tracker.track(p, "weights")
                 del loss
             peak = tracker.peak()
@@ -212,23 +193,6 @@ def trace_step(shapes: list[tuple[tuple[int, ...], torch.dtype]], optimizer_cls:
             fully_shard(holder, mesh=mesh)
         params = list(holder.parameters())
         with fake_mode, tracker:
-            for p in params:
-                tracker.track(p, "weights")
-            opt = optimizer_cls(params)
-            for it in range(2):
-                tracker.phase = "setup"
-                for p in params:
-                    p.grad = torch.empty_like(p)
-                    tracker.track(p.grad, "gradients")
-                if it == 1:
-                    tracker.reset_peak()
-                tracker.phase = "step"
-                opt.step()
-                for st in opt.state.values():
-                    for t in state_tensors(st):
-                        tracker.track(t, "optimizer_state")
-                opt.zero_grad(set_to_none=True)
-            peak = tracker.peak()
-            kept = {k: v for k, v in tracker.live_by_kind().items() if k != "weights"}
-            del opt, params, holder
+            peak, kept = traced_steps(tracker, params, optimizer_cls)
+            del params, holder
     return peak, kept

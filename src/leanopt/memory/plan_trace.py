@@ -249,3 +249,66 @@ def state_tensors(value: Any) -> Iterator[torch.Tensor]:
             v = getattr(value, name, None)
             if isinstance(v, torch.Tensor):
                 yield v
+
+
+# ---- the traced step, shared by the one-process and the FSDP2 planners -------------------------
+def track_module(tracker: LiveStorage, module: torch.nn.Module) -> None:
+    """Count ``module``'s parameters as weights and its buffers as other memory."""
+    for mod in module.modules():
+        for p in mod._parameters.values():
+            if p is not None:
+                tracker.track(p, "weights")
+        for b in mod._buffers.values():
+            if b is not None:
+                tracker.track(b, "other")
+
+
+def traced_forward_backward(
+    tracker: LiveStorage, model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
+    params: list[torch.nn.Parameter], mixed: bool, name: str,
+) -> torch.Tensor:  # fmt: skip
+    """One ``model(input_ids=, labels=).loss.backward()`` under ``tracker``, as a training step
+    runs it: the forward under bf16 autocast when ``mixed``, the gradients counted after.
+    Returns the loss: the caller's step holds it until it lets go."""
+    tracker.phase = "forward"
+    tracker.autocast_copies = mixed
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
+        out = model(input_ids=input_ids, labels=labels)
+    loss = out.loss if hasattr(out, "loss") else None
+    if not isinstance(loss, torch.Tensor):
+        raise ValueError(f"cannot trace {name}: its forward returned no loss")  # noqa: TRY004
+    tracker.track(loss, "other")
+    if isinstance(getattr(out, "logits", None), torch.Tensor):
+        tracker.track(out.logits, "other")
+    del out  # as `model(**batch).loss` does: logits live on only if backward saved them
+    tracker.autocast_copies = False
+    tracker.phase = "backward"
+    loss.backward()
+    for p in params:
+        if p.grad is not None:
+            tracker.track(p.grad, "gradients")
+    return loss
+
+
+def traced_steps(tracker: LiveStorage, params: list[torch.nn.Parameter], optimizer_cls: Any) -> tuple[Peak, dict[str, int]]:
+    """Two ``optimizer.step(); zero_grad(set_to_none=True)`` under ``tracker``; the peak of the
+    second (the steady state: its state exists before it) and what stays between steps other
+    than weights."""
+    for p in params:
+        tracker.track(p, "weights")
+    opt = optimizer_cls(params)
+    for it in range(2):
+        tracker.phase = "setup"
+        for p in params:
+            p.grad = torch.empty_like(p)
+            tracker.track(p.grad, "gradients")
+        if it == 1:
+            tracker.reset_peak()
+        tracker.phase = "step"
+        opt.step()
+        for st in opt.state.values():
+            for t in state_tensors(st):
+                tracker.track(t, "optimizer_state")
+        opt.zero_grad(set_to_none=True)
+    kept = {k: v for k, v in tracker.live_by_kind().items() if k != "weights"}
+    return tracker.peak(), kept

@@ -117,7 +117,6 @@ class AdamW(LeanOptimizer):
         return None
 
     def _step_group(self, gi: int, group: Mapping[str, Any], params: list[torch.Tensor], key: str) -> None:
-        beta1, beta2 = group["betas"]
         for (backend, _), bucket in self._by_backend(params).items():
             # Elementwise: a DTensor (FSDP2) param updates its own shard, in any backend.
             state = lambda name: [real_view(local(self.state[p][name])) for p in bucket]  # noqa: E731
@@ -131,13 +130,17 @@ class AdamW(LeanOptimizer):
                 state("exp_avg_sq"),
                 state("max_exp_avg_sq") if group["amsgrad"] else None,
                 [self.state[p]["step"] for p in bucket],
-                lr=as_float(group["lr"]),
-                beta1=beta1,
-                beta2=beta2,
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                maximize=group["maximize"],
+                **adam_hyperparameters(group),
             )
+
+
+def adam_hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
+    """The AdamW family's keyword arguments to ``kernels``, from a param group."""
+    beta1, beta2 = group["betas"]
+    return dict(
+        lr=as_float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+        weight_decay=group["weight_decay"], maximize=group["maximize"],
+    )  # fmt: skip
 
 
 def validate_betas(betas: Any) -> None:

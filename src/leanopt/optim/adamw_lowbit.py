@@ -14,8 +14,8 @@ import torch
 
 from leanopt.optim.sharding import is_dtensor, local
 from leanopt import kernels
-from leanopt.optim.adamw import state_dtype, validate_adam_hparams
-from leanopt.optim.base import LeanOptimizer, as_float, check_flag
+from leanopt.optim.adamw import adam_hyperparameters, state_dtype, validate_adam_hparams
+from leanopt.optim.base import LeanOptimizer, check_flag
 from leanopt.optim.layout import StateSpec
 from leanopt.quant import BlockFormat
 from leanopt.quant.formats import MAX_BLOCK_SIZE
@@ -135,7 +135,6 @@ class LowBitAdamW(LeanOptimizer):
 
     # ---- step -----------------------------------------------------------------------------
     def _step_group(self, gi: int, group: Mapping[str, Any], params: list[torch.Tensor], key: str) -> None:
-        beta1, beta2 = group["betas"]
         # A DTensor (FSDP2) param updates its own shard; its quantized states hold that shard
         # already, with scales shared across shard edges (leanopt.optim.sharding), which the
         # reference rule handles.
@@ -150,12 +149,7 @@ class LowBitAdamW(LeanOptimizer):
                 [local(self.state[p]["exp_avg"]) for p in bucket],
                 [local(self.state[p]["exp_avg_sq"]) for p in bucket],
                 [self.state[p]["step"] for p in bucket],
-                lr=as_float(group["lr"]),
-                beta1=beta1,
-                beta2=beta2,
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                maximize=group["maximize"],
+                **adam_hyperparameters(group),
             )
 
 

@@ -124,19 +124,22 @@ class LeanOptimizer(torch.optim.Optimizer):
         """Refuse gradients no backend can apply, before any param or state is changed."""
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
-                g = p.grad
-                if g is None:
-                    continue
-                if g.is_sparse or g.layout != torch.strided:
-                    raise RuntimeError(
-                        f"leanopt.{type(self).__name__} does not support sparse gradients "
-                        f"(param {pi} of group {gi} has a {g.layout} gradient)"
-                    )
-                if g.shape != p.shape:
-                    raise ValueError(
-                        f"{type(self).__name__}: param {pi} of group {gi} has shape {tuple(p.shape)} but its "
-                        f"gradient has shape {tuple(g.shape)}"
-                    )
+                self._check_grad(p, gi, pi)
+
+    def _check_grad(self, p: torch.Tensor, gi: int, pi: int) -> None:
+        g = p.grad
+        if g is None:
+            return
+        if g.is_sparse or g.layout != torch.strided:
+            raise RuntimeError(
+                f"leanopt.{type(self).__name__} does not support sparse gradients "
+                f"(param {pi} of group {gi} has a {g.layout} gradient)"
+            )
+        if g.shape != p.shape:
+            raise ValueError(
+                f"{type(self).__name__}: param {pi} of group {gi} has shape {tuple(p.shape)} but its "
+                f"gradient has shape {tuple(g.shape)}"
+            )
 
     def _backend_for(self, p: torch.Tensor) -> str:
         """Which backend runs ``p``'s update (dtypes a backend lacks fall back to the reference)."""
@@ -254,12 +257,10 @@ class LeanOptimizer(torch.optim.Optimizer):
     def _step_param(self, p: torch.Tensor, gi: int, index: int) -> None:
         """Update one param from its gradient now (gradient release): the same maths, per
         param, as :meth:`step`."""
-        group = self.param_groups[gi]
-        g = p.grad
-        if g is None:
+        if p.grad is None:
             return
-        if g.is_sparse or g.layout != torch.strided:
-            raise RuntimeError(f"leanopt.{type(self).__name__} does not support sparse gradients (param {index} of group {gi})")
+        self._check_grad(p, gi, index)
+        group = self.param_groups[gi]
         self._init_state(p, group)["step"] += 1
         self._update_group(gi, group, [p], f"group{gi}/param{index}")
 
