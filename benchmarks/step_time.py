@@ -71,31 +71,24 @@ def candidates(device: torch.device) -> dict[str, Callable[[list[torch.Tensor]],
     out: dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]] = {
         "torch-adamw-fused": lambda ps: torch.optim.AdamW(ps, fused=True),
         "torch-adamw-foreach": lambda ps: torch.optim.AdamW(ps, foreach=True),
-        "leanopt-adamw": lambda ps: leanopt.AdamW(ps),
     }
 
-    def lean(name: str, **kw: Any) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
-        def make(ps: list[torch.Tensor]) -> torch.optim.Optimizer:
-            cls = getattr(leanopt, name, None)
-            if cls is None:
-                raise ImportError(f"leanopt.{name} is not available in this version")
-            return cls(ps, **kw)
-
-        return make
-
-    out["leanopt-adamw8bit"] = lean("AdamW8bit")
-    out["leanopt-adamw4bit"] = lean("AdamW4bit")
-    out["leanopt-adafactor"] = lean("Adafactor")
+    # Every registered leanopt optimizer (leanopt.optim.REGISTRY), at its defaults.
+    for name, cls in leanopt.optim.REGISTRY.items():
+        out[f"leanopt-{name}"] = cls
 
     def hf_adafactor(ps: list[torch.Tensor]) -> torch.optim.Optimizer:
         from transformers.optimization import Adafactor
 
         return Adafactor(ps)
 
-    def bnb_adamw8bit(ps: list[torch.Tensor]) -> torch.optim.Optimizer:
-        import bitsandbytes as bnb
+    def bnb(name: str, **kw: Any) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
+        def make(ps: list[torch.Tensor]) -> torch.optim.Optimizer:
+            import bitsandbytes as bnb
 
-        return bnb.optim.AdamW8bit(ps)
+            return getattr(bnb.optim, name)(ps, **kw)
+
+        return make
 
     def torchao(name: str) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
         def make(ps: list[torch.Tensor]) -> torch.optim.Optimizer:
@@ -107,7 +100,10 @@ def candidates(device: torch.device) -> dict[str, Callable[[list[torch.Tensor]],
 
     out["hf-adafactor"] = hf_adafactor
     out["torch-adafactor"] = lambda ps: torch.optim.Adafactor(ps, foreach=True)
-    out["bnb-adamw8bit"] = bnb_adamw8bit
+    out["bnb-adamw8bit"] = bnb("AdamW8bit")
+    out["bnb-lion"] = bnb("Lion", optim_bits=32)
+    out["bnb-lion8bit"] = bnb("Lion8bit")
+    out["bnb-ademamix8bit"] = bnb("AdEMAMix8bit")
     out["torchao-adamw8bit"] = torchao("AdamW8bit")
     out["torchao-adamw4bit"] = torchao("AdamW4bit")
     return out

@@ -27,7 +27,7 @@ import leanopt
 from leanopt.integrations.transformers import OptimizerStateCallback, optimizer_cls_and_kwargs
 from leanopt.memory import available_optimizers
 
-LEANOPT_NAMES = ("adamw", "adafactor", "adamw8bit", "adamw4bit")
+LEANOPT_NAMES = tuple(leanopt.optim.REGISTRY)  # every registered optimizer
 
 
 class SyntheticTokens(torch.utils.data.Dataset):

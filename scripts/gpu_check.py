@@ -699,15 +699,20 @@ def _pytest(label: str, extra: list[str], env: dict[str, str], xml: Path, timeou
     return rc, summary
 
 
-# One variant of each kernel of leanopt.kernels.triton_adamw / triton_quant (Adafactor's kernels:
+# Variants of leanopt.kernels.triton_elementwise's kernels, every rule (Adafactor's kernels:
 # tests/test_backends_adafactor.py::test_triton_kernels_compile_for_cuda).
+_DENSE = dict(CHUNK=2048)
+_Q8 = dict(BITS=8, BS=256, NB=8, LOG2_0=8, ZERO_0=127, TZ_0=True, LOG2_1=8, ZERO_1=0, TZ_1=False, LOG2_2=8, ZERO_2=0, TZ_2=False)
+_Q4 = dict(BITS=4, BS=128, NB=16, LOG2_0=4, ZERO_0=7, TZ_0=True, LOG2_1=4, ZERO_1=0, TZ_1=False, LOG2_2=4, ZERO_2=0, TZ_2=False)
 HOPPER_VARIANTS = [
-    ("triton_adamw", "_adamw_kernel", dict(P_DTYPE="float32", AMSGRAD=True, MAXIMIZE=True, SAFE=False, CHUNK=2048)),
-    ("triton_adamw", "_adamw_kernel", dict(P_DTYPE="bfloat16", AMSGRAD=False, MAXIMIZE=False, SAFE=True, CHUNK=2048)),
-    ("triton_quant", "_adamw_quantized_kernel",
-     dict(P_DTYPE="bfloat16", BITS=8, BS=256, NB=8, M_LOG2=8, V_LOG2=8, M_ZERO=127, MAXIMIZE=False)),
-    ("triton_quant", "_adamw_quantized_kernel",
-     dict(P_DTYPE="float16", BITS=4, BS=128, NB=16, M_LOG2=4, V_LOG2=4, M_ZERO=7, MAXIMIZE=True)),
+    ("triton_elementwise", "_dense_kernel", dict(K=8, P_DTYPE="float32", RULE=0, N_STATES=3, FLAG=True, SAFE=False, MAXIMIZE=True, **_DENSE)),
+    ("triton_elementwise", "_dense_kernel", dict(K=8, P_DTYPE="bfloat16", RULE=0, N_STATES=2, FLAG=False, SAFE=True, MAXIMIZE=False, **_DENSE)),
+    ("triton_elementwise", "_dense_kernel", dict(K=6, P_DTYPE="float16", RULE=1, N_STATES=1, FLAG=False, SAFE=False, MAXIMIZE=False, **_DENSE)),
+    ("triton_elementwise", "_dense_kernel", dict(K=14, P_DTYPE="bfloat16", RULE=2, N_STATES=3, FLAG=False, SAFE=True, MAXIMIZE=False, **_DENSE)),
+    ("triton_elementwise", "_quantized_kernel", dict(K=8, P_DTYPE="bfloat16", RULE=0, N_STATES=2, FLAG=False, MAXIMIZE=False, **_Q8)),
+    ("triton_elementwise", "_quantized_kernel", dict(K=8, P_DTYPE="float16", RULE=0, N_STATES=2, FLAG=False, MAXIMIZE=True, **_Q4)),
+    ("triton_elementwise", "_quantized_kernel", dict(K=6, P_DTYPE="float32", RULE=1, N_STATES=1, FLAG=False, MAXIMIZE=False, **_Q4)),
+    ("triton_elementwise", "_quantized_kernel", dict(K=14, P_DTYPE="bfloat16", RULE=2, N_STATES=3, FLAG=False, MAXIMIZE=False, **_Q8)),
 ]  # fmt: skip
 
 
@@ -727,7 +732,7 @@ def compile_for_hopper() -> dict[str, str]:
             return "*i64"
         if arg in ("chunk_tensor", "tile_tensor", "fin_tensor"):
             return "*i32"
-        if arg.endswith(("_table", "_values", "_thresholds")):
+        if arg.endswith(("_table", "_values", "_thresholds")) or arg.startswith(("values", "thresholds")) or arg == "scalars":
             return "*fp32"
         if arg.endswith("_base"):
             return "i32"
@@ -737,7 +742,7 @@ def compile_for_hopper() -> dict[str, str]:
     for module, name, consts in HOPPER_VARIANTS:
         fn = getattr(importlib.import_module(f"leanopt.kernels.{module}"), name)
         consts = {k: getattr(tl, v) if isinstance(v, str) else v for k, v in consts.items()}
-        label = f"{module}.{name}[" + ",".join(f"{k}={v}" for k, v in consts.items() if k in ("P_DTYPE", "BITS", "SAFE")) + "]"
+        label = f"{module}.{name}[" + ",".join(f"{k}={v}" for k, v in consts.items() if k in ("P_DTYPE", "BITS", "SAFE", "RULE")) + "]"
         names = fn.arg_names
         src = ASTSource(fn, {a: ("constexpr" if a in consts else kind(a)) for a in names},
                         constexprs={(names.index(a),): consts[a] for a in names if a in consts})  # fmt: skip

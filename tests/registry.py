@@ -1,6 +1,8 @@
-"""Every leanopt optimizer, declared once; ``test_generic.py`` runs the same suite over each.
+"""Every leanopt optimizer, declared once; every generic, contract, backend-parity, memory,
+integration and checkpoint test iterates this list.
 
-Add an entry when you add an optimizer. ``kwargs`` are what the generic tests construct it
+Add an entry when you add an optimizer (``test_registry_lists_every_registered_optimizer``
+fails until you do). ``kwargs`` are what the generic tests construct it
 with (they must make a loss go down on a small regression in 30 steps); ``invalid`` lists
 hyper-parameter sets that must raise ``ValueError``.
 """
@@ -63,8 +65,38 @@ ADAFACTOR_INVALID = [
 ]
 
 # Quantized AdamW: amsgrad is refused, storage options are validated.
-LOWBIT_INVALID = ADAM_INVALID + [
-    {"amsgrad": True},
+LOWBIT_INVALID = ADAM_INVALID + [{"amsgrad": True}] + [
+    {"block_size": 0},
+    {"block_size": 1.5},
+    {"block_size": 2**20},  # past leanopt.quant.formats.MAX_BLOCK_SIZE
+    {"min_quant_size": -1},
+]
+
+LION_INVALID = [
+    {"lr": -1e-4},
+    {"weight_decay": -0.1},
+    {"betas": (1.0, 0.99)},
+    {"betas": (0.9, 1.0)},
+    {"betas": (0.9, 0.99, 0.999)},
+    {"lr": float("nan")},
+    {"rounding": "up"},
+]
+
+ADEMAMIX_INVALID = [
+    {"lr": -1e-3},
+    {"eps": -1e-8},
+    {"weight_decay": -0.1},
+    {"alpha": -1.0},
+    {"betas": (0.9, 0.999)},
+    {"betas": (0.9, 0.999, 1.0)},
+    {"betas": (0.9, 1.0, 0.9999)},
+    {"t_alpha": 0},
+    {"t_beta3": 2.5},
+    {"lr": float("nan")},
+    {"rounding": "up"},
+]
+
+STORAGE_INVALID = [
     {"block_size": 0},
     {"block_size": 1.5},
     {"block_size": 2**20},  # past leanopt.quant.formats.MAX_BLOCK_SIZE
@@ -84,4 +116,10 @@ OPTIMIZERS: list[OptimizerCase] = [
         ADAFACTOR_INVALID,
         lr_key="lr",
     ),
+    OptimizerCase("lion", leanopt.Lion, {"lr": 1e-3}, LION_INVALID),
+    OptimizerCase("lion8bit", leanopt.Lion8bit, {"lr": 1e-3}, LION_INVALID + STORAGE_INVALID),
+    OptimizerCase("lion4bit", leanopt.Lion4bit, {"lr": 1e-3}, LION_INVALID + STORAGE_INVALID),
+    OptimizerCase("ademamix", leanopt.AdEMAMix, {"lr": 1e-2}, ADEMAMIX_INVALID),
+    OptimizerCase("ademamix8bit", leanopt.AdEMAMix8bit, {"lr": 1e-2, "t_alpha": 10, "t_beta3": 10},
+                  ADEMAMIX_INVALID + STORAGE_INVALID),
 ]

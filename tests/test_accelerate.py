@@ -1,4 +1,5 @@
-"""leanopt in an Accelerate loop: prepare, accumulate, bf16 autocast on the CPU, save_state/load_state.
+"""leanopt in an Accelerate loop: prepare, accumulate, bf16 autocast on the CPU, save_state/load_state,
+for every optimizer of the registry (``tests/registry.py``).
 
 The loop under test is the one in ``examples/accelerate_train.py``: running it here is what keeps
 the example honest.
@@ -12,7 +13,8 @@ import pathlib
 import pytest
 import torch
 
-from leanopt.memory import available_optimizers, resolve_optimizer
+from leanopt.memory import resolve_optimizer
+from registry import OPTIMIZERS
 
 pytest.importorskip("accelerate")
 from accelerate import Accelerator  # noqa: E402
@@ -24,12 +26,7 @@ example = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(example)
 
 
-def _available(names: tuple[str, ...]) -> list[str]:
-    here = available_optimizers()
-    return [name for name in names if name in here]
-
-
-names = pytest.mark.parametrize("name", _available(("adamw", "adafactor", "adamw8bit", "adamw4bit")))
+names = pytest.mark.parametrize("name", [case.name for case in OPTIMIZERS])
 
 
 @pytest.fixture(autouse=True)
@@ -53,6 +50,8 @@ def test_bf16_accumulated_run_resumes_exactly_from_save_state(name: str, tmp_pat
         assert torch.equal(a, b), n
     for st, rst in zip(inner.state.values(), resumed_opt.optimizer.state.values()):
         assert st.keys() == rst.keys()
+    # save_state wrote the optimizer's declared name with its state; load_state checked it.
+    assert {g["optimizer"] for g in resumed_opt.optimizer.param_groups} == {name}
 
 
 def test_prepared_model_runs_in_bf16_autocast_on_the_cpu() -> None:

@@ -248,8 +248,10 @@ def test_loads_transformers_state_dict_and_continues(kw: dict, request: pytest.F
             assert step.shape == () and step.dtype == torch.float32 and step.device.type == "cpu"
             assert step.item() == hf.state[q]["step"]
     # With relative_step, transformers' lr is None; ours reports the relative step size to come.
-    reported = lambda g: {k: v for k, v in g.items() if k not in ("params", "rounding") and not (k == "lr" and g["relative_step"])}  # noqa: E731
+    # ours adds its own options (rounding) and declared identity ("optimizer": "adafactor").
+    reported = lambda g: {k: v for k, v in g.items() if k not in ("params", "rounding", "optimizer") and not (k == "lr" and g["relative_step"])}  # noqa: E731
     assert [reported(g) for g in ours.param_groups] == [reported(g) for g in hf.param_groups]
+    assert all(g["optimizer"] == "adafactor" for g in ours.param_groups)
     for g in ours.param_groups:
         assert g["lr"] == (min(1e-2, 1 / 8**0.5) if g["relative_step"] else kw["lr"])
 

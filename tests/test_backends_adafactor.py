@@ -27,7 +27,7 @@ import torch
 
 import leanopt
 from leanopt import kernels
-from leanopt.kernels import cpu
+from leanopt.kernels import cpu_adafactor as cpu
 
 STEPS = 10
 RTOL = 1e-5
@@ -170,7 +170,9 @@ def test_cpu_mixed_dtypes_in_one_group(monkeypatch: pytest.MonkeyPatch, request:
 
 def test_cpu_is_the_auto_backend_on_cpu() -> None:
     p = torch.zeros(3, 4, requires_grad=True)
-    assert leanopt.Adafactor([p])._backend_for(p) == "cpu"
+    row, col = torch.zeros(3), torch.zeros(4)
+    assert kernels.select("auto", "adafactor", p, torch.ones(3, 4), [None, row, col, None]) == "cpu-adafactor"
+    assert kernels.select("reference", "adafactor", p, torch.ones(3, 4), [None, row, col, None]) == "reference"
 
 
 # ---- triton (under TRITON_INTERPRET=1 on the CPU) ----------------------------------------------

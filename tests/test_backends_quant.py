@@ -1,18 +1,8 @@
-"""AdamW8bit / AdamW4bit: every backend against the reference rule, on fresh random inputs.
+"""The low-bit optimizers' safe mode on every backend: NaN and overflowing gradient elements
+are skipped without touching their neighbours, and fp64 params use the fp64 threshold.
 
-The fused paths (compiled CPU graph, Triton kernel under the interpreter) dequantize, update
-and requantize as ``reference.adamw_quantized_`` does, but not in the same floating-point
-operation order (fused multiply-adds, a reciprocal instead of a division), so a value within
-an ulp of the boundary between two codes may take the other code. To compare one update and
-not the divergence that follows such a flip, both runs take 5 identical reference steps and
-then one step with the backend under test, with one NaN gradient element per tensor and
-gradients whose scales span 1e-4..1 inside each block, 30% of them exactly 0. Criteria:
-
-* params: >= 99% of elements within the dense tolerance of the param dtype (fp32: 2e-6 of
-  the largest |param| + 1e-7; bf16/fp16: one unit in the last place), every element within
-  lr / 10 (a flipped code changes the step by a fraction of lr);
-* codes equal on >= 99% of elements, block scales within 1e-5 relative;
-* the NaN element's param is unchanged on that step and its moments are reset (test below).
+(Every backend's parity with the reference, for every registered optimizer, is
+``tests/test_rules.py::test_backend_matches_reference``.)
 """
 
 from __future__ import annotations
@@ -23,81 +13,14 @@ import pytest
 import torch
 
 import leanopt
+from registry import OPTIMIZERS
 from leanopt.quant import QuantizedState
 
 SHAPES = [(1,), (0,), (5,), (300,), (2049,), (4097,), (33, 65), (3, 0)]
 LR = 1e-2
 BACKENDS = ["cpu"] + (["triton"] if importlib.util.find_spec("triton") else [])
-CASES = [
-    # (dtype, kwargs): kept few, each cpu case compiles a graph once
-    (torch.float32, {}),
-    (torch.bfloat16, {}),
-    (torch.float16, {"weight_decay": 0.0}),
-    (torch.float32, {"maximize": True, "weight_decay": 0.1}),
-]
-
-
-def ulp(x: torch.Tensor) -> torch.Tensor:
-    mant = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}[x.dtype]
-    mag = x.detach().float().abs().clamp_min(torch.finfo(x.dtype).tiny)
-    return torch.exp2(torch.floor(torch.log2(mag)) - mant)
-
-
-def run(cls, backend: str, dtype: torch.dtype, seed: int, kwargs: dict, steps: int = 6):
-    gen = torch.Generator().manual_seed(seed)
-    params = [torch.randn(s, generator=gen).to(dtype).requires_grad_() for s in SHAPES]
-    def grad(shape: tuple[int, ...]) -> torch.Tensor:
-        scale = 10.0 ** torch.randint(-4, 1, shape, generator=gen).float()  # 1e-4..1 in a block
-        keep = torch.rand(shape, generator=gen) > 0.3  # and exact zeros (momentum rounds toward 0)
-        return (torch.randn(shape, generator=gen) * scale * keep).to(dtype)
-
-    grads = [[grad(s) for s in SHAPES] for _ in range(steps)]
-    for g in grads[-1]:
-        if g.numel() > 1:
-            g.view(-1)[1] = float("nan")
-    # min_quant_size=100 so that small shapes exercise the quantized path, with a dense tail
-    opt = cls(params, lr=LR, min_quant_size=100, backend="reference", **kwargs)
-    for step in range(steps):
-        if step == steps - 1:
-            opt.backend = backend  # only the last update differs between the compared runs
-        for i, p in enumerate(params):
-            p.grad = None if (step + i) % 5 == 4 else grads[step][i].clone()
-        opt.step()
-    return params, opt
-
-
-@pytest.mark.parametrize("cls", [leanopt.AdamW8bit, leanopt.AdamW4bit], ids=lambda c: c.__name__)
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype,kwargs", CASES, ids=lambda v: str(v))
-def test_quantized_backend_matches_reference(cls, backend: str, dtype: torch.dtype, kwargs: dict) -> None:
-    seed = int(torch.randint(0, 2**31 - 1, ()).item())
-    ours, opt = run(cls, backend, dtype, seed, kwargs)
-    ref, ref_opt = run(cls, "reference", dtype, seed, kwargs)
-    quantized_seen = 0
-    for p, r in zip(ours, ref):
-        if p.numel() == 0:
-            continue
-        diff = (p.float() - r.float()).abs()
-        if dtype == torch.float32:
-            close = diff <= 2e-6 * r.abs().max() + 1e-7
-        else:
-            close = diff <= ulp(r) * 1.001
-        assert close.float().mean() >= 0.99, f"seed {seed}: {close.float().mean()}"
-        assert diff.max() <= LR / 10, f"seed {seed}: {diff.max()}"
-        for key in ("exp_avg", "exp_avg_sq"):
-            got, want = opt.state[p][key], ref_opt.state[r][key]
-            assert type(got) is type(want)
-            if isinstance(want, QuantizedState):
-                quantized_seen += 1
-                assert got.format == want.format and got.shape == want.shape
-                same = (got.codes == want.codes).float().mean()
-                assert same >= 0.99, f"{key} codes, seed {seed}: {same}"
-                assert torch.allclose(got.absmax, want.absmax, rtol=1e-5, atol=0), f"{key} scales, seed {seed}"
-            else:
-                assert torch.allclose(got, want, rtol=1e-4, atol=1e-10), f"{key}, seed {seed}"
-    assert quantized_seen >= 8
-
-
+# Every registered low-bit optimizer (tests/registry.py).
+LOW_BIT = [c.cls for c in OPTIMIZERS if hasattr(c.cls, "state_bits")]
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_nan_gradient_element_is_skipped_in_fused_paths(backend: str) -> None:
     torch.manual_seed(0)
@@ -154,7 +77,7 @@ def _snapshot(opt, params) -> list[torch.Tensor]:
     """Copies of every state tensor of ``params``: codes and scales, or the dense moments."""
     out = []
     for p in params:
-        for key in ("exp_avg", "exp_avg_sq"):
+        for key in opt.state_keys(opt.param_groups[0]):
             st = opt.state[p][key]
             out += [st.codes.clone(), st.absmax.clone()] if isinstance(st, QuantizedState) else [st.clone()]
     return out
@@ -166,21 +89,22 @@ def _states_equal(a, b) -> bool:
     return torch.equal(a, b)
 
 
-@pytest.mark.parametrize("cls", [leanopt.AdamW8bit, leanopt.AdamW4bit], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", LOW_BIT, ids=lambda c: c.__name__)
 @pytest.mark.parametrize("backend", ["reference"] + BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_gradient_whose_square_overflows_is_skipped_like_nan(cls, backend: str, dtype: torch.dtype) -> None:
     huge_big, huge_small, huge_opt, history = _run_with_big_gradients(cls, backend, dtype, replace_with_nan=False)
     nan_big, nan_small, nan_opt, nan_history = _run_with_big_gradients(cls, backend, dtype, replace_with_nan=True)
-    assert isinstance(huge_opt.state[huge_big]["exp_avg"], QuantizedState)
-    assert isinstance(huge_opt.state[huge_small]["exp_avg"], torch.Tensor)
+    first = huge_opt.state_keys(huge_opt.param_groups[0])[0]
+    assert isinstance(huge_opt.state[huge_big][first], QuantizedState)
+    assert isinstance(huge_opt.state[huge_small][first], torch.Tensor)
     # Bit for bit the run in which those elements were NaN: params, codes, block scales and
     # dense states, right after that step and after one more ordinary step.
     for ours, twin in zip(history[3][1] + history[3][2], nan_history[3][1] + nan_history[3][2]):
         assert torch.equal(ours, twin)
     for ours, twin in ((huge_big, nan_big), (huge_small, nan_small)):
         assert torch.equal(ours, twin)
-        for key in ("exp_avg", "exp_avg_sq"):
+        for key in huge_opt.state_keys(huge_opt.param_groups[0]):
             assert _states_equal(huge_opt.state[ours][key], nan_opt.state[twin][key]), key
     # The skipped elements kept their param on that step; those just below the threshold moved.
     before, after, _ = history[3]
@@ -191,7 +115,7 @@ def test_gradient_whose_square_overflows_is_skipped_like_nan(cls, backend: str, 
             assert after[k][i] != before[k][i], (k, i)
 
 
-@pytest.mark.parametrize("cls", [leanopt.AdamW8bit, leanopt.AdamW4bit], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", LOW_BIT, ids=lambda c: c.__name__)
 @pytest.mark.parametrize("backend", ["reference"] + BACKENDS)
 def test_overflowing_gradient_resets_moments_on_that_step(cls, backend: str) -> None:
     gen = torch.Generator().manual_seed(2)
@@ -207,15 +131,15 @@ def test_overflowing_gradient_resets_moments_on_that_step(cls, backend: str) -> 
             for i, x in HUGE_SMALL.items():
                 small.grad[i] = x
         opt.step()
-    m, v = opt.state[big]["exp_avg"], opt.state[big]["exp_avg_sq"]
-    v_codes = v.format._unpack(v.codes, v.numel)
-    for i in HUGE:
-        assert m.dequantize()[i] == 0
-        assert v_codes[i] == v.format.book("cpu").zero_index  # the code nearest 0
-    for i in HUGE_SMALL:
-        assert opt.state[small]["exp_avg"][i] == 0 and opt.state[small]["exp_avg_sq"][i] == 0
-    # The scales of the blocks holding them are set by the ordinary gradients around them.
-    assert m.absmax.max() < 10 and v.absmax.max() < 10
+    for key in opt.state_keys(opt.param_groups[0]):
+        q = opt.state[big][key]
+        codes = q.format._unpack(q.codes, q.numel)
+        for i in HUGE:
+            assert codes[i] == q.format.book("cpu").zero_index, key  # the code nearest 0
+        for i in HUGE_SMALL:
+            assert opt.state[small][key][i] == 0, key
+        # The scales of the blocks holding them are set by the ordinary gradients around them.
+        assert q.absmax.max() < 10, key
 
 
 def test_fp64_params_skip_above_the_fp64_threshold() -> None:

@@ -1,6 +1,11 @@
-"""Checkpoints of the low-bit AdamWs: weights_only-safe, resumable bit for bit, convertible
-between fp32, 8-bit and 4-bit states (through load_state_dict, or a file through
-``leanopt.checkpoint.convert_state_dict``)."""
+"""Checkpoints: the optimizer each one declares, and conversion within a family.
+
+The low-bit optimizers' checkpoints are weights_only-safe and resumable bit for bit; every
+registered optimizer declares its name in its saved param groups, ``state_dict_layout`` reads
+it, and ``convert_state_dict`` turns a state into any member of its family (fp32, 8-bit,
+4-bit: through load_state_dict, or a file) and refuses another family. The AdamW-specific
+cases (torch's files, amsgrad) are at the end of each section.
+"""
 
 from __future__ import annotations
 
@@ -11,11 +16,18 @@ import pytest
 import torch
 
 import leanopt
-from leanopt.checkpoint import convert_state_dict, state_dict_layout
+from leanopt.checkpoint import convert_state_dict, declared_optimizer, family_members, state_dict_layout
+from leanopt.optim import REGISTRY
+from leanopt.optim.lowbit import LowBit
 from leanopt.quant import QuantizedState
+from registry import OPTIMIZERS, OptimizerCase
 
+CASES = {case.name: case for case in OPTIMIZERS}
 LOW_BIT = {"adamw8bit": leanopt.AdamW8bit, "adamw4bit": leanopt.AdamW4bit}
 low_bit = pytest.mark.parametrize("cls", list(LOW_BIT.values()), ids=list(LOW_BIT))
+every_low_bit = pytest.mark.parametrize("case", [c for c in OPTIMIZERS if issubclass(c.cls, LowBit)], ids=str)
+# Every (source, target) of one family, itself included: adamw -> adamw8bit, lion4bit -> lion, ...
+SAME_FAMILY = [(a.name, b.name) for a in OPTIMIZERS for b in OPTIMIZERS if a.cls.family == b.cls.family]
 
 
 def make_params(seed: int = 0) -> list[torch.nn.Parameter]:
@@ -57,19 +69,43 @@ def clone(params: list[torch.Tensor]) -> list[torch.nn.Parameter]:
     return [torch.nn.Parameter(p.detach().clone()) for p in params]
 
 
-# ---- save -> load -------------------------------------------------------------------------------
-@low_bit
-def test_weights_only_round_trip_continues_bit_identically(cls: type) -> None:
+def build(case: OptimizerCase, params) -> torch.optim.Optimizer:
+    """``case``'s optimizer on the reference backend (no compile: these tests are about files)."""
+    return case.cls(params, **{**case.kwargs, "backend": "reference"})
+
+
+def groups(params: list[torch.Tensor]) -> list[dict]:
+    return [{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.0}]
+
+
+def trained(name: str, steps: int = 2) -> tuple[list[torch.nn.Parameter], dict]:
+    """Params and the weights_only round trip of ``name``'s state_dict after ``steps`` steps."""
     params = make_params()
-    opt = cls([{"params": params[:1]}, {"params": params[1:], "block_size": 100}], lr=1e-2)
+    opt = build(CASES[name], groups(params))
+    feed(opt, params, steps)
+    return params, through_file(opt.state_dict())
+
+
+def keys_of(opt: torch.optim.Optimizer) -> list[str]:
+    return opt.state_keys(opt.param_groups[0]) if hasattr(opt, "state_keys") else []
+
+
+# ---- save -> load -------------------------------------------------------------------------------
+@every_low_bit
+def test_weights_only_round_trip_continues_bit_identically(case: OptimizerCase) -> None:
+    params = make_params()
+    kwargs = {**case.kwargs, "backend": "reference"}
+    opt = case.cls([{"params": params[:1]}, {"params": params[1:], "block_size": 100}], **kwargs)
     feed(opt, params, 4)
     sd = through_file(opt.state_dict())
-    exp_avg = sd["state"][0]["exp_avg"]
-    assert isinstance(exp_avg, dict) and set(exp_avg) == {"codes", "absmax", "format", "shape"}
+    first = keys_of(opt)[0]  # exp_avg, or AdEMAMix's exp_avg_fast
+    entry = sd["state"][0][first]
+    assert isinstance(entry, dict) and set(entry) == {"codes", "absmax", "format", "shape"}
+    assert all(g["optimizer"] == case.name for g in sd["param_groups"])
     twin = clone(params)
-    twin_opt = cls([{"params": twin[:1]}, {"params": twin[1:], "block_size": 100}], lr=1e-2)
+    twin_opt = case.cls([{"params": twin[:1]}, {"params": twin[1:], "block_size": 100}], **kwargs)
     twin_opt.load_state_dict(sd)
-    assert twin_opt.state[twin[1]]["exp_avg"].format.block_size == 100
+    assert twin_opt.state[twin[1]][first].format.block_size == 100
     feed(opt, params, 4, start=4)
     feed(twin_opt, twin, 4, start=4)
     for a, b in zip(params, twin):
@@ -179,70 +215,118 @@ def test_storage_options_of_the_loading_optimizer_win() -> None:
     assert other.param_groups[0]["lr"] == 1e-3  # hyper-parameters come from the checkpoint
 
 
-# ---- convert_state_dict on files ---------------------------------------------------------------
-def _trained_state_dicts() -> dict[str, dict]:
-    out = {}
-    for name, cls in {"adamw": leanopt.AdamW, **LOW_BIT}.items():
-        params = make_params()
-        opt = cls([{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.0}], lr=1e-3)
-        feed(opt, params, 3)
-        out[name] = through_file(opt.state_dict())
-    return out
+# ---- the declared name ---------------------------------------------------------------------------
+@pytest.mark.parametrize("case", OPTIMIZERS, ids=str)
+def test_state_dict_layout_is_the_declared_name(case: OptimizerCase) -> None:
+    _, sd = trained(case.name)
+    assert declared_optimizer(sd) == case.name and state_dict_layout(sd) == case.name
+    assert case.name in family_members(case.name)
+    # Saved before the first step: no states, the name still says whose it is.
+    fresh = build(case, groups(make_params())).state_dict()
+    assert state_dict_layout(through_file(fresh)) == case.name
 
 
-def test_state_dict_layout_is_recognized() -> None:
-    sds = _trained_state_dicts()
-    for name, sd in sds.items():
-        assert state_dict_layout(sd) == name
-    # A low-bit state whose params all kept fp32 states is told by its groups.
+def test_a_lion8bit_state_is_not_taken_for_adamw8bit() -> None:
+    # The issue's case: the same 8-bit code and block size as AdamW8bit's exp_avg, one state.
+    _, sd = trained("lion8bit")
+    assert state_dict_layout(sd) == "lion8bit"
+    with pytest.raises(ValueError, match=r"lion8bit.*adamw8bit.*Lion8bit runs the lion rule, AdamW8bit the adamw rule"):
+        convert_state_dict(sd, "adamw8bit")
+
+
+def test_undeclared_files_are_recognized_as_the_adamw_family_only() -> None:
+    def undeclared(sd: dict) -> dict:
+        return {**sd, "param_groups": [{k: v for k, v in g.items() if k != "optimizer"} for g in sd["param_groups"]]}
+
+    # leanopt's AdamW files from before names were declared: told apart by their bits.
+    for name in ("adamw", "adamw8bit", "adamw4bit"):
+        assert state_dict_layout(undeclared(trained(name)[1])) == name
+    # A low-bit state whose params all kept fp32 states is told by its groups' state_bits.
     w = torch.nn.Parameter(torch.randn(10))
     opt = leanopt.AdamW4bit([w])
     feed(opt, [w], 1)
-    assert state_dict_layout(opt.state_dict()) == "adamw4bit"
+    assert state_dict_layout(undeclared(opt.state_dict())) == "adamw4bit"
     torch_opt = torch.optim.AdamW([w])
     feed(torch_opt, [w], 1)
+    assert declared_optimizer(torch_opt.state_dict()) is None
     assert state_dict_layout(torch_opt.state_dict()) == "adamw"
-    ada = leanopt.Adafactor([torch.nn.Parameter(torch.randn(8, 8))], lr=1e-3, relative_step=False)
-    feed(ada, ada.param_groups[0]["params"], 1)
-    with pytest.raises(ValueError, match="not an AdamW-family"):
-        state_dict_layout(ada.state_dict())
+    # Anything else undeclared is not guessed: a Lion momentum is not half of an Adam pair.
+    for name in ("lion8bit", "ademamix", "adafactor"):
+        with pytest.raises(ValueError, match="declare no 'optimizer'"):
+            state_dict_layout(undeclared(trained(name)[1]))
     with pytest.raises(ValueError):
         state_dict_layout({"state": {}})
 
 
-@pytest.mark.parametrize("src", ["adamw", "adamw8bit", "adamw4bit"])
-@pytest.mark.parametrize("dst", ["adamw", "adamw8bit", "adamw4bit"])
-def test_convert_state_dict_between_every_layout(src: str, dst: str) -> None:
-    sd = _trained_state_dicts()[src]
+def test_declared_names_are_checked() -> None:
+    _, sd = trained("lion")
+    unknown = {**sd, "param_groups": [{**g, "optimizer": "lion2bit"} for g in sd["param_groups"]]}
+    with pytest.raises(ValueError, match="'lion2bit', which this leanopt does not know"):
+        state_dict_layout(unknown)
+    mixed = {**sd, "param_groups": [{**sd["param_groups"][0], "optimizer": "lion"}, {**sd["param_groups"][1], "optimizer": "lion8bit"}]}
+    with pytest.raises(ValueError, match="different optimizers: lion, lion8bit"):
+        state_dict_layout(mixed)
+    # A name that does not match the states: an AdamW file must hold exp_avg_sq.
+    wrong = {**sd, "param_groups": [{**g, "optimizer": "adamw"} for g in sd["param_groups"]]}
+    with pytest.raises(ValueError, match=r"not a adamw state \(missing 'exp_avg_sq'\)"):
+        state_dict_layout(wrong)
+
+
+# ---- convert_state_dict on files ---------------------------------------------------------------
+@pytest.mark.parametrize("src,dst", SAME_FAMILY, ids=[f"{a}-{b}" for a, b in SAME_FAMILY])
+def test_convert_within_a_family_loads_into_the_target_and_continues(src: str, dst: str) -> None:
+    # Train 2 steps with src, save, convert to dst, load into dst, step.
+    _, sd = trained(src)
     before = copy.deepcopy(sd)
     out = through_file(convert_state_dict(sd, dst))  # still weights_only-safe
-    assert state_dict_layout(out) == dst
+    assert state_dict_layout(out) == dst and all(g["optimizer"] == dst for g in out["param_groups"])
     assert state_dict_layout(sd) == src and torch.equal(sd["state"][0]["step"], before["state"][0]["step"])
+    target = REGISTRY[dst]
     for pid, st in out["state"].items():
         assert torch.equal(st["step"], sd["state"][pid]["step"])
-        for key in ("exp_avg", "exp_avg_sq"):
+        for key in keys_of(build(CASES[dst], make_params())):
             value = st[key]
             small = pid == 2  # 33 elements: fp32 in every layout
-            if dst == "adamw" or small:
-                assert isinstance(value, torch.Tensor)
+            if not issubclass(target, LowBit) or small:
+                assert isinstance(value, torch.Tensor) and value.dtype == torch.float32, (key, pid)
             else:
-                assert isinstance(value, dict) and value["format"].endswith(f"/b{LOW_BIT[dst].default_block_size}")
+                code = getattr(target, f"{key}_code")
+                assert isinstance(value, dict) and value["format"] == f"{code}/b{target.default_block_size}", (key, pid)
     for g_in, g_out in zip(sd["param_groups"], out["param_groups"]):
         assert g_out["lr"] == g_in["lr"] and g_out["weight_decay"] == g_in["weight_decay"]
-        assert ("block_size" in g_out) == (dst != "adamw")
-    # The converted file loads into the target class and matches loading the original there.
-    cls = {"adamw": leanopt.AdamW, **LOW_BIT}[dst]
+        assert ("block_size" in g_out) == issubclass(target, LowBit)
+    # The converted file loads into the target class as the original does (its load converts too).
     a, b = make_params(), make_params()
-    opt_a, opt_b = cls([{"params": a[:2]}, {"params": a[2:]}]), cls([{"params": b[:2]}, {"params": b[2:]}])
+    opt_a, opt_b = build(CASES[dst], groups(a)), build(CASES[dst], groups(b))
     opt_a.load_state_dict(out)
     opt_b.load_state_dict(sd)
     for p, q in zip(a, b):
-        for key in ("exp_avg", "exp_avg_sq"):
-            x, y = opt_a.state[p][key], opt_b.state[q][key]
+        assert opt_a.state[p].keys() == opt_b.state[q].keys()
+        for key, x in opt_a.state[p].items():
+            y = opt_b.state[q][key]
             if isinstance(x, QuantizedState):
                 assert torch.equal(x.codes, y.codes) and torch.equal(x.absmax, y.absmax)
             else:
                 assert torch.equal(x, y)
+    # ... and training goes on from it.
+    start = [p.detach().clone() for p in a]
+    feed(opt_a, a, 1, start=2)
+    assert {int(st["step"]) for st in opt_a.state.values()} == {3}
+    assert all(torch.isfinite(p).all() for p in a) and any(not torch.equal(p, s) for p, s in zip(a, start))
+    assert state_dict_layout(opt_a.state_dict()) == dst
+
+
+def test_convert_across_families_is_refused_naming_both() -> None:
+    for source in OPTIMIZERS:
+        _, sd = trained(source.name, steps=1)
+        for target in OPTIMIZERS:
+            if target.cls.family == source.cls.family:
+                continue
+            with pytest.raises(ValueError) as err:
+                convert_state_dict(sd, target.name)
+            line = str(err.value)
+            assert "\n" not in line and f"a {source.name} state_dict to {target.name}" in line, line
+            assert f"{source.cls.__name__} runs the {source.cls.family} rule" in line, line
 
 
 def test_convert_options_block_size_min_quant_size_and_quantize_flag() -> None:
@@ -266,7 +350,22 @@ def test_convert_options_block_size_min_quant_size_and_quantize_flag() -> None:
     torch_opt = torch.optim.AdamW(resumed)
     torch_opt.load_state_dict(fp32)
     feed(torch_opt, resumed, 1)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown leanopt optimizer 'sgd'"):
         convert_state_dict(sd, "sgd")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="block_size"):
         convert_state_dict(sd, "adamw8bit", block_size=0)
+    with pytest.raises(ValueError, match="min_quant_size"):
+        convert_state_dict(sd, "adamw4bit", min_quant_size=-1)
+
+
+@pytest.mark.parametrize("dst", ["adamw", "adamw8bit", "adamw4bit"])
+def test_torch_adamw_file_converts_to_every_adamw_member(dst: str) -> None:
+    params = make_params()
+    opt = torch.optim.AdamW(groups(params), lr=1e-3)
+    feed(opt, params, 3)
+    out = through_file(convert_state_dict(through_file(opt.state_dict()), dst))
+    assert state_dict_layout(out) == dst and out["param_groups"][0]["foreach"] is None  # torch's options kept
+    resumed = clone(params)
+    target = REGISTRY[dst](groups(resumed), backend="reference")
+    target.load_state_dict(out)
+    feed(target, resumed, 1, start=3)

@@ -1,11 +1,20 @@
-"""`leanopt convert`: a saved AdamW state between fp32, 8-bit and 4-bit, checked by loading it."""
+"""`leanopt convert`: a saved state to another member of the family it declares (fp32, 8-bit,
+4-bit), checked by loading it; another family refused in one line."""
 
 from __future__ import annotations
 
+import json
+
+import pytest
 import torch
 
 import leanopt
-from leanopt.cli import main
+from leanopt.cli import build_parser, main
+from leanopt.optim import REGISTRY
+from leanopt.quant import QuantizedState
+from registry import OPTIMIZERS
+
+CASES = {case.name: case for case in OPTIMIZERS}
 
 
 def saved_adamw(tmp_path):
@@ -53,6 +62,60 @@ def test_convert_refuses_to_overwrite_and_bad_input(tmp_path, capsys) -> None:
     assert main(["convert", str(src), str(tmp_path / "y.pt"), "--to", "sgd"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 3 and all(line.startswith("leanopt: error:") for line in err)
+
+
+def saved(tmp_path, name: str):
+    """A small model and ``name``'s state after 2 steps, saved to tmp_path/optimizer.pt."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 4))  # 8192 elements: quantized
+    case = CASES[name]
+    opt = case.cls(model.parameters(), **{**case.kwargs, "backend": "reference"})
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(16, 64)).square().mean().backward()
+        opt.step()
+    path = tmp_path / "optimizer.pt"
+    torch.save(opt.state_dict(), path)
+    return model, path
+
+
+def test_to_takes_every_registered_name() -> None:
+    parser = build_parser()
+    for name in REGISTRY:
+        assert parser.parse_args(["convert", "a.pt", "b.pt", "--to", name.upper()]).to == name
+
+
+@pytest.mark.parametrize(
+    "src,dst", [("lion8bit", "lion4bit"), ("lion4bit", "lion"), ("lion", "lion8bit"), ("ademamix", "ademamix8bit"),
+                ("ademamix8bit", "ademamix"), ("adamw4bit", "adamw8bit")],
+)  # fmt: skip
+def test_convert_by_declared_name_loads_into_the_target(src: str, dst: str, tmp_path, capsys) -> None:
+    model, path = saved(tmp_path, src)
+    out = tmp_path / "converted.pt"
+    assert main(["convert", str(path), str(out), "--to", dst]) == 0
+    assert f"({src}, " in capsys.readouterr().out.split("->")[0]
+    sd = torch.load(out, weights_only=True)
+    assert {g["optimizer"] for g in sd["param_groups"]} == {dst}
+    assert main(["inspect", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["optimizer"] == dst
+    case = CASES[dst]
+    opt = case.cls(model.parameters(), **{**case.kwargs, "backend": "reference"})
+    opt.load_state_dict(sd)
+    quantized = isinstance(opt.state[model[0].weight][opt.state_keys(opt.param_groups[0])[0]], QuantizedState)
+    assert quantized == (getattr(case.cls, "state_bits", None) is not None)
+    model(torch.randn(16, 64)).square().mean().backward()
+    opt.step()
+    assert {int(st["step"]) for st in opt.state.values()} == {3}
+
+
+def test_convert_to_another_family_is_one_line_naming_both(tmp_path, capsys) -> None:
+    _, path = saved(tmp_path, "lion8bit")
+    out = tmp_path / "adamw.pt"
+    assert main(["convert", str(path), str(out), "--to", "adamw"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("leanopt: error: cannot convert a lion8bit state_dict to adamw"), err
+    assert "Lion8bit runs the lion rule, AdamW the adamw rule" in err[0] and "internal error" not in err[0]
+    assert not out.exists()
 
 
 def test_compare_subcommand_forwards_its_arguments(capsys) -> None:

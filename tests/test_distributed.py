@@ -1,7 +1,8 @@
 """leanopt under torch.distributed (gloo, CPU): DDP and FSDP2 against one process, DCP checkpoints.
 
 One ``torchrun --nproc_per_node 2`` launch (``dist_scripts/parity.py``) runs every check for every
-importable optimizer and writes its measurements; the tests below read them. A launch costs
+optimizer of the registry (``tests/registry.py``) and writes its measurements; the tests below
+read them. A launch costs
 more than all the checks together (three Python processes importing torch on 2 shared cores).
 Loading the 2-rank checkpoint into one process runs here, in the pytest process.
 """
@@ -23,7 +24,7 @@ import torch
 
 import leanopt
 from leanopt.integrations.distributed import measure_global
-from leanopt.memory import available_optimizers, resolve_optimizer
+from leanopt.memory import resolve_optimizer
 from leanopt.quant import QuantizedState
 
 SCRIPTS = pathlib.Path(__file__).resolve().parent / "dist_scripts"
@@ -44,12 +45,7 @@ EXACT_ATOL = 1e-6
 EXACT_STATE_RTOL = 1e-5
 
 
-def _available(names: tuple[str, ...]) -> list[str]:
-    here = available_optimizers()
-    return [name for name in names if name in here]
-
-
-NAMES = _available(tuple(parity.KWARGS))
+NAMES = list(parity.KWARGS)  # every optimizer of tests/registry.py
 names = pytest.mark.parametrize("name", NAMES)
 
 
@@ -155,6 +151,7 @@ def test_measure_global_adds_up_ranks_and_equals_the_estimate_unsharded(results:
 def test_dcp_checkpoint_resumes_identically_on_two_ranks(results: dict, name: str) -> None:
     out = case(results, name, "dcp")
     assert out["identical_losses"] and out["identical_weights"] and out["identical_state"]
+    assert out["declared"] == [name]  # every param group of the checkpoint names its optimizer
 
 
 @names

@@ -8,7 +8,10 @@ import pytest
 import torch
 
 import leanopt
-from leanopt.memory import resolve_optimizer
+from leanopt.memory import OPTIMIZER_NAMES, available_optimizers, resolve_optimizer
+from leanopt.memory.estimate import PEER_NAMES
+from leanopt.optim import REGISTRY
+from registry import OPTIMIZERS
 
 transformers = pytest.importorskip("transformers")
 
@@ -185,11 +188,25 @@ class TiedLM(torch.nn.Module):
         return self.head(self.mid(self.embed(tokens)))
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit", torch.optim.AdamW], ids=str)
+def test_optimizer_names_are_the_registry_then_the_peers() -> None:
+    # The registry is the one list of leanopt's optimizers: every name, in its order, and nothing else.
+    assert [n for n, target in OPTIMIZER_NAMES.items() if target.startswith("leanopt:")] == list(REGISTRY)
+    assert list(OPTIMIZER_NAMES) == [*REGISTRY, *PEER_NAMES]
+    assert sorted(case.name for case in OPTIMIZERS) == sorted(REGISTRY)  # tests/registry.py matches it
+    for name, cls in REGISTRY.items():
+        assert resolve_optimizer(name) is cls and resolve_optimizer(name.upper()) is cls
+    assert set(REGISTRY) <= set(available_optimizers())
+
+
+@pytest.mark.parametrize("optimizer", [*OPTIMIZERS, torch.optim.AdamW], ids=lambda o: getattr(o, "__name__", str(o)))
 def test_estimate_counts_tied_weights_once(optimizer) -> None:
     model = TiedLM()
-    # 8-bit: quantize even these small tensors; the reference backend needs no compile.
-    kwargs = {"min_quant_size": 0, "backend": "reference"} if optimizer == "adamw8bit" else {}
+    kwargs = {}
+    if not isinstance(optimizer, type):  # a registry case: its kwargs, the reference backend (no compile)
+        kwargs = {**optimizer.kwargs, "backend": "reference"}
+        if getattr(optimizer.cls, "state_bits", None) is not None:
+            kwargs["min_quant_size"] = 0  # low-bit: quantize even these small tensors
+        optimizer = optimizer.name
     opt = resolve_optimizer(optimizer)(model.parameters(), **kwargs)
     model(torch.arange(10)).square().mean().backward()
     opt.step()

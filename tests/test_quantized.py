@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import leanopt
-from leanopt.kernels import reference
+from leanopt.kernels import rules
 from leanopt.optim.adamw_lowbit import LowBitAdamW
 from leanopt.quant import BlockFormat, QuantizedState, codebook, format_by_name
 from leanopt.quant.codebooks import code_names, dynamic_tree_values
@@ -214,18 +214,18 @@ def test_fp32_states_follow_leanopt_adamw_bit_for_bit(cls: type, dtype: torch.dt
 
 def test_moment_bound_is_the_exact_adam_supremum() -> None:
     b1, b2 = 0.9, 0.999
-    assert reference.adam_moment_bound(b1, b2, 1) == pytest.approx((1 - b1) ** 2 / (1 - b2))
+    assert rules.adam_moment_bound(b1, b2, 1) == pytest.approx((1 - b1) ** 2 / (1 - b2))
     # K_{t+1} = (b1^2/b2) K_t + (1-b1)^2/(1-b2), and the constant gradient of the right
     # geometric shape reaches it (Cauchy-Schwarz equality: g_k proportional to (b1/b2)^(t-k)).
     for t in (1, 2, 5, 30):
-        k_t, k_next = reference.adam_moment_bound(b1, b2, t), reference.adam_moment_bound(b1, b2, t + 1)
+        k_t, k_next = rules.adam_moment_bound(b1, b2, t), rules.adam_moment_bound(b1, b2, t + 1)
         assert k_next == pytest.approx(b1 * b1 / b2 * k_t + (1 - b1) ** 2 / (1 - b2))
         g = torch.tensor([(b1 / b2) ** (t - k) for k in range(1, t + 1)], dtype=torch.float64)
         m = sum((1 - b1) * b1 ** (t - k) * g[k - 1] for k in range(1, t + 1))
         v = sum((1 - b2) * b2 ** (t - k) * g[k - 1] ** 2 for k in range(1, t + 1))
         assert (m * m / v).item() == pytest.approx(k_t, rel=1e-9)
-    assert reference.adam_moment_bound(0.9, 0.0, 3) == math.inf
-    assert reference.adam_moment_bound(0.99, 0.5, 10**6) == math.inf  # b1^2 > b2: no finite bound
+    assert rules.adam_moment_bound(0.9, 0.0, 3) == math.inf
+    assert rules.adam_moment_bound(0.99, 0.5, 10**6) == math.inf  # b1^2 > b2: no finite bound
 
 
 @low_bit
@@ -294,7 +294,7 @@ def test_4bit_accuracy_no_worse_than_torchao_measured(randn_run) -> None:
 # ---- the v->0 hazard ------------------------------------------------------------------------------
 def _step_bound(t: int, lr: float = bench.LR, b1: float = 0.9, b2: float = 0.999) -> float:
     """fp32 AdamW's largest possible |dp| at step t (weight decay 0)."""
-    return lr * math.sqrt(reference.adam_moment_bound(b1, b2, t)) * math.sqrt(1 - b2**t) / (1 - b1**t)
+    return lr * math.sqrt(rules.adam_moment_bound(b1, b2, t)) * math.sqrt(1 - b2**t) / (1 - b1**t)
 
 
 @low_bit
@@ -343,7 +343,7 @@ def test_hazard_scenario_catches_the_hazard_when_the_floor_is_off(monkeypatch) -
     make = lambda ps: _ZeroCodeNoFloor(ps, lr=bench.LR, weight_decay=0.0)  # noqa: E731
     safe, _ = bench.run(make, p0, grads)
     assert bench.distance(safe, ref)[0] <= 0.021  # the floor alone makes a zero-coded v safe
-    monkeypatch.setattr(reference, "adam_moment_bound", lambda *a: math.inf)
+    monkeypatch.setattr(rules, "adam_moment_bound", lambda *a: math.inf)
     broken, _ = bench.run(make, p0, grads)
     assert bench.distance(broken, ref)[0] > 1.0  # lr * m / eps: a thousand lr and more
 

@@ -1,4 +1,5 @@
-"""leanopt in Hugging Face Trainer: both plug-ins, exact checkpoint resume, the state-memory callback.
+"""leanopt in Hugging Face Trainer: both plug-ins, exact checkpoint resume, the state-memory callback,
+for every optimizer of the registry (``tests/registry.py``).
 
 A DistilBERT built from a tiny config (81,602 params; its 4096+-element matrices are large enough
 for the low-bit optimizers to quantize) on synthetic token data, on the CPU: a few seconds a test.
@@ -10,7 +11,9 @@ import pytest
 import torch
 
 import leanopt
-from leanopt.memory import available_optimizers, resolve_optimizer
+from leanopt.memory import resolve_optimizer
+from leanopt.memory.inspect import inspect_file
+from registry import OPTIMIZERS
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -21,12 +24,7 @@ from leanopt.integrations.transformers import (  # noqa: E402
 )
 
 
-def _available(names: tuple[str, ...]) -> list[str]:
-    here = available_optimizers()
-    return [name for name in names if name in here]
-
-
-NAMES = _available(("adamw", "adafactor", "adamw8bit", "adamw4bit"))
+NAMES = [case.name for case in OPTIMIZERS]
 names = pytest.mark.parametrize("name", NAMES)
 LR = 1e-3
 
@@ -100,6 +98,7 @@ def test_optimizers_tuple_trains_and_the_callback_logs_measured_bytes_once(name:
     assert torch.isfinite(torch.tensor(result.training_loss))
     records = [e for e in trainer.state.log_history if OptimizerStateCallback.KEY in e]
     assert len(records) == 1 and records[0]["step"] == 1
+    assert records[0]["optimizer"] == name  # the name the optimizer declares
     # The state's size doesn't change after the first step: the record equals a measurement now.
     assert records[0][OptimizerStateCallback.KEY] == leanopt.measure(opt).bytes
     assert records[0][OptimizerStateCallback.KEY] == leanopt.estimate(model, name, **_kw(name)).bytes
@@ -123,6 +122,7 @@ def test_optimizer_cls_and_kwargs_gets_trainers_decay_groups_and_args(name: str,
     opt = unwrap_optimizer(trainer.optimizer)
     assert type(opt) is resolve_optimizer(name)
     decay, no_decay = opt.param_groups
+    assert decay["optimizer"] == no_decay["optimizer"] == name
     assert decay["weight_decay"] == 0.01 and no_decay["weight_decay"] == 0.0
     assert decay["lr"] == no_decay["lr"] == LR  # from TrainingArguments, which Trainer doesn't pass
     assert len(no_decay["params"]) > 0 and state_steps(opt) == {4}
@@ -142,31 +142,61 @@ def test_optimizer_cls_and_kwargs_fills_from_training_arguments(tmp_path) -> Non
         optimizer_cls_and_kwargs("adafactor")
     with pytest.raises(ValueError, match="unknown optimizer"):
         optimizer_cls_and_kwargs("adamw3bit")
+    # Every registered optimizer, by the rule it runs (as Trainer fills its own optim names).
+    for case in OPTIMIZERS:
+        cls, kwargs = optimizer_cls_and_kwargs(case.name, args)
+        assert cls is case.cls and kwargs["lr"] == 3e-4
+        expected = {
+            "adamw": {"betas": (0.8, 0.99), "eps": 1e-6},
+            "lion": {"betas": (0.8, 0.99)},  # Lion has no eps
+            "ademamix": {"betas": (0.8, 0.99, 0.9999), "eps": 1e-6},  # Trainer has two betas: beta3 its default
+            "adafactor": {"relative_step": False, "scale_parameter": False},
+        }[cls.family]
+        assert kwargs == {"lr": 3e-4, **expected}, case.name
+        cls(torch.nn.Linear(2, 2).parameters(), **kwargs)  # the class takes them
+    assert optimizer_cls_and_kwargs("torch-adamw", args)[1] == {"lr": 3e-4, "betas": (0.8, 0.99), "eps": 1e-6}
+    assert optimizer_cls_and_kwargs("torch-adafactor", args)[1] == {"lr": 3e-4}  # takes no relative_step
+
+
+def _run(name: str, out, resume: str | None = None, *, steps: int = 12, save_steps: int = 6):
+    model = tiny_distilbert(seed=1)  # resuming overwrites these weights from the checkpoint
+    args = training_args(out, max_steps=steps, save_strategy="steps", save_steps=save_steps)
+    trainer = transformers.Trainer(
+        model=model,
+        args=args,
+        train_dataset=TokenDataset(),
+        optimizer_cls_and_kwargs=optimizer_cls_and_kwargs(name, args),
+    )
+    trainer.train(resume_from_checkpoint=resume)
+    return model, unwrap_optimizer(trainer.optimizer)
 
 
 @names
 def test_resume_from_checkpoint_ends_with_the_uninterrupted_weights(name: str, tmp_path) -> None:
-    def run(out, resume: str | None = None):
-        model = tiny_distilbert(seed=1)  # resuming overwrites these weights from the checkpoint
-        args = training_args(out, max_steps=20, save_strategy="steps", save_steps=10)
-        trainer = transformers.Trainer(
-            model=model,
-            args=args,
-            train_dataset=TokenDataset(),
-            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs(name, args),
-        )
-        trainer.train(resume_from_checkpoint=resume)
-        return model, unwrap_optimizer(trainer.optimizer)
-
-    full_model, full_opt = run(tmp_path / "full")
-    checkpoint = tmp_path / "full" / "checkpoint-10"
+    full_model, _ = _run(name, tmp_path / "full")
+    checkpoint = tmp_path / "full" / "checkpoint-6"
     # Trainer reads it with torch.load(weights_only=True): only plain types in leanopt's state_dict.
     saved = torch.load(checkpoint / "optimizer.pt", weights_only=True)
-    assert {int(st["step"]) for st in saved["state"].values()} == {10}
-    resumed_model, resumed_opt = run(tmp_path / "resumed", resume=str(checkpoint))
+    assert {int(st["step"]) for st in saved["state"].values()} == {6}
+    # The checkpoint says which optimizer wrote it: `leanopt inspect checkpoint-6` reads it.
+    assert {g["optimizer"] for g in saved["param_groups"]} == {name}
+    assert inspect_file(checkpoint).optimizer == name
+    resumed_model, resumed_opt = _run(name, tmp_path / "resumed", resume=str(checkpoint))
     for (n, a), b in zip(full_model.named_parameters(), resumed_model.parameters()):
         assert torch.equal(a, b), n
-    assert state_steps(resumed_opt) == {20}
+    assert state_steps(resumed_opt) == {12}
+
+
+def test_resume_with_a_sibling_converts_and_with_another_family_is_refused(tmp_path) -> None:
+    # A Lion8bit checkpoint resumes under Trainer with Lion4bit (its state converted on load);
+    # resuming it with AdamW fails before training, naming both.
+    _run("lion8bit", tmp_path / "full", steps=4, save_steps=2)
+    checkpoint = str(tmp_path / "full" / "checkpoint-2")
+    _, opt = _run("lion4bit", tmp_path / "resumed", resume=checkpoint, steps=4, save_steps=100)
+    assert type(opt) is leanopt.Lion4bit and state_steps(opt) == {4}
+    assert {g["optimizer"] for g in opt.param_groups} == {"lion4bit"}
+    with pytest.raises(ValueError, match=r"saved by Lion8bit \(lion rule\); AdamW runs the adamw rule"):
+        _run("adamw", tmp_path / "refused", resume=checkpoint, steps=4, save_steps=100)
 
 
 def test_example_script_runs_the_lesson_scenario_on_a_tiny_model(capsys) -> None:

@@ -1,75 +1,108 @@
-"""Convert a saved AdamW-family optimizer state_dict between fp32, 8-bit and 4-bit states.
+"""Which optimizer saved a state_dict, and conversion of a saved state to another member of its family.
 
 Works on the ``optimizer.state_dict()`` alone (e.g. a Trainer's ``optimizer.pt`` opened with
 ``torch.load(weights_only=True)``), without the model: shapes come from the state tensors and
 the quantized entries' own ``shape``. ``load_state_dict`` of leanopt's optimizers performs the
 same conversions when a model is at hand; this module is for files.
 
+**Identity is declared.** Every param group of a leanopt optimizer's ``state_dict`` holds
+``"optimizer": <registry name>`` (:data:`leanopt.optim.REGISTRY`), and that name is what
+:func:`state_dict_layout` returns. Only a file without it -- torch's ``AdamW``/``Adam``, or a
+leanopt file saved before names were declared -- is recognized from its state keys, and only
+as the AdamW family (``adamw``, ``adamw8bit``, ``adamw4bit``, told apart by the quantized
+entries' bits).
+
+**Conversion stays within a family** (the rule an optimizer runs: ``cls.family``): between
+``adamw``, ``adamw8bit`` and ``adamw4bit``; ``lion``, ``lion8bit`` and ``lion4bit``;
+``ademamix`` and ``ademamix8bit``. Each of the rule's states is quantized on the target
+class's ``<state key>_code`` and block size, re-blocked, or dequantized to fp32. A state of
+one rule cannot continue another (``lion8bit`` -> ``adamw`` is a ``ValueError`` naming both).
+
 >>> import torch, leanopt
 >>> from leanopt.checkpoint import convert_state_dict, state_dict_layout
 >>> w = torch.nn.Parameter(torch.randn(128, 64))
->>> opt = torch.optim.AdamW([w])
+>>> opt = leanopt.Lion8bit([w])
 >>> w.grad = torch.randn_like(w); opt.step()
->>> sd8 = convert_state_dict(opt.state_dict(), to="adamw8bit")
->>> state_dict_layout(opt.state_dict()), state_dict_layout(sd8)
-('adamw', 'adamw8bit')
->>> sorted(sd8["state"][0]["exp_avg"])
-['absmax', 'codes', 'format', 'shape']
+>>> state_dict_layout(opt.state_dict())
+'lion8bit'
+>>> sd4 = convert_state_dict(opt.state_dict(), to="lion4bit")
+>>> state_dict_layout(sd4), sd4["state"][0]["exp_avg"]["format"]
+('lion4bit', 'pow2-s4/b128')
+>>> convert_state_dict(opt.state_dict(), to="adamw")
+Traceback (most recent call last):
+...
+ValueError: cannot convert a lion8bit state_dict to adamw: Lion8bit runs the lion rule, AdamW the adamw rule (a state of one rule cannot continue another; convert within a family: lion, lion8bit, lion4bit)
 """
 
 from __future__ import annotations
 
-import math
+import functools
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from leanopt.optim.adamw_lowbit import STORAGE_OPTIONS, AdamW4bit, AdamW8bit, LowBitAdamW
-from leanopt.quant import MAX_BLOCK_SIZE, BlockFormat, QuantizedState, format_by_name
+from leanopt.optim.lowbit import STORAGE_OPTIONS, LowBit, check_block_size, check_min_quant_size
+from leanopt.optim.registry import REGISTRY, optimizer_class
+from leanopt.quant import QuantizedState, format_by_name
 
-LAYOUTS = ("adamw", "adamw8bit", "adamw4bit")
-_LOW_BIT: dict[str, type[LowBitAdamW]] = {"adamw8bit": AdamW8bit, "adamw4bit": AdamW4bit}
-_MOMENTS = ("exp_avg", "exp_avg_sq")
+__all__ = ["IDENTITY_KEY", "convert_state_dict", "declared_optimizer", "family_members", "state_dict_layout"]
+
+# The param-group key under which leanopt's optimizers declare their registry name.
+IDENTITY_KEY = "optimizer"
+# The state keys of the AdamW family: what a file without a declared name must hold.
+_ADAMW_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def declared_optimizer(state_dict: Mapping[str, Any]) -> str | None:
+    """The registry name the param groups of ``state_dict`` declare under ``"optimizer"``, or
+    None when none does (a peer's file, or leanopt's from before names were declared).
+
+    The name is returned as saved, registered here or not. ``ValueError`` when groups declare
+    different names or a name is not a string.
+    """
+    groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
+    names = []
+    for g in groups if isinstance(groups, (list, tuple)) else ():
+        if isinstance(g, Mapping) and IDENTITY_KEY in g:
+            name = g[IDENTITY_KEY]
+            if not isinstance(name, str):
+                raise ValueError(f"param group declares optimizer {name!r}, not a name")
+            if name not in names:
+                names.append(name)
+    if len(names) > 1:
+        raise ValueError(f"param groups declare different optimizers: {', '.join(names)}")
+    return names[0] if names else None
+
+
+def family_members(name: str) -> list[str]:
+    """The registry names (in registration order) of the optimizers that run the same rule as
+    ``name``, itself included."""
+    family = optimizer_class(name).family
+    return [n for n, cls in REGISTRY.items() if cls.family == family]
 
 
 def state_dict_layout(state_dict: Mapping[str, Any]) -> str:
-    """Which optimizer's layout ``state_dict`` has: ``"adamw"`` (fp32 moments: leanopt's or
-    torch's AdamW), ``"adamw8bit"`` or ``"adamw4bit"``.
+    """The registry name of the optimizer whose ``state_dict`` this is.
 
-    Quantized entries decide; a low-bit state_dict whose params all kept fp32 states is told
-    by its param groups' ``state_bits``. Raises ``ValueError`` for anything else (another
-    optimizer's state, a malformed dict).
+    The name its param groups declare (checked to be registered, and each param's state to hold
+    that optimizer's state keys); for a file without one, the AdamW family member its states
+    show: ``"adamw"`` (fp32 moments: torch's AdamW/Adam, or an older leanopt AdamW),
+    ``"adamw8bit"`` or ``"adamw4bit"`` (by the quantized entries' bits, or the groups'
+    ``state_bits`` when every param kept fp32 states). ``ValueError`` for anything else (an
+    unknown name, another optimizer's undeclared state, a malformed dict).
     """
     _check_shape_of_sd(state_dict)
-    bits: set[int] = set()
-    for pid, st in state_dict["state"].items():
-        if not isinstance(st, Mapping):
-            raise ValueError(f"state of param {pid!r} is not a dict")
-        if not any(k in st for k in _MOMENTS):
-            raise ValueError(
-                f"state of param {pid!r} has keys {sorted(st)}, not an AdamW-family state "
-                "(expected 'exp_avg' and 'exp_avg_sq')"
-            )
-        for key in _MOMENTS:
-            value = st.get(key)
-            if isinstance(value, Mapping) and QuantizedState.is_state_dict(value):
-                try:
-                    bits.add(format_by_name(value["format"]).bits)
-                except ValueError as err:
-                    raise ValueError(f"{key!r} of param {pid!r}: corrupt quantized state ({err})") from None
-            elif isinstance(value, QuantizedState):
-                bits.add(value.format.bits)
-    if not bits:
-        bits = {g["state_bits"] for g in state_dict["param_groups"] if "state_bits" in g}
-    if not bits:
-        return "adamw"
-    if len(bits) > 1:
-        raise ValueError(f"state_dict mixes {sorted(bits)}-bit states")
-    (b,) = bits
-    if b not in (4, 8):
-        raise ValueError(f"unsupported state bits {b}")
-    return f"adamw{b}bit"
+    declared = declared_optimizer(state_dict)
+    if declared is None:
+        return _recognized_adamw_member(state_dict)
+    if declared not in REGISTRY:
+        raise ValueError(
+            f"the state_dict declares optimizer {declared!r}, which this leanopt does not know "
+            f"(known: {', '.join(REGISTRY)})"
+        )
+    _check_states(state_dict, declared)
+    return declared
 
 
 def convert_state_dict(
@@ -79,65 +112,146 @@ def convert_state_dict(
     block_size: int | None = None,
     min_quant_size: int = 4096,
 ) -> dict[str, Any]:
-    """A copy of ``state_dict`` with its moments in the layout of ``to``.
+    """A copy of ``state_dict`` with its states in the layout of optimizer ``to``.
 
-    ``to`` is ``"adamw"`` (fp32 moments, loadable by ``leanopt.AdamW`` and
-    ``torch.optim.AdamW``), ``"adamw8bit"`` or ``"adamw4bit"``. For the low-bit layouts a
-    param's moments are quantized when it has at least ``min_quant_size`` elements and its
-    group does not say ``"quantize": False``; ``block_size`` defaults to the class's (256 for
-    8-bit, 128 for 4-bit). Entries already in the target format are kept as they are; the
-    input is not modified. A state saved with amsgrad cannot become low-bit (``ValueError``).
-    Hyper-parameters (lr, betas, ...) and ``step`` are kept.
+    ``to`` is any name of :data:`leanopt.optim.REGISTRY` in the family of the optimizer that
+    saved ``state_dict`` (:func:`state_dict_layout`); another family is a ``ValueError`` naming
+    both. For a low-bit target a param's states are quantized on the class's code for each
+    state key when it has at least ``min_quant_size`` elements and its group does not say
+    ``"quantize": False``, in blocks of ``block_size`` (default: the class's); for a dense
+    target they are dequantized to fp32. Entries already in the target format are kept as they
+    are; the input is not modified. Hyper-parameters (lr, betas, ...) and ``step`` are kept;
+    each group declares ``to`` and gets the target's storage options. Each group is checked as
+    the target's ``load_state_dict`` checks it (e.g. a state saved with amsgrad cannot become
+    low-bit AdamW: ``ValueError``).
     """
-    if to not in LAYOUTS:
-        raise ValueError(f"to must be one of {LAYOUTS}, got {to!r}")
+    target_cls = optimizer_class(to)
+    to = target_cls.name
     source = state_dict_layout(state_dict)  # validates the structure
-    target_cls = _LOW_BIT.get(to)
-    if target_cls is not None:
+    source_cls = REGISTRY[source]
+    if source_cls.family != target_cls.family:
+        raise ValueError(
+            f"cannot convert a {source} state_dict to {to}: {source_cls.__name__} runs the {source_cls.family} rule, "
+            f"{target_cls.__name__} the {target_cls.family} rule (a state of one rule cannot continue another; "
+            f"convert within a family: {', '.join(family_members(source))})"
+        )
+    low_bit = issubclass(target_cls, LowBit)
+    if low_bit:
         block_size = target_cls.default_block_size if block_size is None else block_size
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or not 1 <= block_size <= MAX_BLOCK_SIZE:
-            raise ValueError(f"Invalid block_size: {block_size!r} (must be an int from 1 to {MAX_BLOCK_SIZE})")
-        if not isinstance(min_quant_size, int) or isinstance(min_quant_size, bool) or min_quant_size < 0:
-            raise ValueError(f"Invalid min_quant_size: {min_quant_size!r}")
+        check_block_size(block_size)
+        check_min_quant_size(min_quant_size)
+    target, origin = _blank(target_cls), _blank(source_cls)
 
     groups_out = []
-    quantize_of: dict[Any, bool] = {}
-    for group in state_dict["param_groups"]:
+    group_of: dict[Any, tuple[dict[str, Any], list[str], list[str]]] = {}
+    for gi, group in enumerate(state_dict["param_groups"]):
         g = {k: v for k, v in group.items() if k not in STORAGE_OPTIONS}
-        if target_cls is not None:
-            if group.get("amsgrad", False):
-                raise ValueError(f"cannot convert an amsgrad state_dict ({source}) to {to}: low-bit AdamW has no amsgrad")
-            flag = bool(group.get("quantize", True))
-            g.update(quantize=flag, block_size=block_size, min_quant_size=min_quant_size, state_bits=target_cls.state_bits)
-            for pid in group["params"]:
-                quantize_of[pid] = flag
+        if low_bit:
+            g.update(quantize=group.get("quantize", True), block_size=block_size, min_quant_size=min_quant_size,
+                     state_bits=target_cls.state_bits)  # fmt: skip
+        g[IDENTITY_KEY] = to
+        filled = {**target.defaults, **g}
+        try:
+            target.validate_group(filled, loaded=True)
+        except ValueError as err:
+            raise ValueError(f"cannot convert the {source} state_dict to {to}: param group {gi}: {err}") from None
+        source_keys = _state_keys(origin, group)
+        target_keys = _state_keys(target, filled)
+        lost = [k for k in source_keys if k not in target_keys]
+        if lost:
+            raise ValueError(f"cannot convert the {source} state_dict to {to}: param group {gi} keeps {lost}, which {to} has no place for")
         groups_out.append(g)
+        for pid in group["params"]:
+            group_of[pid] = (filled, source_keys, target_keys)
 
-    state_out: dict[Any, dict[str, Any]] = {}
+    state_out: dict[Any, Any] = {}
     for pid, st in state_dict["state"].items():
+        if pid not in group_of:  # not a param's state (e.g. a hook's own entry): kept as it is
+            state_out[pid] = st
+            continue
+        filled, _, target_keys = group_of[pid]
         new = dict(st)
-        if target_cls is not None and "max_exp_avg_sq" in st:
-            raise ValueError(f"cannot convert param {pid!r}: it has 'max_exp_avg_sq' (amsgrad) and {to} has no amsgrad")
-        for key in _MOMENTS:
-            if key not in st:
-                continue
+        for key, value in st.items():
             where = f"{key!r} of param {pid!r}"
-            if target_cls is None:
-                new[key] = _to_dense(st[key], where)
-                continue
-            shape = _shape_of(st[key], where)
-            if quantize_of.get(pid, True) and math.prod(shape) >= min_quant_size:
-                code = target_cls.exp_avg_code if key == "exp_avg" else target_cls.exp_avg_sq_code
-                new[key] = _to_quantized(st[key], BlockFormat(code, block_size), where)
-            else:
-                new[key] = _to_dense(st[key], where)
+            if key in target_keys and low_bit:
+                shape = _shape_of(value, where)
+                if target.quantizes(shape, filled):
+                    new[key] = _to_quantized(value, target.state_format(key, filled), where)
+                    continue
+                new[key] = _to_dense(value, where)
+            elif key in target_keys or _as_quantized(value, where) is not None:
+                new[key] = _to_dense(value, where)
         state_out[pid] = new
     return {**state_dict, "state": state_out, "param_groups": groups_out}
 
 
 # ---- helpers -----------------------------------------------------------------------------------
+@functools.cache
+def _blank(cls: type) -> Any:
+    """An instance of ``cls`` on one empty meta param: its defaults, checks and layout methods."""
+    return cls([torch.nn.Parameter(torch.empty(0, device="meta"))])
+
+
+def _state_keys(opt: Any, group: Mapping[str, Any]) -> list[str]:
+    """The rule's state keys (besides ``step``) for ``group``; [] for a non-elementwise optimizer."""
+    state_keys = getattr(opt, "state_keys", None)
+    return list(state_keys({**opt.defaults, **group})) if state_keys is not None else []
+
+
+def _check_states(state_dict: Mapping[str, Any], name: str) -> None:
+    """Each param's state of a ``name`` state_dict is a dict holding ``name``'s state keys."""
+    opt = _blank(REGISTRY[name])
+    keys_of = {pid: _state_keys(opt, g) for g in state_dict["param_groups"] for pid in g["params"]}
+    for pid, st in state_dict["state"].items():
+        if not isinstance(st, Mapping):
+            raise ValueError(f"state of param {pid!r} is not a dict")
+        missing = [k for k in keys_of.get(pid, ()) if k not in st]
+        if missing:
+            raise ValueError(
+                f"state of param {pid!r} has keys {sorted(map(str, st))}, not a {name} state "
+                f"(missing {', '.join(map(repr, missing))})"
+            )
+
+
+def _recognized_adamw_member(state_dict: Mapping[str, Any]) -> str:
+    """The AdamW family member an undeclared state_dict's states show (see state_dict_layout)."""
+    bits: set[int] = set()
+    for pid, st in state_dict["state"].items():
+        if not isinstance(st, Mapping):
+            raise ValueError(f"state of param {pid!r} is not a dict")
+        if not all(k in st for k in _ADAMW_KEYS):
+            raise ValueError(
+                f"state of param {pid!r} has keys {sorted(map(str, st))} and the param groups declare no "
+                "'optimizer': not an AdamW-family state (expected 'exp_avg' and 'exp_avg_sq'); "
+                "only leanopt's own files say which optimizer saved them"
+            )
+        for key in _ADAMW_KEYS:
+            value = st[key]
+            if isinstance(value, Mapping) and QuantizedState.is_state_dict(value):
+                try:
+                    bits.add(format_by_name(value["format"]).bits)
+                except ValueError as err:
+                    raise ValueError(f"{key!r} of param {pid!r}: corrupt quantized state ({err})") from None
+            elif isinstance(value, QuantizedState):
+                bits.add(value.format.bits)
+    if not bits:
+        bits = {g["state_bits"] for g in state_dict["param_groups"] if "state_bits" in g}
+    if len(bits) > 1:
+        raise ValueError(f"state_dict mixes {sorted(bits)}-bit states")
+    b = next(iter(bits), None)
+    members = [n for n, cls in REGISTRY.items() if cls.family == "adamw" and getattr(cls, "state_bits", None) == b]
+    if not members:
+        raise ValueError(f"unsupported state bits {b}")
+    return members[0]
+
+
 def _check_shape_of_sd(state_dict: Any) -> None:
-    if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
+    if (
+        not isinstance(state_dict, Mapping)
+        or not isinstance(state_dict.get("state"), Mapping)
+        or not isinstance(state_dict.get("param_groups"), (list, tuple))
+        or not all(isinstance(g, Mapping) and isinstance(g.get("params"), (list, tuple)) for g in state_dict["param_groups"])
+    ):
         raise ValueError("expected an optimizer state_dict (a dict with 'state' and 'param_groups')")
 
 
@@ -170,7 +284,7 @@ def _to_dense(value: Any, where: str) -> torch.Tensor:
     raise ValueError(f"{where} is a {type(value).__name__}, expected a tensor or a quantized state")
 
 
-def _to_quantized(value: Any, fmt: BlockFormat, where: str) -> dict[str, Any]:
+def _to_quantized(value: Any, fmt: Any, where: str) -> dict[str, Any]:
     q = _as_quantized(value, where)
     if q is not None and q.format == fmt:
         return q.to_state_dict()

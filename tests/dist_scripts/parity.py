@@ -1,4 +1,5 @@
-"""torchrun worker: every leanopt optimizer under DDP and FSDP2 against the same run in one process.
+"""torchrun worker: every leanopt optimizer (``tests/registry.py``) under DDP and FSDP2 against the
+same run in one process.
 
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 tests/dist_scripts/parity.py OUT_DIR NAME [NAME...]
 
@@ -42,21 +43,32 @@ from torch.nn.parallel import DistributedDataParallel
 import leanopt
 from leanopt.integrations.distributed import ShardQuantizedState, checkpoint_value, is_dtensor, measure_global
 from leanopt.memory import resolve_optimizer
+from leanopt.optim.lowbit import LowBit
 from leanopt.quant import QuantizedState
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from registry import OPTIMIZERS  # noqa: E402  (tests/registry.py: the one list of optimizers)
 
 STEPS = 20
 SAVE_AT = 10
 GLOBAL_BATCH = 32
 
-# Per-optimizer constructor kwargs: the same in tests/test_distributed.py (it imports these).
-KWARGS = {
-    "adamw": {"lr": 1e-2},
-    "adafactor": {"lr": 1e-2, "relative_step": False, "scale_parameter": True, "beta1": 0.9, "weight_decay": 0.01},
-    # Sharded quantized states always run the reference rule (shard-aware block scales); the
-    # one-process runs use it too, so that "exact" compares the same arithmetic.
-    "adamw8bit": {"lr": 1e-2, "backend": "reference"},
-    "adamw4bit": {"lr": 1e-2, "backend": "reference"},
-}
+# Adafactor also runs its relative scale (an RMS all-reduced under FSDP2) and weight decay here.
+_EXTRA = {"adafactor": {"scale_parameter": True, "weight_decay": 0.01}}
+
+
+def _kwargs(case) -> dict:
+    kwargs = {**case.kwargs, **_EXTRA.get(case.name, {})}
+    if issubclass(case.cls, LowBit):
+        # Sharded quantized states always run the reference rule (shard-aware block scales); the
+        # one-process runs use it too, so that "exact" compares the same arithmetic.
+        kwargs["backend"] = "reference"
+    return kwargs
+
+
+# Per-optimizer constructor kwargs, from the registry's: the same in tests/test_distributed.py
+# (it imports these).
+KWARGS = {case.name: _kwargs(case) for case in OPTIMIZERS}
 
 
 def make_model(seed: int = 0) -> torch.nn.Sequential:
@@ -220,6 +232,7 @@ def run_fsdp_and_dcp(name: str, rank: int, world: int, ref, out_dir: str) -> tup
     losses = train(model, opt, range(SAVE_AT), rank, world)
     checkpoint = os.path.join(out_dir, f"dcp_{name}")
     model_sd, optim_sd = get_state_dict(model, opt)
+    declared = sorted({str(g.get("optimizer")) for g in optim_sd["param_groups"]})  # the name saved with it
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint)
     losses += train(model, opt, range(SAVE_AT, STEPS), rank, world)
 
@@ -261,6 +274,7 @@ def run_fsdp_and_dcp(name: str, rank: int, world: int, ref, out_dir: str) -> tup
         "identical_losses": resumed_losses == losses[SAVE_AT:],
         "identical_weights": all(torch.equal(final[n], resumed_final[n]) for n in final),
         "identical_state": same_state,
+        "declared": declared,
         "checkpoint": checkpoint,
     }
     return fsdp, resume

@@ -58,14 +58,17 @@ def get_state_dict(model: torch.nn.Module, optimizers: Any, **kwargs: Any) -> tu
     """``torch.distributed.checkpoint.state_dict.get_state_dict`` with every quantized state dense.
 
     Use it (with ``torch.distributed.checkpoint`` and torch's ``set_state_dict``) to checkpoint
-    leanopt's 8/4-bit optimizers when the run that loads may be sharded differently: FSDP2 on
-    any number of ranks, DDP, or one process. On a DTensor param a quantized state is already
-    saved dense (fp32, sharded like the param); on a plain param torch's function keeps the
-    compact ``{"codes", "absmax", "format", "shape"}`` dict, whose keys a sharded checkpoint
-    doesn't have. Here both are fp32 tensors, and loading quantizes them again (exactly: the
-    dequantize -> quantize round trip gives back the same codes and scales). For AdamW and
-    Adafactor it returns what torch's does. The dense copies cost 4 bytes per element while the
-    state dict is alive.
+    leanopt's low-bit optimizers (``AdamW8bit``, ``Lion4bit``, ``AdEMAMix8bit``, ...: every
+    :class:`~leanopt.optim.lowbit.LowBit` of the registry) when the run that loads may be
+    sharded differently: FSDP2 on any number of ranks, DDP, or one process. On a DTensor param
+    a quantized state is already saved dense (fp32, sharded like the param); on a plain param
+    torch's function keeps the compact ``{"codes", "absmax", "format", "shape"}`` dict, whose
+    keys a sharded checkpoint doesn't have. Here both are fp32 tensors, and loading quantizes
+    them again (exactly: the dequantize -> quantize round trip gives back the same codes and
+    scales). For the optimizers with dense states (``AdamW``, ``Lion``, ``AdEMAMix``,
+    ``Adafactor``) it returns what torch's does. The dense copies cost 4 bytes per element while
+    the state dict is alive. The param groups keep the name each optimizer declares
+    (``"optimizer"``), so the optimizer that loads checks the checkpoint is of its family.
     """
     from torch.distributed.checkpoint.state_dict import get_state_dict as torch_get_state_dict
 

@@ -8,14 +8,20 @@
 With ``optimizer_cls_and_kwargs`` Trainer builds two param groups (weight decay, and no decay
 for biases and norms) and passes its kwargs unchanged: it does not inject
 ``TrainingArguments.learning_rate``. :func:`optimizer_cls_and_kwargs` fills the kwargs from the
-``TrainingArguments`` the way Trainer does for its own ``optim`` names.
+``TrainingArguments`` the way Trainer does for its own ``optim`` names, for every name of
+leanopt's registry (:data:`leanopt.optim.REGISTRY`) and the peers'.
 
 Checkpoints resume exactly: leanopt's ``state_dict`` holds only tensors, numbers, strings, lists
 and dicts (quantized states included), so Trainer's ``torch.load(weights_only=True)`` reads it.
+Each param group declares the optimizer that saved it (``"optimizer": "lion8bit"``): resuming
+with another member of its family converts the state (8-bit into 4-bit, into fp32, ...), and
+with another family is refused by name, before anything is loaded. ``leanopt inspect`` and
+``leanopt convert`` read the same name from a checkpoint's ``optimizer.pt``.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any
 
@@ -26,19 +32,26 @@ from leanopt.memory import measure, resolve_optimizer
 
 logger = logging.getLogger("leanopt")
 
-__all__ = ["OptimizerStateCallback", "optimizer_cls_and_kwargs", "unwrap_optimizer"]
+__all__ = ["OptimizerStateCallback", "declared_name", "optimizer_cls_and_kwargs", "unwrap_optimizer"]
 
 
 def optimizer_cls_and_kwargs(name: str | type, args: Any = None, **kwargs: Any) -> tuple[type, dict[str, Any]]:
     """``(class, kwargs)`` for ``Trainer(optimizer_cls_and_kwargs=...)`` from a name like ``"adamw8bit"``.
 
     Args:
-        name: a name of :data:`leanopt.memory.OPTIMIZER_NAMES` or an optimizer class.
+        name: a name of :data:`leanopt.memory.OPTIMIZER_NAMES` (every optimizer of leanopt's
+            registry, and the peers) or an optimizer class.
         args: ``TrainingArguments``, or ``None``. When given, ``lr`` comes from
-            ``args.learning_rate`` and, for the AdamW family, ``betas``/``eps`` from
-            ``args.adam_beta1``/``adam_beta2``/``adam_epsilon``. (``weight_decay`` is set per
-            param group by Trainer itself, from ``args.weight_decay``.)
+            ``args.learning_rate``, and the rest by the rule the optimizer runs (its
+            ``family``), as Trainer fills its own ``optim`` names: the AdamW family gets
+            ``betas=(adam_beta1, adam_beta2)`` and ``eps=adam_epsilon``; Lion ``betas`` only
+            (no eps: Lion has none); AdEMAMix ``betas=(adam_beta1, adam_beta2, beta3)`` with its
+            own default ``beta3`` (Trainer has two Adam betas) and ``eps``. (``weight_decay`` is
+            set per param group by Trainer itself, from ``args.weight_decay``.)
         **kwargs: override or extend the above.
+
+    Note that Trainer's default ``adam_beta2`` is 0.999 where Lion's own is 0.99: pass
+    ``betas=(0.9, 0.99)`` to keep Lion's (Trainer's ``optim="lion_32bit"`` also takes Adam's).
 
     Adafactor gets ``relative_step=False, scale_parameter=False`` (what Trainer does for
     ``optim="adafactor"``): Trainer's learning-rate scheduler then scales its ``lr``. (A
@@ -50,13 +63,18 @@ def optimizer_cls_and_kwargs(name: str | type, args: Any = None, **kwargs: Any) 
     (<class 'leanopt.optim.adamw.AdamW'>, {'lr': 0.0003})
     """
     cls = resolve_optimizer(name)
+    family = _family(cls)
     out: dict[str, Any] = {}
     if args is not None:
         out["lr"] = args.learning_rate
-        if cls.__name__.lower().startswith("adam"):
-            out["betas"] = (args.adam_beta1, args.adam_beta2)
-            out["eps"] = args.adam_epsilon
-    if cls.__name__ == "Adafactor":
+        betas = (args.adam_beta1, args.adam_beta2)
+        if family == "adamw":
+            out.update(betas=betas, eps=args.adam_epsilon)
+        elif family == "lion":
+            out["betas"] = betas
+        elif family == "ademamix":
+            out.update(betas=(*betas, _default_betas(cls)[2]), eps=args.adam_epsilon)
+    if family == "adafactor":
         out.update(relative_step=False, scale_parameter=False)
         if "lr" not in out and kwargs.get("lr") is None and kwargs.get("relative_step", False) is False:
             raise ValueError(
@@ -67,12 +85,43 @@ def optimizer_cls_and_kwargs(name: str | type, args: Any = None, **kwargs: Any) 
     return cls, out
 
 
+def _family(cls: type) -> str | None:
+    """The rule ``cls`` runs: leanopt's optimizers declare it (``cls.family``); a peer's class
+    (torch's, bitsandbytes', torchao's AdamW, bitsandbytes' Lion and AdEMAMix, transformers'
+    Adafactor) is told by its name. torch's Adafactor takes none of the options filled here."""
+    family = getattr(cls, "family", None)
+    if isinstance(family, str):
+        return family
+    name = cls.__name__.lower()
+    if name.startswith("adam"):
+        return "adamw"
+    for rule in ("ademamix", "lion"):
+        if name.startswith(rule):
+            return rule
+    if cls.__module__.startswith("transformers.") and name == "adafactor":
+        return "adafactor"
+    return None
+
+
+def _default_betas(cls: type) -> tuple[float, ...]:
+    return tuple(inspect.signature(cls).parameters["betas"].default)
+
+
 def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     """The optimizer inside Accelerate's (and so Trainer's) ``AcceleratedOptimizer`` wrappers."""
     seen = 0
     while hasattr(optimizer, "optimizer") and isinstance(optimizer.optimizer, torch.optim.Optimizer) and seen < 8:
         optimizer, seen = optimizer.optimizer, seen + 1
     return optimizer
+
+
+def declared_name(optimizer: Any) -> str:
+    """The registry name the optimizer's param groups declare (``"adamw8bit"``), or, for a
+    peer's optimizer, which declares none, its class name."""
+    opt = unwrap_optimizer(optimizer)
+    names = {g.get("optimizer") for g in opt.param_groups}
+    name = names.pop() if len(names) == 1 else None
+    return name if isinstance(name, str) else type(opt).__name__
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -110,7 +159,7 @@ class OptimizerStateCallback(TrainerCallback):
         # Bytes per param on this rank: a DTensor param counts its local shard, as measure() does.
         params = sum(_local(p).numel() for g in opt.param_groups for p in g["params"])
         record: dict[str, Any] = {
-            "optimizer": type(opt).__name__,
+            "optimizer": declared_name(opt),
             self.KEY: self.measurement.bytes,
             "optimizer_state_mb": round(self.measurement.megabytes, 3),
             "optimizer_state_bytes_per_param": round(self.measurement.bytes / params, 4) if params else 0.0,

@@ -11,7 +11,7 @@ import contextlib
 import functools
 import importlib.util
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -108,64 +108,134 @@ def eager(fn: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def adamw(backend: str, tables, key: str, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_tensors, **hp) -> None:
-    """AdamW on lists of tensors of one device; ``step_tensors`` already hold the new step."""
-    with row_major([params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs], read_only=(1,)) as lists:
-        _adamw(backend, tables, key, *lists, step_tensors, **hp)
+# ---- one backend decision -------------------------------------------------------------------
+# What runs each param's update: ``select`` picks one of these, ``step``/``adafactor`` run them.
+IMPLEMENTATIONS = (
+    "reference",  # kernels.reference, one param at a time (the oracle)
+    "cpu-dense",  # cpu_elementwise.dense: torch's fused AdamW, or the rule compiled
+    "cpu-quantized",  # cpu_elementwise.quantized: dequantize -> rule -> requantize, compiled
+    "triton-dense",  # triton_elementwise.dense
+    "triton-quantized",  # triton_elementwise.quantized
+    "cpu-adafactor",  # cpu_adafactor.adafactor
+    "triton-adafactor",  # triton_adafactor.adafactor
+)
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _adamw(backend: str, tables, key: str, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_tensors, **hp) -> None:
-    if backend == "triton":
-        from leanopt.kernels import triton_adamw
+def select(backend: str, rule: str, p: torch.Tensor, g: torch.Tensor, states: Sequence[Any]) -> str:
+    """The implementation (one of :data:`IMPLEMENTATIONS`) that updates ``p`` by ``rule``
+    (``"adafactor"`` or a name of :data:`leanopt.kernels.rules.RULES`) when ``backend`` was
+    asked for. ``p``, ``g`` and ``states`` are the local, row-major tensors the kernels see
+    (``None`` for a state the param lacks). The only place a backend is chosen: anything a fast
+    path does not take runs the reference.
+    """
+    from leanopt.quant import QuantizedState
 
-        steps = [int(s.item()) for s in step_tensors]  # host tensors: no device sync
-        triton_adamw.adamw(tables, key, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, **hp)
-    elif backend == "cpu":
-        from leanopt.kernels import cpu
+    resolved = resolve_backend(backend, p.device)
+    plain = type(p) in (torch.Tensor, torch.nn.Parameter) and type(g) is torch.Tensor
+    if resolved == "reference" or not plain or p.numel() == 0 or g.shape != p.shape:
+        return "reference"
+    dtypes = _KERNEL_DTYPES + ((torch.float64,) if resolved == "cpu" else ())
+    if p.dtype not in dtypes or g.dtype not in dtypes:
+        return "reference"
+    present = [s for s in states if s is not None]
+    if rule == "adafactor":
+        return f"{resolved}-adafactor"
+    if all(type(s) is QuantizedState for s in present) and present:
+        # A sharded (FSDP2) param's quantized states share scales across shard edges and are
+        # another type: the reference handles them.
+        formats = {s.format for s in present}
+        bits, block = {f.bits for f in formats}, {f.block_size for f in formats}
+        if len(bits) != 1 or len(block) != 1 or p.dtype == torch.float64:
+            return "reference"
+        (bs,) = block
+        if resolved == "triton":
+            return "triton-quantized" if bs % 2 == 0 and 2048 % bs == 0 else "reference"
+        from leanopt.kernels import cpu_elementwise
 
-        cpu.adamw(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_tensors, **hp)
-    else:
-        from leanopt.kernels import reference
+        return "cpu-quantized" if cpu_elementwise.quantized_takes(present, p.device) else "reference"
+    if not all(isinstance(s, torch.Tensor) and type(s) is torch.Tensor for s in present):
+        return "reference"
+    compute = torch.float64 if p.dtype == torch.float64 else torch.float32
+    if resolved == "triton":
+        return "triton-dense" if all(s.dtype == torch.float32 for s in present) else "reference"
+    return "cpu-dense" if all(s.dtype in (compute, p.dtype) for s in present) else "reference"
 
+
+def step(backend: str, rule, tables, key: str, params, grads, states, steps: Sequence[int], hp: Mapping[str, Any], *,
+         safe: bool) -> None:  # fmt: skip
+    """``rule`` (:class:`leanopt.kernels.rules.Rule`) on lists of tensors of one device.
+
+    ``states[i]`` are param ``i``'s states in the rule's order (dense tensors in the compute
+    dtype, or :class:`~leanopt.quant.QuantizedState`), ``steps[i]`` its new step count, ``hp``
+    the rule's hyper-parameters; ``safe``: the low-bit optimizers' mode (floors, skipped
+    elements). Each param goes to the implementation :func:`select` picks, in row-major form.
+    """
+    n = max((len(s) for s in states), default=0)
+    columns = [[s[j] for s in states] for j in range(n)]
+    with row_major([params, grads, *columns], read_only=(1,)) as lists:
+        params, grads, columns = lists[0], lists[1], lists[2:]
+        states = [[c[i] for c in columns] for i in range(len(params))]
+        chosen: dict[str, list[int]] = {}
         for i, p in enumerate(params):
-            vmax = max_exp_avg_sqs[i] if max_exp_avg_sqs is not None else None
-            reference.adamw_(p, grads[i], exp_avgs[i], exp_avg_sqs[i], vmax, int(step_tensors[i].item()), **hp)
+            chosen.setdefault(select(backend, rule.name, p, grads[i], states[i]), []).append(i)
+        for impl, idx in chosen.items():
+            pick = lambda seq: [seq[i] for i in idx]  # noqa: E731
+            if impl == "reference":
+                from leanopt.kernels import reference
+
+                for i in idx:
+                    reference.rule_step_(rule, params[i], grads[i], states[i], steps[i], hp, safe=safe)
+            elif impl.startswith("cpu"):
+                from leanopt.kernels import cpu_elementwise
+
+                if impl == "cpu-dense":
+                    cpu_elementwise.dense(rule, pick(params), pick(grads), pick(states), pick(steps), hp, safe=safe)
+                else:
+                    cpu_elementwise.quantized(rule, pick(params), pick(grads), pick(states), pick(steps), hp)
+            else:
+                from leanopt.kernels import triton_elementwise
+
+                if impl == "triton-dense":
+                    triton_elementwise.dense(rule, tables, key, pick(params), pick(grads), pick(states), pick(steps), hp,
+                                             safe=safe)  # fmt: skip
+                else:
+                    triton_elementwise.quantized(rule, tables, key, pick(params), pick(grads), pick(states), pick(steps), hp)
 
 
 def adafactor(
-    backend: str, tables, key: str, params, grads, exp_avgs, exp_avg_sq_rows, exp_avg_sq_cols, exp_avg_sqs, step_tensors, **hp
+    backend: str, tables, key: str, params, grads, exp_avgs, exp_avg_sq_rows, exp_avg_sq_cols, exp_avg_sqs, steps, **hp
 ) -> None:
-    """Adafactor on lists of tensors of one device; ``step_tensors`` already hold the new step.
+    """Adafactor on lists of tensors of one device; ``steps`` hold the new step counts.
 
     State lists hold ``None`` where a param has no such state (``exp_avg`` without ``beta1``, the
-    row/column pair of a < 2-D param, ``exp_avg_sq`` of a factored one). The fast backends take
-    plain (not DTensor), contiguous, non-empty tensors; the rest runs the reference.
+    row/column pair of a < 2-D param, ``exp_avg_sq`` of a factored one).
     """
     with row_major([params, grads, exp_avgs, exp_avg_sq_rows, exp_avg_sq_cols, exp_avg_sqs], read_only=(1,)) as lists:
-        _adafactor(backend, tables, key, *lists, step_tensors, **hp)
+        _adafactor(backend, tables, key, *lists, steps, **hp)
 
 
 def _adafactor(
-    backend: str, tables, key: str, params, grads, exp_avgs, exp_avg_sq_rows, exp_avg_sq_cols, exp_avg_sqs, step_tensors, **hp
+    backend: str, tables, key: str, params, grads, exp_avgs, exp_avg_sq_rows, exp_avg_sq_cols, exp_avg_sqs, steps, **hp
 ) -> None:
     from leanopt.kernels import reference
 
-    steps = [int(s.item()) for s in step_tensors]  # host tensors: no device sync
     states = (exp_avgs, exp_avg_sq_rows, exp_avg_sq_cols, exp_avg_sqs)
     fast: list[int] = []
+    impl = None
     for i, p in enumerate(params):
-        if backend != "reference" and _adafactor_fast_path_takes(backend, p, grads[i], [s[i] for s in states]):
-            fast.append(i)
-        else:
+        chosen = select(backend, "adafactor", p, grads[i], [s[i] for s in states])
+        if chosen == "reference":
             reference.adafactor_(p, grads[i], *(s[i] for s in states), steps[i], **hp)
+        else:
+            fast.append(i)
+            impl = chosen
     if not fast:
         return
     schedule = {k: hp.pop(k) for k in ("lr", "decay_rate", "relative_step", "warmup_init")}
-    from leanopt.kernels.reference import adafactor_schedule
-
-    scalars = [adafactor_schedule(steps[i], **schedule) for i in fast]
+    scalars = [reference.adafactor_schedule(steps[i], **schedule) for i in fast]
     pick = lambda seq, idx: [seq[i] for i in idx]  # noqa: E731
-    if backend == "triton":
+    if impl == "triton-adafactor":
         from leanopt.kernels import triton_adafactor
 
         triton_adafactor.adafactor(
@@ -173,79 +243,11 @@ def _adafactor(
             [r for r, _ in scalars], [b for _, b in scalars], **hp,
         )  # fmt: skip
         return
-    from leanopt.kernels import cpu
+    from leanopt.kernels import cpu_adafactor
 
     # One call per (compute dtype, step): params that skipped steps have their own rho_t, beta2_t.
     cohorts: dict[tuple, list[int]] = {}
     for i, (rho, beta2t) in zip(fast, scalars):
         cohorts.setdefault((params[i].dtype == torch.float64, rho, beta2t), []).append(i)
     for (_, rho, beta2t), idx in cohorts.items():
-        cpu.adafactor(pick(params, idx), pick(grads, idx), *(pick(s, idx) for s in states), rho, beta2t, **hp)
-
-
-def _adafactor_fast_path_takes(backend: str, p: torch.Tensor, g: torch.Tensor, states: list) -> bool:
-    dtypes = (torch.float32, torch.bfloat16, torch.float16) + ((torch.float64,) if backend == "cpu" else ())
-    return (
-        type(p) in (torch.Tensor, torch.nn.Parameter)
-        and type(g) is torch.Tensor
-        and p.numel() > 0
-        and p.dtype in dtypes
-        and g.dtype in dtypes
-        and g.shape == p.shape
-        and p.is_contiguous()
-        and g.is_contiguous()
-        and all(s is None or s.is_contiguous() for s in states)
-    )
-
-
-def _quantized_kernel_takes(m, v, p: torch.Tensor) -> bool:
-    """Whether the fused quantized kernels handle these moments (else the reference runs)."""
-    from leanopt.quant import QuantizedState
-
-    if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return False
-    if isinstance(m, QuantizedState) and isinstance(v, QuantizedState):
-        # Code books hold distinct sorted values (spare codes pad the end), so the index the
-        # threshold search returns is the code itself, as in BlockFormat.encode_.
-        fm, fv = m.format, v.format
-        return fm.bits == fv.bits and fm.block_size == fv.block_size and fm.block_size % 2 == 0 and 2048 % fm.block_size == 0
-    return isinstance(m, torch.Tensor) and isinstance(v, torch.Tensor) and m.dtype == v.dtype == torch.float32
-
-
-def adamw_quantized(backend: str, tables, key: str, params, grads, exp_avgs, exp_avg_sqs, step_tensors, **hp) -> None:
-    """AdamW8bit/AdamW4bit's rule on lists of one device; moments are QuantizedStates or dense."""
-    with row_major([params, grads, exp_avgs, exp_avg_sqs], read_only=(1,)) as lists:
-        _adamw_quantized(backend, tables, key, *lists, step_tensors, **hp)
-
-
-def _adamw_quantized(backend: str, tables, key: str, params, grads, exp_avgs, exp_avg_sqs, step_tensors, **hp) -> None:
-    from leanopt.kernels import reference
-
-    steps = [int(s.item()) for s in step_tensors]  # host tensors: no device sync
-    slack = 1 + reference.MOMENT_BOUND_SLACK
-    floor_divs = [reference.adam_moment_bound(hp["beta1"], hp["beta2"], s) * slack for s in steps]
-    fast = [] if backend == "reference" else [i for i, p in enumerate(params) if _quantized_kernel_takes(exp_avgs[i], exp_avg_sqs[i], p)]
-    if fast and backend == "triton":
-        from leanopt.kernels import triton_adamw, triton_quant
-
-        quant = [i for i in fast if not isinstance(exp_avgs[i], torch.Tensor)]
-        dense = [i for i in fast if isinstance(exp_avgs[i], torch.Tensor)]
-        for idx, launch in ((quant, triton_quant.adamw_quantized), (dense, triton_adamw.adamw)):
-            if not idx:
-                continue
-            pick = lambda seq: [seq[i] for i in idx]  # noqa: E731
-            if launch is triton_adamw.adamw:
-                launch(tables, key + "/dense", pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), None,
-                       pick(steps), pick(floor_divs), **hp)  # fmt: skip
-            else:
-                launch(tables, key, pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), pick(steps),
-                       pick(floor_divs), **hp)  # fmt: skip
-    elif fast and backend == "cpu":
-        from leanopt.kernels import cpu
-
-        pick = lambda seq: [seq[i] for i in fast]  # noqa: E731
-        cpu.adamw_quantized(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), pick(steps), pick(floor_divs), **hp)
-    taken = set(fast)
-    for i, p in enumerate(params):
-        if i not in taken:
-            reference.adamw_quantized_(p, grads[i], exp_avgs[i], exp_avg_sqs[i], steps[i], **hp)
+        cpu_adafactor.adafactor(pick(params, idx), pick(grads, idx), *(pick(s, idx) for s in states), rho, beta2t, **hp)

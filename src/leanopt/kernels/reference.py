@@ -8,57 +8,20 @@ update and rounded back once at the end.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
+from leanopt.kernels.rules import Rule, skipped_elements
+
+if TYPE_CHECKING:
+    from leanopt.quant import QuantizedState
+
 
 def _compute_dtype(p: Tensor) -> torch.dtype:
     return torch.float64 if p.dtype == torch.float64 else torch.float32
-
-
-def adamw_(
-    param: Tensor,
-    grad: Tensor,
-    exp_avg: Tensor,
-    exp_avg_sq: Tensor,
-    max_exp_avg_sq: Tensor | None,
-    step: int,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    maximize: bool,
-) -> None:
-    """One AdamW update of ``param`` in place; ``step`` is the 1-based step count after this update.
-
-    Same operation order as ``torch.optim.AdamW`` (single-tensor path), so fp32/fp64 results
-    agree with torch to rounding: decoupled decay first, ``m.lerp_(g, 1-b1)``,
-    ``v = b2 v + (1-b2) g^2``, ``p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)``.
-    ``exp_avg``/``exp_avg_sq`` must already be in the compute dtype.
-    """
-    ct = _compute_dtype(param)
-    low_precision = param.dtype != ct
-    p = param.to(ct) if low_precision else param
-    g = grad.to(ct)
-    if maximize:
-        g = -g
-    if weight_decay != 0:
-        p.mul_(1 - lr * weight_decay)
-    exp_avg.lerp_(g, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    bias_correction1 = 1 - beta1**step
-    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-    if max_exp_avg_sq is not None:
-        torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)
-        denom = (max_exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-    else:
-        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-    p.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
-    if low_precision:
-        param.copy_(p)
 
 
 def adafactor_schedule(
@@ -155,94 +118,41 @@ def _root_mean_square(t: Tensor) -> Tensor:
     return torch.linalg.vector_norm(t) / math.sqrt(t.numel())
 
 
-# ---- AdamW on quantized states ----------------------------------------------------------------
-
-# Slack on the second-moment floor below: fp32 rounding of an exact history may put m^2/K a few
-# ulps above v (at step 1 the bound is an equality), and the floor must never touch such a state.
-MOMENT_BOUND_SLACK = 1e-3
-
-
-def adam_moment_bound(beta1: float, beta2: float, step: int) -> float:
-    """``K_t``: the largest ``m_t^2 / v_t`` that Adam's moment estimates can reach at ``step``.
-
-    With ``m_t = (1-b1) sum b1^(t-k) g_k`` and ``v_t = (1-b2) sum b2^(t-k) g_k^2``, Cauchy-Schwarz
-    gives ``m_t^2 <= K_t v_t`` with ``K_t = (1-b1)^2/(1-b2) * sum_{j<t} (b1^2/b2)^j`` -- and
-    ``K_{t+1} = (b1^2/b2) K_t + (1-b1)^2/(1-b2)``, so one exact step from a state that satisfies
-    the bound satisfies the next one. ``inf`` when there is no finite bound (``b2 = 0``, or
-    ``b1^2 >= b2`` for long enough to overflow).
-    """
-    if beta2 == 0.0:
-        return math.inf
-    base = (1.0 - beta1) ** 2 / (1.0 - beta2)
-    r = beta1 * beta1 / beta2
-    if r == 1.0:
-        return base * step
-    try:
-        return base * (1.0 - r**step) / (1.0 - r)
-    except OverflowError:
-        return math.inf
-
-
-def skipped_elements(g: Tensor, m: Tensor, v: Tensor) -> Tensor:
-    """The elements :func:`adamw_quantized_` skips for a step (a bool mask), written once for
-    every backend (the compiled CPU path traces this function; the Triton kernels spell out the
-    same test in ``triton_common.skipped_elements``).
-
-    ``g`` is the gradient in the compute dtype, ``m``/``v`` the new moments. An element is
-    skipped where ``g * g`` computed in that dtype is not finite -- ``g`` NaN/Inf, or
-    ``|g| >= sqrt(finfo.max)``: from ``2^64 ~ 1.845e19`` in fp32 (fp32, bf16 and fp16 params),
-    ``~1.34e154`` in fp64 -- or where ``m`` or ``v`` is not finite. The square is tested on its
-    own: ``v``'s ``(1 - b2) * g * g`` may be finite for larger ``|g|`` (up to ~5.8e20 with
-    ``b2 = 0.999`` in fp32), depending only on the order of the multiplications.
-    """
-    return ~(torch.isfinite(g * g) & torch.isfinite(m) & torch.isfinite(v))
-
-
-def adamw_quantized_(
+# ---- elementwise rules (kernels.rules), on dense or block-quantized states -------------------
+def rule_step_(
+    rule: Rule,
     param: Tensor,
     grad: Tensor,
-    exp_avg: "QuantizedState | Tensor",
-    exp_avg_sq: "QuantizedState | Tensor",
+    states: Sequence["QuantizedState | Tensor"],
     step: int,
+    hp: Mapping[str, Any],
     *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    maximize: bool,
+    safe: bool,
 ) -> None:
-    """One AdamW update of ``param`` whose moments may be block-quantized; the rule of
-    ``leanopt.AdamW8bit``/``AdamW4bit``.
+    """One update of ``param`` by ``rule`` (:mod:`leanopt.kernels.rules`), in place; ``step`` is
+    the 1-based step count after this update. The definition every fast backend is held to.
 
     Each state is a :class:`~leanopt.quant.QuantizedState` or a dense tensor in the compute
-    dtype (updated in place). The moments are dequantized to fp32 (fp64 for fp64 params), the
-    update runs in :func:`adamw_`'s order, and the new moments are requantized last: the step
-    itself uses the fp32 moments, so quantization error enters only through the stored state.
-    With dense states and finite gradients the result is bit-identical to :func:`adamw_`.
+    dtype (updated in place). Quantized states are dequantized to the compute dtype, the rule
+    runs, and they are requantized last: the step itself uses the full-precision states, so
+    quantization error enters only through what is stored.
 
-    Additions to the fp32 rule (the first is a no-op on any state fp32 AdamW can reach):
+    ``safe`` (the low-bit optimizers, on all their params): the rule's second-moment floors
+    apply, and an element of :func:`~leanopt.kernels.rules.skipped_elements` -- gradient
+    NaN/Inf or so large that its square overflows the compute dtype (``|g| >= 2^64 ~ 1.845e19``
+    in fp32, ``~1.34e154`` in fp64), or a new state not finite -- is left untouched for this
+    step (no decay, no update) and its states are reset to 0. It is excluded before block
+    scales are computed, so its block neighbours' scale, codes and params are exactly what they
+    would be were it absent from the block (bitsandbytes does the same on CUDA; torchao 4-bit
+    turns the whole block to NaN).
 
-    * **Second-moment floor (the v->0 hazard).** After the moment updates,
-      ``v <- max(v, m^2 / K_t)`` with ``K_t`` from :func:`adam_moment_bound` (plus a 1e-3
-      slack). Exact moments always satisfy ``m^2 <= K_t v``; quantized ones need not: when
-      ``v / absmax`` falls under a code's smallest value it may round to 0 while ``m`` does
-      not, and a later zero gradient then moves the weight by ``lr * m_hat / eps`` (19.5 seen
-      in torchao 8-bit on CPU, 330 for bitsandbytes/torchao on a GPU). With the floor every
-      step obeys fp32 AdamW's own worst case, ``|dp| <= lr * sqrt(K_t) * sqrt(1-b2^t) / (1-b1^t)``
-      (about ``lr`` in the first steps, ``7.3 lr`` for betas (0.9, 0.999) later), whatever the
-      code book and however the state was rounded or converted. The floored ``v`` is stored.
-    * **Zero gradients.** Elements whose gradient is exactly 0 (sparse rows, dead units)
-      store their decayed first moment rounded toward zero, not to the nearest code, so
-      momentum dies out instead of sticking on a code and moving the weight forever.
-    * **Non-finite gradients.** An element whose gradient is NaN/Inf or so large that its
-      square overflows in the compute dtype (``|g| >= 2^64 ~ 1.845e19`` in fp32, ``~1.34e154``
-      in fp64), or whose new moments are not finite (:func:`skipped_elements`), is left
-      untouched for this step (no decay, no update) and both of its moments are reset to 0.
-      It is excluded before the block scales are computed, so its block neighbours' scale,
-      codes and params are exactly what they would be were it absent from the block, whichever
-      of these reasons skipped it (bitsandbytes does the same on CUDA; torchao 4-bit turns the
-      whole block to NaN).
+    Where the gradient is exactly 0, a quantized state whose kind says ``toward_zero`` (a
+    first moment) is stored rounded toward zero, not to the nearest code: nearest rounding would
+    put ``b1 m`` back on ``m``'s code wherever codes are more than ~20% apart (near 0 in every
+    code), and the weight would keep moving at a constant speed with no gradient.
+
+    Without ``safe`` and with dense states this is the rule as written (for AdamW:
+    ``torch.optim.AdamW``'s single-tensor path, to rounding).
     """
     from leanopt.quant import QuantizedState
     from leanopt.quant.formats import may_hold_true
@@ -250,34 +160,21 @@ def adamw_quantized_(
     ct = _compute_dtype(param)
     p = param.to(dtype=ct, copy=True)
     g = grad.to(ct)
-    if maximize:
+    if hp["maximize"]:
         g = -g
-    m = exp_avg.dequantize().to(ct) if isinstance(exp_avg, QuantizedState) else exp_avg
-    v = exp_avg_sq.dequantize().to(ct) if isinstance(exp_avg_sq, QuantizedState) else exp_avg_sq
-    if weight_decay != 0:
-        p.mul_(1 - lr * weight_decay)
-    m.lerp_(g, 1 - beta1)
-    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    bound = adam_moment_bound(beta1, beta2, step)
-    if math.isfinite(bound):
-        torch.maximum(v, m.square().div_(bound * (1 + MOMENT_BOUND_SLACK)), out=v)
-    bad = skipped_elements(g, m, v)
-    any_bad = may_hold_true(bad)
-    if any_bad:
-        m.masked_fill_(bad, 0.0)
-        v.masked_fill_(bad, 0.0)
-    bias_correction1 = 1 - beta1**step
-    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-    denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
-    p.addcdiv_(m, denom, value=-lr / bias_correction1)
-    if any_bad:
-        p = torch.where(bad, param.to(ct), p)
-    param.copy_(p)
-    if isinstance(exp_avg, QuantizedState):
-        # Where the gradient is 0 the first moment only decays, by b1 per step; nearest
-        # rounding would put 0.9 m back on m's code wherever codes are more than ~20% apart
-        # (near 0 in every code), and the weight would keep moving at a constant speed with no
-        # gradient. Rounding those elements toward zero lets momentum die out as in fp32.
-        exp_avg.quantize_(m, toward_zero=g == 0)
-    if isinstance(exp_avg_sq, QuantizedState):
-        exp_avg_sq.quantize_(v)
+    dense = [s.dequantize().to(ct) if isinstance(s, QuantizedState) else s for s in states]
+    new_p, new = rule.elementwise(p, g, dense, rule.scalars(hp, step, safe), rule.flags(hp), safe)
+    if safe:
+        bad = skipped_elements(g, new)
+        if may_hold_true(bad):
+            new = [s.masked_fill(bad, 0.0) for s in new]
+            new_p = torch.where(bad, p, new_p)
+    param.copy_(new_p)
+    zero_grad = None
+    for kind, state, value in zip(rule.states(hp), states, new):
+        if isinstance(state, QuantizedState):
+            if kind.toward_zero and zero_grad is None:
+                zero_grad = g == 0
+            state.quantize_(value, toward_zero=zero_grad if kind.toward_zero else None)
+        else:
+            state.copy_(value)

@@ -69,6 +69,18 @@ REDUCE_BLOCK = 1024
 # Per-tensor int64 metadata of a factored param, one row each: n, m, row blocks, column blocks,
 # B, first tile, offsets into the row partials, column partials, first finalize program,
 # offset into the partial sums of R, finalize row chunks per batch.
+# Fields of a factored tensor's row of the meta table (built by _layout), by offset.
+META_ROWS: tl.constexpr = tl.constexpr(0)
+META_COLS: tl.constexpr = tl.constexpr(1)
+META_ROW_BLOCKS: tl.constexpr = tl.constexpr(2)
+META_COL_BLOCKS: tl.constexpr = tl.constexpr(3)
+META_BATCH: tl.constexpr = tl.constexpr(4)
+META_FIRST_TILE: tl.constexpr = tl.constexpr(5)
+META_ROW_PARTIALS: tl.constexpr = tl.constexpr(6)
+META_COL_PARTIALS: tl.constexpr = tl.constexpr(7)
+META_FIRST_FIN: tl.constexpr = tl.constexpr(8)
+META_ROW_SUMS: tl.constexpr = tl.constexpr(9)
+META_FIN_ROWS_PER_MATRIX: tl.constexpr = tl.constexpr(10)
 META_WIDTH = 11
 # Per-tensor fp32 scalars of this step, one row each: rho_t, eps2 * rho_t, beta2_t,
 # 1 - beta2_t, sqrt(numel).
@@ -79,11 +91,11 @@ HP_WIDTH = 5
 def _tile_coords(k, tile_tensor, meta, META: tl.constexpr):
     t = tl.load(tile_tensor + k)
     mt = meta + t * META
-    n = tl.load(mt + 0)
-    m = tl.load(mt + 1)
-    nrb = tl.load(mt + 2)
-    ncb = tl.load(mt + 3)
-    local = k - tl.load(mt + 5)
+    n = tl.load(mt + META_ROWS)
+    m = tl.load(mt + META_COLS)
+    nrb = tl.load(mt + META_ROW_BLOCKS)
+    ncb = tl.load(mt + META_COL_BLOCKS)
+    local = k - tl.load(mt + META_FIRST_TILE)
     cb = local % ncb
     rb = (local // ncb) % nrb
     b = local // (ncb * nrb)
@@ -93,8 +105,8 @@ def _tile_coords(k, tile_tensor, meta, META: tl.constexpr):
 @triton.jit
 def _row_mean(rsum, mt, b, n, RB: tl.constexpr):
     # mean(R) of batch b from the partial sums _factored_finalize left.
-    nfr = tl.load(mt + 10)
-    base = rsum + tl.load(mt + 9) + b * nfr
+    nfr = tl.load(mt + META_FIN_ROWS_PER_MATRIX)
+    base = rsum + tl.load(mt + META_ROW_SUMS) + b * nfr
     acc = tl.zeros([RB], dtype=tl.float32)
     for i in range(0, nfr, RB):
         offs = i + tl.arange(0, RB)
@@ -112,7 +124,7 @@ def _factored_stats(
     t, mt, n, m, nrb, ncb, b, rb, cb = _tile_coords(k, tile_tensor, meta, META)
     g_ptr = tl.load(g_ptrs + t).to(tl.pointer_type(G_DTYPE))
     p_ptr = tl.load(p_ptrs + t).to(tl.pointer_type(P_DTYPE))
-    rowp_t = rowp + tl.load(mt + 6)
+    rowp_t = rowp + tl.load(mt + META_ROW_PARTIALS)
     cols = cb * TC + tl.arange(0, TC)
     cmask = cols < m
     col_acc = tl.zeros([TC], dtype=tl.float32)
@@ -129,7 +141,7 @@ def _factored_stats(
         if SCALE_PARAMETER:
             p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             p_acc += p * p
-    tl.store(colp + tl.load(mt + 7) + (b * nrb + rb) * m + cols, col_acc, mask=cmask)
+    tl.store(colp + tl.load(mt + META_COL_PARTIALS) + (b * nrb + rb) * m + cols, col_acc, mask=cmask)
     if SCALE_PARAMETER:
         tl.store(psq + k, tl.sum(tl.sum(p_acc, axis=1), axis=0))
 
@@ -142,22 +154,22 @@ def _factored_finalize(
     k = tl.program_id(0)
     t = tl.load(fin_tensor + k)
     mt = meta + t * META
-    n = tl.load(mt + 0)
-    m = tl.load(mt + 1)
-    batch = tl.load(mt + 4)
-    nfr = tl.load(mt + 10)
-    local = k - tl.load(mt + 8)
+    n = tl.load(mt + META_ROWS)
+    m = tl.load(mt + META_COLS)
+    batch = tl.load(mt + META_BATCH)
+    nfr = tl.load(mt + META_FIN_ROWS_PER_MATRIX)
+    local = k - tl.load(mt + META_FIRST_FIN)
     beta2t = tl.load(hp + t * HP + 2)
     one_minus_beta2t = tl.load(hp + t * HP + 3)
     if local < batch * nfr:
         # Rows [c*FR, (c+1)*FR) of batch b: R = b2 R + (1-b2) mean(G), and a partial sum of R.
-        ncb = tl.load(mt + 3)
+        ncb = tl.load(mt + META_COL_BLOCKS)
         b = local // nfr
         c = local % nfr
         rows = c * FR + tl.arange(0, FR)
         rmask = rows < n
         idx = b * n + rows
-        part = rowp + tl.load(mt + 6) + idx * ncb
+        part = rowp + tl.load(mt + META_ROW_PARTIALS) + idx * ncb
         s = tl.zeros([FR], dtype=tl.float32)
         for col_block in range(0, ncb):
             s += tl.load(part + col_block, mask=rmask, other=0.0)
@@ -165,15 +177,15 @@ def _factored_finalize(
         row = tl.load(row_ptr + idx, mask=rmask, other=0.0)
         row = row * beta2t + one_minus_beta2t * (s / m.to(tl.float32))
         tl.store(row_ptr + idx, row, mask=rmask)
-        tl.store(rsum + tl.load(mt + 9) + b * nfr + c, tl.sum(tl.where(rmask, row, 0.0), axis=0))
+        tl.store(rsum + tl.load(mt + META_ROW_SUMS) + b * nfr + c, tl.sum(tl.where(rmask, row, 0.0), axis=0))
     else:
         # Columns j of the flattened [B, m] column state: C = b2 C + (1-b2) mean(G). (Names
         # differ from the row branch: Triton wants a name to keep one type across branches.)
-        nrb = tl.load(mt + 2)
+        nrb = tl.load(mt + META_ROW_BLOCKS)
         j = (local - batch * nfr) * FC + tl.arange(0, FC)
         jmask = j < batch * m
         j_batch = j // m
-        col_part = colp + tl.load(mt + 7) + j_batch * nrb * m + (j - j_batch * m)
+        col_part = colp + tl.load(mt + META_COL_PARTIALS) + j_batch * nrb * m + (j - j_batch * m)
         col_sum = tl.zeros([FC], dtype=tl.float32)
         for i in range(0, nrb):
             col_sum += tl.load(col_part + i * m, mask=jmask, other=0.0)
@@ -333,10 +345,6 @@ def _unfactored_apply(
     u = tl.rsqrt(v) * g
     u = u / clip * step_size
     _finish(p_ptr, offs, mask, u, m_ptr, step_size, beta1, neg_weight_decay, P_DTYPE, BETA1, WEIGHT_DECAY)
-
-
-def supports(param: Tensor) -> bool:
-    return param.dtype in TL_DTYPE
 
 
 @dataclass(frozen=True)

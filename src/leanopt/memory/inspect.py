@@ -5,6 +5,11 @@
 ``inspect_state_dict(sd)`` reports on it without building an optimizer. Bytes are counted as
 :func:`leanopt.measure` counts them: each storage once, nested dicts (bitsandbytes) followed,
 leanopt's quantized entries through their codes and scales, Python numbers as 0 bytes.
+
+Whose state it is: leanopt's optimizers declare it, their registry name in every param group
+under ``"optimizer"`` (:func:`leanopt.checkpoint.declared_optimizer`), and that name is what the
+report gives. Files without it (torch's, transformers', bitsandbytes', torchao's, and leanopt's
+own from before names were declared) are recognized from their state keys and group options.
 """
 
 from __future__ import annotations
@@ -20,8 +25,10 @@ from typing import Any
 
 import torch
 
+from leanopt.checkpoint import declared_optimizer
 from leanopt.memory.estimate import MiB
 from leanopt.memory.measure import StateCounter
+from leanopt.optim.registry import REGISTRY
 from leanopt.quant import QuantizedState
 
 __all__ = ["InspectError", "StateDictReport", "inspect_file", "inspect_state_dict", "load_optimizer_state", "recognize_layout"]
@@ -43,9 +50,12 @@ class StateDictReport:
     ``params_with_state`` those that have state; ``param_elements`` is inferred from the state
     shapes (None when a layout does not reveal them). ``complete`` is False when only the
     total could be read (torchao's tensor-subclass states do not load with weights_only).
+    ``optimizer`` is the registry name the param groups declare (None for a file that declares
+    none: ``layout`` was then recognized from its state keys).
     """
 
     layout: str
+    optimizer: str | None = None
     bytes: int = 0
     elements: int = 0
     params: int = 0
@@ -69,6 +79,7 @@ class StateDictReport:
     def as_dict(self) -> dict[str, Any]:
         return {
             "layout": self.layout,
+            "optimizer": self.optimizer,
             "complete": self.complete,
             "bytes": self.bytes,
             "megabytes": round(self.megabytes, 3),
@@ -207,6 +218,7 @@ def inspect_state_dict(state_dict: Mapping[str, Any]) -> StateDictReport:
     m = counter.result
     report = StateDictReport(
         layout=recognize_layout(sd),
+        optimizer=_declared(sd),
         bytes=m.bytes,
         elements=m.elements,
         params=sum(len(g["params"]) for g in groups),
@@ -250,7 +262,7 @@ def _param_numel(state: Mapping[str, Any]) -> int | None:
     """Elements of the parameter a state belongs to, read off the state's shapes."""
     nested = state.get(_BNB_KEY)
     flat = {**state, **nested} if isinstance(nested, Mapping) else state
-    for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "variance", "state1", "momentum_buffer"):
+    for key in ("exp_avg", "exp_avg_sq", "exp_avg_fast", "max_exp_avg_sq", "variance", "state1", "momentum_buffer"):
         value = flat.get(key)
         if isinstance(value, Mapping) and QuantizedState.is_state_dict(value):
             shape = value["shape"]  # from the file: only a list of non-negative ints is a shape
@@ -277,15 +289,42 @@ def _plain(value: Any) -> Any:
     return repr(value)
 
 
+def _declared(state_dict: Mapping[str, Any]) -> str | None:
+    try:
+        return declared_optimizer(state_dict)
+    except ValueError:
+        return None
+
+
 def recognize_layout(state_dict: Mapping[str, Any]) -> str:
-    """Name the optimizer whose ``state_dict`` this is, from its state keys and group options."""
+    """Name the optimizer whose ``state_dict`` this is.
+
+    The name its param groups declare (``"leanopt Lion8bit (pow3-s8/b256)"``); for a file that
+    declares none, a guess from its state keys and group options (peers' files, and leanopt's
+    own from before names were declared).
+    """
     states = [s for s in state_dict["state"].values() if isinstance(s, Mapping)]
-    keys = {str(k) for s in states for k in s}
-    options = {str(k) for g in state_dict["param_groups"] for k in g}
     formats = sorted(
         {str(v["format"]) for s in states for v in s.values() if isinstance(v, Mapping) and QuantizedState.is_state_dict(v)}
     )
     empty = "" if states else " (no state yet: saved before the first step)"
+    quantized = f" ({', '.join(formats)})" if formats else ""
+    try:
+        declared = declared_optimizer(state_dict)
+    except ValueError as err:
+        return f"leanopt, inconsistent: {err}"
+    if declared is not None:
+        cls = REGISTRY.get(declared)
+        if cls is None:
+            return f"leanopt optimizer {declared!r} (declared; not in this version's registry){quantized}" + empty
+        return f"leanopt {cls.__name__}{quantized}" + empty
+    return _recognized_layout(state_dict, states, formats, empty)
+
+
+def _recognized_layout(state_dict: Mapping[str, Any], states: list[Mapping[str, Any]], formats: list[str], empty: str) -> str:
+    """The guess of :func:`recognize_layout` for a state_dict that declares no optimizer."""
+    keys = {str(k) for s in states for k in s}
+    options = {str(k) for g in state_dict["param_groups"] for k in g}
 
     if _BNB_KEY in keys:
         nested = [s[_BNB_KEY] for s in states if isinstance(s.get(_BNB_KEY), Mapping)]
@@ -306,7 +345,7 @@ def recognize_layout(state_dict: Mapping[str, Any]) -> str:
     if formats:
         base = "AdamW " if "exp_avg" in keys and "exp_avg_sq" in keys else ""
         return f"leanopt quantized {base}({', '.join(formats)})"
-    adam_keys = bool(keys & {"exp_avg", "exp_avg_sq"}) and not keys & {"exp_avg_sq_row", "RMS"}
+    adam_keys = "exp_avg_sq" in keys and not keys & {"exp_avg_sq_row", "RMS"}
     if "betas" in options and (adam_keys or not states):
         if "decoupled_weight_decay" in options:
             decoupled = any(g.get("decoupled_weight_decay") for g in state_dict["param_groups"])

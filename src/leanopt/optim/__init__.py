@@ -1,9 +1,17 @@
-"""leanopt's optimizers, one module each, on the shared bookkeeping in ``base``."""
+"""leanopt's optimizers, one module per rule, on the shared bookkeeping in ``base``.
 
-from leanopt.optim.adafactor import Adafactor
-from leanopt.optim.adamw import AdamW
-from leanopt.optim.adamw_lowbit import AdamW4bit, AdamW8bit
+Importing this package registers every optimizer (:mod:`leanopt.optim.registry`).
+"""
+
+# Import order is the registry's order (the CLI's tables, compare's default rows).
+from leanopt.optim.adamw import AdamW  # isort: skip
+from leanopt.optim.adamw_lowbit import AdamW4bit, AdamW8bit  # isort: skip
+from leanopt.optim.adafactor import Adafactor  # isort: skip
+from leanopt.optim.lion import Lion, Lion4bit, Lion8bit  # isort: skip
+from leanopt.optim.ademamix import AdEMAMix, AdEMAMix8bit  # isort: skip
 from leanopt.optim.base import LeanOptimizer
 from leanopt.optim.layout import StateSpec
+from leanopt.optim.registry import REGISTRY, optimizer_class
 
-__all__ = ["Adafactor", "AdamW", "AdamW4bit", "AdamW8bit", "LeanOptimizer", "StateSpec"]
+__all__ = ["REGISTRY", "AdEMAMix", "AdEMAMix8bit", "Adafactor", "AdamW", "AdamW4bit", "AdamW8bit", "LeanOptimizer",
+           "Lion", "Lion4bit", "Lion8bit", "StateSpec", "optimizer_class"]  # fmt: skip

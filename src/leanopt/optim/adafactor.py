@@ -9,13 +9,15 @@ from typing import Any
 import torch
 
 from leanopt import kernels
-from leanopt.optim.adamw import state_dtype
+from leanopt.optim.elementwise import state_dtype
 from leanopt.kernels.reference import adafactor_schedule
 from leanopt.optim.base import LeanOptimizer, as_float, check_beta, check_flag, check_nonnegative
 from leanopt.optim.sharding import is_dtensor, shardable, update_whole
 from leanopt.optim.layout import StateSpec
+from leanopt.optim.registry import register
 
 
+@register
 class Adafactor(LeanOptimizer):
     r"""Adafactor (Shazeer & Stern, 2018), exactly ``transformers.Adafactor``'s rule, defaults and keys.
 
@@ -100,6 +102,9 @@ class Adafactor(LeanOptimizer):
         >>> opt.state[model.weight]["exp_avg_sq_row"].shape
         torch.Size([2])
     """
+
+    name = "adafactor"
+    family = "adafactor"
 
     def __init__(
         self,
@@ -187,8 +192,11 @@ class Adafactor(LeanOptimizer):
                 update_whole(lambda q, g, st: self._update("reference", key, group, [q], [g], [st]), p, self.state[p])
             else:
                 stepped.append(p)
-        for (backend, _), bucket in self._by_backend(stepped).items():
-            self._update(backend, key, group, bucket, [p.grad for p in bucket], [self.state[p] for p in bucket])
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for p in stepped:
+            by_device.setdefault(p.device, []).append(p)
+        for bucket in by_device.values():
+            self._update(self.backend, key, group, bucket, [p.grad for p in bucket], [self.state[p] for p in bucket])
         if group["relative_step"] and params:
             latest = max(int(self.state[p]["step"]) for p in params)
             group["lr"] = self._reported[gi] = _relative_step_size(group, latest)
@@ -219,7 +227,7 @@ class Adafactor(LeanOptimizer):
             [s.get("exp_avg_sq_row") for s in states],
             [s.get("exp_avg_sq_col") for s in states],
             [s.get("exp_avg_sq") for s in states],
-            [s["step"] for s in states],
+            [int(s["step"].item()) for s in states],
             lr=None if group["relative_step"] else as_float(group["lr"]),
             eps1=eps1,
             eps2=eps2,

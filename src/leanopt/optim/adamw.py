@@ -1,4 +1,5 @@
-"""AdamW with torch's update rule and state keys, fp32 state for low-precision params."""
+"""AdamW with torch's update rule and state keys, fp32 state for low-precision params (the rule:
+:data:`leanopt.kernels.rules.ADAMW`)."""
 
 from __future__ import annotations
 
@@ -7,26 +8,15 @@ from typing import Any
 
 import torch
 
-from leanopt import kernels
-from leanopt.optim.sharding import local
-from leanopt.optim.base import LeanOptimizer, as_float, check_beta, check_flag, check_nonnegative
+from leanopt.kernels import rules
+from leanopt.optim.base import check_beta, check_flag, check_nonnegative
+from leanopt.optim.elementwise import ElementwiseOptimizer
 from leanopt.optim.layout import StateSpec
+from leanopt.optim.registry import register
 
 
-def state_dtype(param_dtype: torch.dtype) -> torch.dtype:
-    """fp64 params keep fp64 state, complex params complex state (of their real view's
-    precision, at least fp32); every other float dtype keeps fp32 state."""
-    if param_dtype.is_complex:
-        return torch.complex128 if param_dtype == torch.complex128 else torch.complex64
-    return torch.float64 if param_dtype == torch.float64 else torch.float32
-
-
-def real_view(t: torch.Tensor) -> torch.Tensor:
-    """A complex tensor as the real tensor of its (real, imaginary) pairs; others as they are."""
-    return torch.view_as_real(t) if t.is_complex() else t
-
-
-class AdamW(LeanOptimizer):
+@register
+class AdamW(ElementwiseOptimizer):
     r"""AdamW (Loshchilov & Hutter), exactly ``torch.optim.AdamW``'s rule and state keys.
 
     .. math::
@@ -70,6 +60,9 @@ class AdamW(LeanOptimizer):
         ['exp_avg', 'exp_avg_sq', 'step']
     """
 
+    name = "adamw"
+    family = "adamw"
+    rule = rules.ADAMW
     # As torch.optim.AdamW: a complex param and its states are updated as real (re, im) pairs.
     supports_complex = True
 
@@ -97,17 +90,6 @@ class AdamW(LeanOptimizer):
         check_flag("amsgrad", group["amsgrad"])
         check_flag("maximize", group["maximize"])
 
-    def state_layout(self, shape: tuple[int, ...], dtype: torch.dtype, group: Mapping[str, Any]) -> list[StateSpec]:
-        sd = state_dtype(dtype)
-        specs = [
-            StateSpec("step", (), torch.float32, host=True),
-            StateSpec("exp_avg", tuple(shape), sd),
-            StateSpec("exp_avg_sq", tuple(shape), sd),
-        ]
-        if group["amsgrad"]:
-            specs.append(StateSpec("max_exp_avg_sq", tuple(shape), sd))
-        return specs
-
     def _missing_state(self, spec: StateSpec, p: torch.Tensor, saved: Mapping[str, Any]) -> Any:
         # A state saved without amsgrad continues under amsgrad from its current second moment.
         if spec.key == "max_exp_avg_sq" and "exp_avg_sq" in saved:
@@ -115,32 +97,6 @@ class AdamW(LeanOptimizer):
                 device=p.device, dtype=spec.dtype, copy=True
             )
         return None
-
-    def _step_group(self, gi: int, group: Mapping[str, Any], params: list[torch.Tensor], key: str) -> None:
-        for (backend, _), bucket in self._by_backend(params).items():
-            # Elementwise: a DTensor (FSDP2) param updates its own shard, in any backend.
-            state = lambda name: [real_view(local(self.state[p][name])) for p in bucket]  # noqa: E731
-            kernels.adamw(
-                backend,
-                self._tables,
-                key,
-                [real_view(local(p)) for p in bucket],
-                [real_view(local(p.grad)) for p in bucket],
-                state("exp_avg"),
-                state("exp_avg_sq"),
-                state("max_exp_avg_sq") if group["amsgrad"] else None,
-                [self.state[p]["step"] for p in bucket],
-                **adam_hyperparameters(group),
-            )
-
-
-def adam_hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
-    """The AdamW family's keyword arguments to ``kernels``, from a param group."""
-    beta1, beta2 = group["betas"]
-    return dict(
-        lr=as_float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-        weight_decay=group["weight_decay"], maximize=group["maximize"],
-    )  # fmt: skip
 
 
 def validate_betas(betas: Any) -> None:

@@ -1,164 +1,32 @@
 """AdamW with 8-bit or 4-bit block-quantized moments: ``AdamW8bit`` and ``AdamW4bit``.
 
-Both classes are one implementation (:class:`LowBitAdamW`) that differs only in its two
-formats and default block size; the maths is :func:`leanopt.kernels.reference.adamw_quantized_`.
+Each is AdamW's rule (:data:`leanopt.kernels.rules.ADAMW`) in safe mode on quantized storage
+(:class:`leanopt.optim.lowbit.LowBit`): a registration, two code books and a block size.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Mapping
-from typing import Any, ClassVar
+from collections.abc import Mapping
+from typing import Any
 
-import torch
-
-from leanopt.optim.sharding import is_dtensor, local
-from leanopt import kernels
-from leanopt.optim.adamw import adam_hyperparameters, state_dtype, validate_adam_hparams
-from leanopt.optim.base import LeanOptimizer, check_flag
-from leanopt.optim.layout import StateSpec
-from leanopt.quant import BlockFormat
-from leanopt.quant.formats import MAX_BLOCK_SIZE
-
-# Options that say how states are stored rather than how the optimizer steps. On load they
-# keep this optimizer's values (the loaded states are converted to them), so an 8-bit
-# checkpoint loads into AdamW4bit as 4-bit and a fp32 AdamW checkpoint gains them.
-STORAGE_OPTIONS = ("quantize", "block_size", "min_quant_size", "state_bits")
+from leanopt.optim.adamw import AdamW
+from leanopt.optim.lowbit import LowBit
+from leanopt.optim.registry import register
 
 
-def _check_block_size(value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_BLOCK_SIZE:
-        raise ValueError(f"Invalid block_size: {value!r} (must be an int in [1, {MAX_BLOCK_SIZE}])")
-
-
-def _check_min_quant_size(value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"Invalid min_quant_size: {value!r} (must be an int >= 0)")
-
-
-class LowBitAdamW(LeanOptimizer):
-    r"""AdamW whose moments are stored block-quantized (the shared implementation).
-
-    Subclasses set ``state_bits``, the two code books and ``default_block_size``.
-    """
-
-    state_bits: ClassVar[int]
-    exp_avg_code: ClassVar[str]
-    exp_avg_sq_code: ClassVar[str]
-    default_block_size: ClassVar[int]
-
-    def __init__(
-        self,
-        params: Iterable[Any],
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 1e-2,
-        *,
-        amsgrad: bool = False,
-        maximize: bool = False,
-        block_size: int | None = None,
-        min_quant_size: int = 4096,
-        rounding: str = "nearest",
-        backend: str = "auto",
-    ) -> None:
-        validate_adam_hparams(lr, betas, eps, weight_decay)
-        _check_amsgrad(type(self).__name__, amsgrad)
-        block_size = self.default_block_size if block_size is None else block_size
-        _check_block_size(block_size)
-        _check_min_quant_size(min_quant_size)
-        defaults = dict(
-            lr=lr,
-            betas=tuple(betas),
-            eps=eps,
-            weight_decay=weight_decay,
-            amsgrad=False,
-            maximize=maximize,
-            quantize=True,
-            block_size=block_size,
-            min_quant_size=min_quant_size,
-            state_bits=self.state_bits,
-            rounding=rounding,
-        )
-        super().__init__(params, defaults, backend=backend)
+class LowBitAdamW(LowBit, AdamW):
+    """AdamW whose moments are stored block-quantized; amsgrad is refused."""
 
     def validate_group(self, group: Mapping[str, Any], *, loaded: bool = False) -> None:
-        validate_adam_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-        check_flag("maximize", group["maximize"])
-        _check_amsgrad(type(self).__name__, group.get("amsgrad", False))
-        _check_block_size(group["block_size"])
-        _check_min_quant_size(group["min_quant_size"])
-        check_flag("quantize", group["quantize"])
-        if group.get("state_bits", self.state_bits) != self.state_bits:
-            raise ValueError(f"{type(self).__name__} keeps {self.state_bits}-bit states; state_bits cannot be changed")
-
-    # ---- layout ---------------------------------------------------------------------------
-    def formats(self, group: Mapping[str, Any]) -> tuple[BlockFormat, BlockFormat]:
-        """The (exp_avg, exp_avg_sq) formats of quantized params in ``group``."""
-        bs = group["block_size"]
-        return BlockFormat(self.exp_avg_code, bs), BlockFormat(self.exp_avg_sq_code, bs)
-
-    def quantizes(self, shape: tuple[int, ...], group: Mapping[str, Any]) -> bool:
-        """Whether a param of (global) ``shape`` in ``group`` gets quantized states."""
-        return bool(group["quantize"]) and math.prod(shape) >= group["min_quant_size"]
-
-    def state_layout(self, shape: tuple[int, ...], dtype: torch.dtype, group: Mapping[str, Any]) -> list[StateSpec]:
-        shape = tuple(shape)
-        specs = [StateSpec("step", (), torch.float32, host=True)]
-        if self.quantizes(shape, group):
-            fm, fv = self.formats(group)
-            specs.append(StateSpec("exp_avg", shape, torch.float32, quant=fm))
-            specs.append(StateSpec("exp_avg_sq", shape, torch.float32, quant=fv))
-        else:
-            sd = state_dtype(dtype)
-            specs.append(StateSpec("exp_avg", shape, sd))
-            specs.append(StateSpec("exp_avg_sq", shape, sd))
-        return specs
-
-    # ---- save / load ----------------------------------------------------------------------
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
-        if isinstance(groups, list) and len(groups) == len(self.param_groups):
-            patched = []
-            for saved, group in zip(groups, self.param_groups):
-                if not isinstance(saved, Mapping):
-                    patched.append(saved)
-                    continue
-                if saved.get("amsgrad", False):
-                    raise ValueError(
-                        f"{type(self).__name__}.load_state_dict: the state_dict was saved with amsgrad=True, "
-                        "which quantized AdamW does not support (load it into leanopt.AdamW)"
-                    )
-                patched.append({**saved, **{k: group[k] for k in STORAGE_OPTIONS}, "amsgrad": False})
-            state_dict = {**state_dict, "param_groups": patched}
-        super().load_state_dict(state_dict)
-
-    # ---- step -----------------------------------------------------------------------------
-    def _step_group(self, gi: int, group: Mapping[str, Any], params: list[torch.Tensor], key: str) -> None:
-        # A DTensor (FSDP2) param updates its own shard; its quantized states hold that shard
-        # already, with scales shared across shard edges (leanopt.optim.sharding), which the
-        # reference rule handles.
-        buckets = self._by_backend(params, lambda p: "reference" if is_dtensor(p) else self._backend_for(p))
-        for (backend, _), bucket in buckets.items():
-            kernels.adamw_quantized(
-                backend,
-                self._tables,
-                key,
-                [local(p) for p in bucket],
-                [local(p.grad) for p in bucket],
-                [local(self.state[p]["exp_avg"]) for p in bucket],
-                [local(self.state[p]["exp_avg_sq"]) for p in bucket],
-                [self.state[p]["step"] for p in bucket],
-                **adam_hyperparameters(group),
+        cls = type(self).__name__
+        if group.get("amsgrad", False) and loaded:
+            raise ValueError(f"the state_dict was saved with amsgrad=True, which {cls} does not support (load it into leanopt.AdamW)")
+        if group.get("amsgrad", False):
+            raise ValueError(
+                f"{cls} does not support amsgrad: a running maximum of quantized second moments would need a "
+                "third quantized state and only ratchets up with rounding; use leanopt.AdamW"
             )
-
-
-def _check_amsgrad(cls: str, amsgrad: Any) -> None:
-    if amsgrad:
-        raise ValueError(
-            f"{cls} does not support amsgrad: a running maximum of quantized second moments would "
-            "need a third quantized state and only ratchets up with rounding; use leanopt.AdamW"
-        )
+        super().validate_group(group, loaded=loaded)
 
 
 _DOC = r"""AdamW (Loshchilov & Hutter) with {bits}-bit block-quantized moments.
@@ -167,7 +35,7 @@ _DOC = r"""AdamW (Loshchilov & Hutter) with {bits}-bit block-quantized moments.
     fp64): each step dequantizes ``exp_avg`` and ``exp_avg_sq``, applies decoupled decay,
     ``m.lerp_(g, 1-b1)``, ``v = b2 v + (1-b2) g^2`` and
     ``p -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps)`` from those fp32 moments, then
-    requantizes them (see :func:`leanopt.kernels.reference.adamw_quantized_`).
+    requantizes them (see :func:`leanopt.kernels.reference.rule_step_`).
 
     **Format.** Each moment is cut into blocks of ``block_size`` elements (flat order) with one
     fp32 scale (the block's absolute maximum) and one {bits}-bit code per element: ``exp_avg``
@@ -240,14 +108,18 @@ _DOC = r"""AdamW (Loshchilov & Hutter) with {bits}-bit block-quantized moments.
 """
 
 
+@register
 class AdamW8bit(LowBitAdamW):
+    name = "adamw8bit"
     state_bits = 8
     exp_avg_code = "pow3-s8"
     exp_avg_sq_code = "pow6-u8"
     default_block_size = 256
 
 
+@register
 class AdamW4bit(LowBitAdamW):
+    name = "adamw4bit"
     state_bits = 4
     exp_avg_code = "pow2-s4"
     exp_avg_sq_code = "pow3-u4"

@@ -13,14 +13,14 @@ import copy
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from leanopt import kernels
 from leanopt.optim.sharding import allocate_state, checkpoint_value, is_dtensor, load_value
 from leanopt.kernels.multi_tensor import TableCache
-from leanopt.optim.layout import StateSpec
+from leanopt.optim.layout import StateSpec, convert_saved
 from leanopt.optim.rounding import LOW_PRECISION, check_rounding, generator_for, stochastic_round
 from leanopt.quant import QuantizedState
 
@@ -70,12 +70,21 @@ class LeanOptimizer(torch.optim.Optimizer):
     # Complex params: stepped on their real view (as torch's AdamW does), or refused with a
     # ValueError when the param group is added (so ``leanopt.estimate`` refuses them too).
     supports_complex: bool = False
+    # The declared identity: the registry name (leanopt.optim.registry), saved in every param
+    # group under "optimizer", and the rule it runs (optimizers of one family -- AdamW,
+    # AdamW8bit, AdamW4bit -- load each other's states; others refuse them by name).
+    name: ClassVar[str]
+    family: ClassVar[str]
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], *, backend: str = "auto") -> None:
         # The backend is how to compute, not what: it is not a hyper-parameter and is not saved.
         self.backend = kernels.check_backend(backend)
         self._tables = TableCache()
-        super().__init__(params, defaults)
+        super().__init__(params, {**self._complete_defaults(defaults), "optimizer": self.name})
+
+    def _complete_defaults(self, defaults: dict[str, Any]) -> dict[str, Any]:
+        """The defaults every param group gets: the optimizer's, plus what a mixin adds."""
+        return dict(defaults)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # Released (leanopt.release_gradients): the gradients were freed inside backward.
@@ -116,6 +125,8 @@ class LeanOptimizer(torch.optim.Optimizer):
                         f"{len(self.param_groups)} is {p.dtype} (use leanopt.AdamW, or optimize torch.view_as_real(p))"
                     )
         merged = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
+        if merged["optimizer"] != self.name:
+            raise ValueError(f"param group 'optimizer' is {merged['optimizer']!r}; this optimizer is {self.name!r}")
         self.validate_group(merged)
         check_rounding(merged.get("rounding", "nearest"))
         super().add_param_group(param_group)
@@ -140,13 +151,6 @@ class LeanOptimizer(torch.optim.Optimizer):
                 f"{type(self).__name__}: param {pi} of group {gi} has shape {tuple(p.shape)} but its "
                 f"gradient has shape {tuple(g.shape)}"
             )
-
-    def _backend_for(self, p: torch.Tensor) -> str:
-        """Which backend runs ``p``'s update (dtypes a backend lacks fall back to the reference)."""
-        backend = kernels.resolve_backend(self.backend, p.device)
-        if backend == "triton" and p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            return "reference"
-        return backend
 
     # ---- layout -------------------------------------------------------------------------
     def state_layout(
@@ -181,15 +185,9 @@ class LeanOptimizer(torch.optim.Optimizer):
             out.append(p)
         return out
 
-    def _by_backend(
-        self, params: Iterable[torch.Tensor], backend_of: Callable[[torch.Tensor], str] | None = None
-    ) -> dict[tuple[str, torch.device], list[torch.Tensor]]:
-        """``params`` bucketed by (backend, device): each bucket is one call into ``kernels``."""
-        backend_of = backend_of or self._backend_for
-        buckets: dict[tuple[str, torch.device], list[torch.Tensor]] = {}
-        for p in params:
-            buckets.setdefault((backend_of(p), p.device), []).append(p)
-        return buckets
+    def _steps(self, params: Iterable[torch.Tensor]) -> list[int]:
+        """The (new) step counts of ``params``: host tensors, read without a device sync."""
+        return [int(self.state[p]["step"].item()) for p in params]
 
     # ---- step -----------------------------------------------------------------------------
     @kernels.eager
@@ -327,6 +325,7 @@ class LeanOptimizer(torch.optim.Optimizer):
             if not isinstance(saved, Mapping) or not isinstance(saved.get("params"), (list, tuple)):
                 raise ValueError(f"{cls}.load_state_dict: param group {gi} is not a dict with a 'params' list")
             filled = {**{k: v for k, v in self.defaults.items() if k not in saved}, **saved}
+            filled["optimizer"] = self._loaded_identity(saved.get("optimizer"), gi)
             try:
                 self.validate_group(filled, loaded=True)
                 check_rounding(filled.get("rounding", "nearest"))
@@ -375,6 +374,24 @@ class LeanOptimizer(torch.optim.Optimizer):
         for hook in list(post_hooks.values()):
             hook(self)
 
+    def _loaded_identity(self, saved: Any, gi: int) -> str:
+        """This optimizer's name, once the name a loaded group declares is one it can load
+        (its own family's); a group without one (a peer's or an older file) is taken as is."""
+        from leanopt.optim.registry import REGISTRY
+
+        cls = type(self).__name__
+        if saved is None or saved == self.name:
+            return self.name
+        other = REGISTRY.get(saved) if isinstance(saved, str) else None
+        if other is None:
+            raise ValueError(f"{cls}.load_state_dict: param group {gi} was saved by an unknown optimizer {saved!r}")
+        if getattr(other, "family", None) != self.family:
+            raise ValueError(
+                f"{cls}.load_state_dict: the state_dict was saved by {other.__name__} ({other.family} rule); "
+                f"{cls} runs the {self.family} rule and cannot continue it (load it into {other.__name__})"
+            )
+        return self.name
+
     def _convert_loaded_state(
         self, p: torch.Tensor, group: Mapping[str, Any], saved: Mapping[str, Any], label: str
     ) -> dict[str, Any]:
@@ -395,7 +412,7 @@ class LeanOptimizer(torch.optim.Optimizer):
             where = f"{cls}.load_state_dict: {spec.key!r} of {label}"
             if spec.key == "step":
                 _check_step(saved["step"], where)
-            convert = load_value if is_dtensor(p) else _convert_entry
+            convert = load_value if is_dtensor(p) else convert_saved
             out[spec.key] = convert(spec, saved[spec.key], p, where)
         return out
 
@@ -413,34 +430,6 @@ def _merged_group(group: Mapping[str, Any], saved_groups: list[Mapping[str, Any]
             merged.update({k: v for k, v in sg.items() if k != "params"})
             return merged
     return dict(group)
-
-
-def _convert_entry(spec: StateSpec, value: Any, p: torch.Tensor, where: str) -> Any:
-    """One saved state value -> the form ``spec`` asks for, on ``p``'s device."""
-    if isinstance(value, Mapping) and QuantizedState.is_state_dict(value):
-        try:
-            value = QuantizedState.from_state_dict(value, device=p.device)
-        except (ValueError, KeyError, TypeError) as err:
-            raise ValueError(f"{where}: corrupt quantized state ({err})") from None
-    if isinstance(value, QuantizedState):
-        if tuple(value.shape) != tuple(spec.shape):
-            raise ValueError(f"{where} has shape {tuple(value.shape)}, expected {tuple(spec.shape)}")
-        if spec.quant is not None and value.format == spec.quant:
-            return value.to(p.device)
-        value = value.dequantize()
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and spec.shape == ():
-        value = torch.tensor(float(value))
-    if not isinstance(value, torch.Tensor):
-        raise ValueError(f"{where} is a {type(value).__name__}, expected a tensor")
-    if tuple(value.shape) != tuple(spec.shape):
-        raise ValueError(f"{where} has shape {tuple(value.shape)}, expected {tuple(spec.shape)}")
-    if spec.quant is not None:
-        return spec.quant.from_dense(value.to(device=p.device, dtype=torch.float32))
-    device = torch.device("cpu") if spec.host else p.device
-    # A fresh contiguous tensor: states are kept in the param's logical (row-major) element
-    # order whatever the saved strides (a channels_last param's state saved by torch).
-    dtype = spec.dtype if (value.is_floating_point() or value.is_complex() or spec.dtype.is_floating_point) else value.dtype
-    return value.to(device=device, dtype=dtype, copy=True, memory_format=torch.contiguous_format)
 
 
 def _check_step(value: Any, where: str) -> None:

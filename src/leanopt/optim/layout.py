@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
+
+from leanopt.quant import QuantizedState
 
 
 class QuantFormat(Protocol):
@@ -69,3 +72,32 @@ class StateSpec:
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def convert_saved(spec: StateSpec, value: Any, p: torch.Tensor, where: str) -> Any:
+    """One saved state value (a tensor, a number, a quantized state or its dict) -> the form
+    ``spec`` asks for, on ``p``'s device; ``ValueError`` (prefixed by ``where``) if it cannot be."""
+    if isinstance(value, Mapping) and QuantizedState.is_state_dict(value):
+        try:
+            value = QuantizedState.from_state_dict(value, device=p.device)
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{where}: corrupt quantized state ({err})") from None
+    if isinstance(value, QuantizedState):
+        if tuple(value.shape) != tuple(spec.shape):
+            raise ValueError(f"{where} has shape {tuple(value.shape)}, expected {tuple(spec.shape)}")
+        if spec.quant is not None and value.format == spec.quant:
+            return value.to(p.device)
+        value = value.dequantize()
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and spec.shape == ():
+        value = torch.tensor(float(value))
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{where} is a {type(value).__name__}, expected a tensor")
+    if tuple(value.shape) != tuple(spec.shape):
+        raise ValueError(f"{where} has shape {tuple(value.shape)}, expected {tuple(spec.shape)}")
+    if spec.quant is not None:
+        return spec.quant.from_dense(value.to(device=p.device, dtype=torch.float32))
+    device = torch.device("cpu") if spec.host else p.device
+    # A fresh contiguous tensor: states are kept in the param's logical (row-major) element
+    # order whatever the saved strides (a channels_last param's state saved by torch).
+    dtype = spec.dtype if (value.is_floating_point() or value.is_complex() or spec.dtype.is_floating_point) else value.dtype
+    return value.to(device=device, dtype=dtype, copy=True, memory_format=torch.contiguous_format)

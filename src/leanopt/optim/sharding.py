@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from leanopt.optim.layout import StateSpec
+from leanopt.optim.layout import StateSpec, convert_saved
 from leanopt.quant import QuantizedState
 
 __all__ = [
@@ -283,8 +283,6 @@ def load_value(spec: StateSpec, value: Any, p: torch.Tensor, where: str) -> Any:
     keeps its own shard. Raises ``ValueError`` as ``LeanOptimizer.load_state_dict`` does.
     """
     import dataclasses
-    from leanopt.optim.base import _convert_entry
-
     if isinstance(value, Mapping) and QuantizedState.is_state_dict(value):
         try:
             value = QuantizedState.from_state_dict(value, device=local(p).device)
@@ -292,7 +290,7 @@ def load_value(spec: StateSpec, value: Any, p: torch.Tensor, where: str) -> Any:
             raise ValueError(f"{where}: corrupt quantized state ({err})") from None
     if isinstance(value, QuantizedState):
         value = value.dequantize()  # a whole-tensor state: every rank cuts its own shard below
-    dense = _convert_entry(dataclasses.replace(spec, quant=None, dtype=torch.float32) if spec.quant else spec, value, p, where)
+    dense = convert_saved(dataclasses.replace(spec, quant=None, dtype=torch.float32) if spec.quant else spec, value, p, where)
     if spec.quant is not None:
         if not is_dtensor(dense):
             dense = _shard_of(dense, p, tuple(p.placements))

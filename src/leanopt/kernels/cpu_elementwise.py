@@ -1,0 +1,222 @@
+"""Elementwise rules (:mod:`leanopt.kernels.rules`) on the CPU, dense or block-quantized.
+
+* AdamW whose states have the param's dtype (fp32, fp64 params), outside safe mode: torch's
+  own fused CPU kernel (``aten::_fused_adamw_``), one vectorised pass over a group's tensors.
+* Any other dense case: the rule's elementwise function, compiled once per (rule, flags,
+  dtypes) by Inductor with dynamic shapes (no per-shape recompiles).
+* Block-quantized states: dequantize -> rule -> requantize, compiled as one fused loop over
+  whole blocks, for any rule and any number of states. Encoding replaces the code book's
+  binary search with a 2^16-entry lookup table (:func:`encode_tables`).
+
+Scalars of the schedule reach the compiled graphs as 0-dim fp64 tensors, so a new step or lr
+does not recompile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from leanopt.kernels import reference
+from leanopt.kernels.cpu import compiled, compiled_per_dtypes, own_code
+from leanopt.kernels.rules import ADAMW, Rule, skipped_elements
+from leanopt.quant import QuantizedState
+from leanopt.quant.formats import TOWARD_ZERO_TOLERANCE
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _as_tensors(values: Sequence[float]) -> list[Tensor]:
+    return [torch.tensor(v, dtype=torch.float64) for v in values]
+
+
+def _safe_result(g: Tensor, p: Tensor, new_p: Tensor, new: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+    # reference.rule_step_'s skip: param kept, states zeroed where the element is skipped.
+    bad = skipped_elements(g, new)
+    return torch.where(bad, p, new_p), [torch.where(bad, 0.0, s) for s in new]
+
+
+# ---- dense states ---------------------------------------------------------------------------
+_DENSE: dict[tuple, Callable[..., Any]] = {}
+
+
+def _dense_graph(rule: Rule, flags: tuple, safe: bool, maximize: bool, n: int) -> Callable[..., Any]:
+    key = (rule.name, flags, safe, maximize, n)
+    graph = _DENSE.get(key)
+    if graph is None:
+
+        def update(p: Tensor, g: Tensor, states: list[Tensor], c: list[Tensor]) -> None:
+            pf = p.to(_compute_dtype(p.dtype))
+            gf = g.to(pf.dtype)
+            if maximize:
+                gf = -gf
+            new_p, new = rule.elementwise(pf, gf, states, c, flags, safe)
+            if safe:
+                new_p, new = _safe_result(gf, pf, new_p, new)
+            p.copy_(new_p)
+            for s, v in zip(states, new):
+                s.copy_(v)
+
+        variant = f"{rule.name}_dense{'_safe' if safe else ''}{'_max' if maximize else ''}_" + "_".join(map(str, map(int, flags)))
+        graph = _DENSE[key] = compiled_per_dtypes(own_code(update, variant))
+    return graph
+
+
+def _fusable(rule: Rule, safe: bool, p: Tensor, g: Tensor, states: Sequence[Tensor]) -> bool:
+    return rule is ADAMW and not safe and g.dtype == p.dtype and all(s.dtype == p.dtype for s in states)
+
+
+def dense(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mapping[str, Any], *, safe: bool) -> None:
+    """``rule`` over CPU params with dense states in the compute dtype (``states[i]``: param
+    ``i``'s states, in the rule's order); ``steps`` hold the new step counts."""
+    flags = rule.flags(hp)
+    fused: dict[torch.dtype, list[int]] = {}
+    for i, p in enumerate(params):
+        if p.numel() == 0:
+            continue
+        if _fusable(rule, safe, p, grads[i], states[i]):
+            fused.setdefault(p.dtype, []).append(i)
+            continue
+        graph = _dense_graph(rule, flags, safe, hp["maximize"], len(states[i]))
+        graph(p, grads[i], list(states[i]), _as_tensors(rule.scalars(hp, steps[i], safe)))
+    for idx in fused.values():
+        pick = lambda k: [states[i][k] for i in idx]  # noqa: E731
+        amsgrad = hp["amsgrad"]
+        torch._fused_adamw_(
+            [params[i] for i in idx], [grads[i] for i in idx], pick(0), pick(1), pick(2) if amsgrad else [],
+            [torch.tensor(float(steps[i])) for i in idx],
+            lr=hp["lr"], beta1=hp["beta1"], beta2=hp["beta2"], weight_decay=hp["weight_decay"], eps=hp["eps"],
+            amsgrad=amsgrad, maximize=hp["maximize"],
+        )  # fmt: skip
+
+
+# ---- block-quantized states -----------------------------------------------------------------
+_ENCODE_TABLES: dict[tuple[str, torch.device], tuple[Tensor, Tensor] | None] = {}
+
+
+def encode_tables(book, device: torch.device) -> tuple[Tensor, Tensor] | None:
+    """A lookup table that replaces the code book's binary search, or ``None`` if it can't.
+
+    The top 16 bits of an fp32 (sign, exponent, 7 mantissa bits) name a bucket of values
+    spanning 2^-7 relative; ``lut[bucket]`` is the number of midpoints below the bucket. When
+    no bucket holds more than one midpoint (true for every code whose neighbouring values
+    differ by more than 0.8%), the nearest code of ``y`` is
+    ``lut[bucket] + (midpoints[lut[bucket]] < y)``: ``torch.searchsorted``'s answer with two
+    gathers instead of eight dependent ones (13x faster compiled, on 1M values here).
+    """
+    key = (book.name, device)
+    if key not in _ENCODE_TABLES:
+        thresholds = book.thresholds.to(device="cpu", dtype=torch.float32)
+        bits = torch.arange(1 << 16, dtype=torch.int64) << 16
+        lo = bits.to(torch.int32).view(torch.float32)
+        hi = (bits | 0xFFFF).to(torch.int32).view(torch.float32)
+        low, high = torch.minimum(lo, hi), torch.maximum(lo, hi)
+        below = torch.searchsorted(thresholds, low)
+        inside = torch.searchsorted(thresholds, high, right=True) - below
+        usable = bool(((inside <= 1) | ~(torch.isfinite(low) & torch.isfinite(high))).all())
+        padded = torch.cat([thresholds, torch.tensor([float("inf")])])
+        _ENCODE_TABLES[key] = (below.to(torch.int32).to(device), padded.to(device)) if usable else None
+    return _ENCODE_TABLES[key]
+
+
+def _nearest_code(y: Tensor, lut: Tensor, padded_thresholds: Tensor) -> Tensor:
+    bucket = (y.view(torch.int32) >> 16) & 0xFFFF
+    below = lut[bucket.long()].long()
+    return below + (padded_thresholds[below] < y).long()
+
+
+def _unpack(codes: Tensor, rows: int, block: int, bits: int) -> Tensor:
+    if bits == 8:
+        return codes.long()
+    return torch.stack([codes & 15, codes >> 4], -1).view(rows, block).long()
+
+
+def _pack(index: Tensor, rows: int, block: int, bits: int) -> Tensor:
+    if bits == 8:
+        return index.to(torch.uint8)
+    pairs = index.to(torch.uint8).view(rows, block // 2, 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+# Per quantized state, the tensors a graph takes: codes [blocks, block bytes], scales [blocks],
+# code values, lookup table, padded midpoints.
+_PER_STATE = 5
+_QUANTIZED: dict[tuple, Callable[..., Any]] = {}
+
+
+def _quantized_graph(rule: Rule, flags: tuple, maximize: bool, bits: int, kinds: tuple, zeros: tuple) -> Callable[..., Any]:
+    # One graph per (rule, flags, bits, state kinds, zero codes); the block size is a static
+    # dimension of the 2-D inputs and only the number of blocks is dynamic, so loops vectorise.
+    key = (rule.name, flags, maximize, bits, kinds, zeros)
+    graph = _QUANTIZED.get(key)
+    if graph is None:
+        n = len(kinds)
+
+        def update(p: Tensor, g: Tensor, *rest: Tensor) -> None:
+            rows, block = p.shape
+            per_state = [rest[k * _PER_STATE : (k + 1) * _PER_STATE] for k in range(n)]
+            c = rest[n * _PER_STATE :]
+            pf = p.float()
+            gf = -g.float() if maximize else g.float()
+            dense = [values[_unpack(codes, rows, block, bits)] * absmax.unsqueeze(1) for codes, absmax, values, _, _ in per_state]
+            new_p, new = rule.elementwise(pf, gf, dense, c, flags, True)
+            new_p, new = _safe_result(gf, pf, new_p, new)
+            p.copy_(new_p)
+            for (codes, absmax, values, lut, thresholds), toward_zero, zero, x in zip(per_state, kinds, zeros, new):
+                scale = x.abs().amax(1)
+                y = x / torch.where(scale > 0, scale, 1.0).unsqueeze(1)
+                index = _nearest_code(y, lut, thresholds)
+                if toward_zero:
+                    # Where the gradient is 0, round toward zero (reference: ``toward_zero``).
+                    over = (gf == 0) & (values[index].abs() > y.abs() * TOWARD_ZERO_TOLERANCE) & (index != zero)
+                    index = torch.where(over, index - torch.sign(index - zero), index)
+                codes.copy_(_pack(index, rows, block, bits))
+                absmax.copy_(scale)
+
+        variant = f"{rule.name}_quantized_{bits}bit{'_max' if maximize else ''}_{len(_QUANTIZED)}"
+        graph = compiled(own_code(update, variant), dynamic=None)
+        _QUANTIZED[key] = graph
+    return graph
+
+
+def quantized(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mapping[str, Any]) -> None:
+    """``rule`` in safe mode over CPU params whose states are all :class:`QuantizedState` of
+    one bit width and block size (``kernels.select`` checked that)."""
+    flags = rule.flags(hp)
+    kinds = tuple(kind.toward_zero for kind in rule.states(hp))
+    for i, p in enumerate(params):
+        n = p.numel()
+        if n == 0:
+            continue
+        qs = states[i]
+        fmt = qs[0].format
+        books = [q.format.book(p.device) for q in qs]
+        tables = [encode_tables(b, p.device) for b in books]
+        bs = fmt.block_size
+        full = (n // bs) * bs
+        if full:
+            rows, row_bytes = full // bs, fmt.code_bytes(bs)
+            tensors: list[Tensor] = []
+            for q, book, (lut, thresholds) in zip(qs, books, tables):
+                tensors += [q.codes[: rows * row_bytes].view(rows, row_bytes), q.absmax[:rows], book.values, lut, thresholds]
+            for t in (p, *tensors[0::_PER_STATE], *tensors[1::_PER_STATE]):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+            graph = _quantized_graph(rule, flags, hp["maximize"], fmt.bits, kinds, tuple(b.zero_index for b in books))
+            g2 = grads[i].reshape(-1)[:full].view(rows, bs)
+            torch._dynamo.maybe_mark_dynamic(g2, 0)
+            graph(p.view(-1)[:full].view(rows, bs), g2, *tensors, *_as_tensors(rule.scalars(hp, steps[i], True)))
+        if full < n:
+            # The last, partial block is independent of the others: the reference on views.
+            start, first = fmt.code_bytes(full), full // bs
+            tail = [QuantizedState(q.codes[start:], q.absmax[first:], q.format, (n - full,)) for q in qs]
+            reference.rule_step_(rule, p.view(-1)[full:], grads[i].reshape(-1)[full:], tail, steps[i], hp, safe=True)
+
+
+def quantized_takes(states: Sequence[Any], device: torch.device) -> bool:
+    """Whether :func:`quantized` runs these states (each code book has a lookup table)."""
+    return all(encode_tables(q.format.book(device), device) is not None for q in states)

@@ -1,0 +1,273 @@
+"""Elementwise update rules, each written once.
+
+A rule is what an optimizer does to one element: from the param, its gradient and its
+moment-like states to new ones. Each rule here has
+
+* a **schedule** (``scalars``): every step-dependent number (bias corrections, decay, step
+  size, schedulers) formed on the host in double, once per param and step -- no device syncs;
+* an **elementwise function** on tensors of the compute dtype (fp32, or fp64 for fp64 params),
+  with no host syncs and no in-place writes, so that the reference calls it on whole tensors,
+  the CPU path compiles it as it is (``kernels.cpu_elementwise``), and its Triton twin
+  (``kernels.triton_rules``, one ``@triton.jit`` helper per rule) is held to it by the parity
+  tests;
+* the **kinds of its states**: their keys, whether they are signed (a first moment: a signed
+  code when stored quantized) and whether a zero gradient rounds them toward zero.
+
+Storage is not the rule's business: the same rule runs on fp32 states, on block-quantized ones
+(dequantized before, requantized after, by whichever backend runs it) and on FSDP2 shards.
+
+**Safe mode** (the low-bit optimizers): a rule may add *floors* that keep a second moment at
+least ``m^2 / K_t`` (:func:`adam_moment_bound`: the largest ratio exact moments can reach), and
+the caller skips elements of :func:`skipped_elements` (param kept, states reset to 0).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+# Slack on the second-moment floor: fp32 rounding of an exact history may put m^2/K a few ulps
+# above v (at step 1 the bound is an equality), and the floor must never touch such a state.
+MOMENT_BOUND_SLACK = 1e-3
+
+
+@dataclass(frozen=True)
+class StateKind:
+    """One state of a rule: its ``key`` in ``optimizer.state[p]``; ``signed``: takes both signs
+    (a first moment; stored on a signed code); ``toward_zero``: where the gradient is exactly 0
+    a quantized copy rounds toward zero, so a decaying momentum dies out as in fp32 instead of
+    sticking on a code."""
+
+    key: str
+    signed: bool
+    toward_zero: bool = False
+
+
+@dataclass(frozen=True)
+class Rule:
+    """An elementwise rule (see the module docstring).
+
+    ``states(hp)``: the :class:`StateKind` of each state under hyper-parameters ``hp``;
+    ``hyperparameters(group)``: the rule's hyper-parameters from a param group (always with
+    ``maximize``); ``flags(hp)``: static switches of the elementwise function (a new value
+    compiles a new kernel); ``scalars(hp, step, safe)``: the step's numbers, a tuple of floats;
+    ``elementwise(p, g, states, c, flags, safe)`` -> ``(p, states)``: the update, ``g`` already
+    negated under ``maximize``. ``triton_id`` selects the rule's Triton helper."""
+
+    name: str
+    states: Callable[[Mapping[str, Any]], tuple[StateKind, ...]]
+    hyperparameters: Callable[[Mapping[str, Any]], dict[str, Any]]
+    flags: Callable[[Mapping[str, Any]], tuple[bool, ...]]
+    scalars: Callable[[Mapping[str, Any], int, bool], tuple[float, ...]]
+    elementwise: Callable[..., tuple[Tensor, list[Tensor]]]
+    triton_id: int
+
+    def __repr__(self) -> str:
+        return f"Rule({self.name!r})"
+
+
+def adam_moment_bound(beta1: float, beta2: float, step: int) -> float:
+    """``K_t``: the largest ``m_t^2 / v_t`` that Adam's moment estimates can reach at ``step``.
+
+    With ``m_t = (1-b1) sum b1^(t-k) g_k`` and ``v_t = (1-b2) sum b2^(t-k) g_k^2``, Cauchy-Schwarz
+    gives ``m_t^2 <= K_t v_t`` with ``K_t = (1-b1)^2/(1-b2) * sum_{j<t} (b1^2/b2)^j`` -- and
+    ``K_{t+1} = (b1^2/b2) K_t + (1-b1)^2/(1-b2)``, so one exact step from a state that satisfies
+    the bound satisfies the next one. ``inf`` when there is no finite bound (``b2 = 0``, or
+    ``b1^2 >= b2`` for long enough to overflow).
+    """
+    if beta2 == 0.0:
+        return math.inf
+    base = (1.0 - beta1) ** 2 / (1.0 - beta2)
+    r = beta1 * beta1 / beta2
+    if r == 1.0:
+        return base * step
+    try:
+        return base * (1.0 - r**step) / (1.0 - r)
+    except OverflowError:
+        return math.inf
+
+
+def floor_divisor(beta_m: float, beta2: float, step: int) -> float:
+    """The divisor of the second-moment floor ``v >= m^2 / divisor`` (``inf``: no floor)."""
+    return adam_moment_bound(beta_m, beta2, step) * (1 + MOMENT_BOUND_SLACK)
+
+
+def skipped_elements(g: Tensor, new_states: Sequence[Tensor]) -> Tensor:
+    """The elements a safe-mode step skips (a bool mask), for every rule and backend (the
+    compiled CPU path traces this function; ``triton_rules.skipped_elements`` spells out the
+    same test).
+
+    ``g`` is the gradient in the compute dtype, ``new_states`` the updated states. An element is
+    skipped where ``g * g`` computed in that dtype is not finite -- ``g`` NaN/Inf, or
+    ``|g| >= sqrt(finfo.max)``: from ``2^64 ~ 1.845e19`` in fp32 (fp32, bf16 and fp16 params),
+    ``~1.34e154`` in fp64 -- or where a new state is not finite. The square is tested on its
+    own: Adam's ``(1 - b2) * g * g`` may be finite for larger ``|g|`` (up to ~5.8e20 with
+    ``b2 = 0.999`` in fp32), depending only on the order of the multiplications.
+    """
+    ok = torch.isfinite(g * g)
+    for s in new_states:
+        ok = ok & torch.isfinite(s)
+    return ~ok
+
+
+def _betas(group: Mapping[str, Any]) -> tuple[float, ...]:
+    return tuple(group["betas"])
+
+
+def _lr(value: Any) -> float:
+    return float(value.item()) if isinstance(value, Tensor) else float(value)
+
+
+# ---- AdamW ----------------------------------------------------------------------------------
+def _adamw_states(hp: Mapping[str, Any]) -> tuple[StateKind, ...]:
+    kinds = (StateKind("exp_avg", True, toward_zero=True), StateKind("exp_avg_sq", False))
+    return kinds + ((StateKind("max_exp_avg_sq", False),) if hp.get("amsgrad") else ())
+
+
+def _adamw_hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
+    beta1, beta2 = _betas(group)
+    return dict(lr=_lr(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                amsgrad=bool(group.get("amsgrad", False)), maximize=bool(group["maximize"]))  # fmt: skip
+
+
+def _adamw_scalars(hp: Mapping[str, Any], step: int, safe: bool) -> tuple[float, ...]:
+    lr, b1, b2 = hp["lr"], hp["beta1"], hp["beta2"]
+    floor = floor_divisor(b1, b2, step) if safe else math.inf
+    # decay, lerp weight, b2, 1-b2, eps, step size, sqrt(bias correction 2), floor divisor
+    return (1 - lr * hp["weight_decay"], 1 - b1, b2, 1 - b2, hp["eps"], lr / (1 - b1**step), (1 - b2**step) ** 0.5, floor)
+
+
+def adamw_elementwise(p, g, states, c, flags, safe: bool):
+    """torch.optim.AdamW's update in its operation order (decoupled decay, ``m.lerp(g, 1-b1)``,
+    ``v = b2 v + (1-b2) g g``, ``p - lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)``); ``flags`` is
+    ``(amsgrad,)``. Safe mode floors ``v`` at ``m^2 / K_t``."""
+    decay, w1, beta2, omb2, eps, step_size, bc2_sqrt, floor = c
+    (amsgrad,) = flags
+    m, v = states[0], states[1]
+    p = p * decay
+    m = torch.lerp(m, g, w1)
+    v = v * beta2 + omb2 * g * g
+    if safe:
+        v = torch.maximum(v, m * m / floor)
+    out = [m, v]
+    if amsgrad:
+        v = torch.maximum(states[2], v)
+        out.append(v)
+    p = p - step_size * (m / (v.sqrt() / bc2_sqrt + eps))
+    return p, out
+
+
+ADAMW = Rule("adamw", _adamw_states, _adamw_hyperparameters, lambda hp: (bool(hp["amsgrad"]),), _adamw_scalars,
+             adamw_elementwise, triton_id=0)  # fmt: skip
+
+
+# ---- Lion ------------------------------------------------------------------------------------
+def _lion_hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
+    beta1, beta2 = _betas(group)
+    return dict(lr=_lr(group["lr"]), beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
+                maximize=bool(group["maximize"]))  # fmt: skip
+
+
+def _lion_scalars(hp: Mapping[str, Any], step: int, safe: bool) -> tuple[float, ...]:
+    lr, b1, b2 = hp["lr"], hp["beta1"], hp["beta2"]
+    return (1 - lr * hp["weight_decay"], b1, 1 - b1, b2, 1 - b2, lr)
+
+
+def lion_elementwise(p, g, states, c, flags, safe: bool):
+    """Lion (Chen et al. 2023): ``p <- p (1 - lr wd) - lr sign(b1 m + (1-b1) g)``, then
+    ``m <- b2 m + (1-b2) g``."""
+    decay, beta1, omb1, beta2, omb2, lr = c
+    m = states[0]
+    p = p * decay - lr * torch.sign(m * beta1 + omb1 * g)
+    return p, [m * beta2 + omb2 * g]
+
+
+LION = Rule(
+    "lion",
+    # Nearest rounding, not toward zero: with a zero gradient Lion steps by sign(m), which a
+    # decaying fp32 momentum keeps; a momentum rounded down to 0 would stop the param instead
+    # (measured: 3.5x the drift from fp32 on sparse gradients, benchmarks/lowbit_vs_bnb.py).
+    lambda hp: (StateKind("exp_avg", True),),
+    _lion_hyperparameters, lambda hp: (), _lion_scalars, lion_elementwise, triton_id=1,
+)
+
+
+# ---- AdEMAMix --------------------------------------------------------------------------------
+def ademamix_alpha_beta3(hp: Mapping[str, Any], step: int) -> tuple[float, float]:
+    """``(alpha_t, beta3_t)``: the paper's warm-up schedulers (linear in alpha over ``t_alpha``
+    steps; beta3 so that the slow EMA's half-life grows linearly over ``t_beta3`` steps, from
+    beta1's), constant when ``t_alpha``/``t_beta3`` is None."""
+    alpha, beta1, beta3 = hp["alpha"], hp["beta1"], hp["beta3"]
+    if hp["t_alpha"]:
+        alpha = min(step * alpha / hp["t_alpha"], alpha)
+    if hp["t_beta3"]:
+        ln1, ln3 = math.log(beta1), math.log(beta3)
+        scale = step / hp["t_beta3"]
+        beta3 = min(math.exp(ln1 * ln3 / ((1 - scale) * ln3 + scale * ln1)), beta3)
+    return alpha, beta3
+
+
+_SLOW_BOUNDS: dict[tuple, list[float]] = {}
+
+
+def slow_moment_bound(hp: Mapping[str, Any], step: int) -> float:
+    """``K_t`` of AdEMAMix's slow EMA against its second moment, with beta3 on its schedule:
+    the recurrence of :func:`adam_moment_bound` with that step's beta3 (memoized per schedule)."""
+    if not hp["t_beta3"]:
+        return adam_moment_bound(hp["beta3"], hp["beta2"], step)
+    key = (hp["beta1"], hp["beta2"], hp["beta3"], hp["t_beta3"])
+    bounds = _SLOW_BOUNDS.setdefault(key, [0.0])
+    b2 = hp["beta2"]
+    while len(bounds) <= step:
+        t = len(bounds)
+        _, b3 = ademamix_alpha_beta3({**hp, "t_alpha": None}, t)
+        bounds.append(min(math.inf, (b3 * b3 / b2) * bounds[-1] + (1 - b3) ** 2 / (1 - b2)) if b2 < 1 else math.inf)
+    return bounds[step]
+
+
+def _ademamix_hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
+    beta1, beta2, beta3 = _betas(group)
+    return dict(lr=_lr(group["lr"]), beta1=beta1, beta2=beta2, beta3=beta3, alpha=group["alpha"], eps=group["eps"],
+                weight_decay=group["weight_decay"], t_alpha=group["t_alpha"], t_beta3=group["t_beta3"],
+                maximize=bool(group["maximize"]))  # fmt: skip
+
+
+def _ademamix_scalars(hp: Mapping[str, Any], step: int, safe: bool) -> tuple[float, ...]:
+    lr, b1, b2 = hp["lr"], hp["beta1"], hp["beta2"]
+    alpha, b3 = ademamix_alpha_beta3(hp, step)
+    floor_fast = floor_divisor(b1, b2, step) if safe else math.inf
+    floor_slow = slow_moment_bound(hp, step) * (1 + MOMENT_BOUND_SLACK) if safe else math.inf
+    return (1 - lr * hp["weight_decay"], b1, 1 - b1, b3, 1 - b3, b2, 1 - b2, 1 - b1**step, alpha,
+            (1 - b2**step) ** 0.5, hp["eps"], lr, floor_fast, floor_slow)  # fmt: skip
+
+
+def ademamix_elementwise(p, g, states, c, flags, safe: bool):
+    """AdEMAMix (Pagliardini et al. 2024): fast and slow EMAs of ``g`` and one of ``g^2``;
+    ``p <- p (1 - lr wd) - lr (m1/bc1 + alpha m2) / (sqrt(nu)/sqrt(bc2) + eps)``. Safe mode
+    floors ``nu`` at ``m1^2 / K_t`` and ``m2^2 / K3_t``."""
+    decay, beta1, omb1, beta3, omb3, beta2, omb2, bc1, alpha, bc2_sqrt, eps, lr, floor_fast, floor_slow = c
+    m1, m2, nu = states[0], states[1], states[2]
+    m1 = m1 * beta1 + omb1 * g
+    m2 = m2 * beta3 + omb3 * g
+    nu = nu * beta2 + omb2 * g * g
+    if safe:
+        nu = torch.maximum(torch.maximum(nu, m1 * m1 / floor_fast), m2 * m2 / floor_slow)
+    p = p * decay - lr * ((m1 / bc1 + alpha * m2) / (nu.sqrt() / bc2_sqrt + eps))
+    return p, [m1, m2, nu]
+
+
+ADEMAMIX = Rule(
+    "ademamix",
+    # The slow EMA (beta3 ~ 0.9999) rounds to nearest: toward zero would drop a whole code per
+    # step where fp32 decays by 0.01 %.
+    lambda hp: (StateKind("exp_avg_fast", True, toward_zero=True), StateKind("exp_avg_slow", True),
+                StateKind("exp_avg_sq", False)),  # fmt: skip
+    _ademamix_hyperparameters, lambda hp: (), _ademamix_scalars, ademamix_elementwise, triton_id=2,
+)
+
+RULES: dict[str, Rule] = {r.name: r for r in (ADAMW, LION, ADEMAMIX)}

@@ -1,0 +1,292 @@
+"""Elementwise rules as Triton kernels: one launch per param group, dense or block-quantized.
+
+Both kernels take any rule of :mod:`leanopt.kernels.rules` through its helper in
+``triton_rules`` (``RULE`` is the rule's ``triton_id``), with up to three states, fp32 maths,
+and every step-dependent number from a per-tensor scalar table formed on the host (in double,
+rounded once). Shapes never reach the compiler: a launch walks a list of tensors in chunks
+(:mod:`leanopt.kernels.multi_tensor`).
+
+The quantized kernel dequantizes, updates and requantizes in one pass over memory. A program
+holds ``NB`` whole quantization blocks of one tensor (chunks start at a tensor's first element
+and the chunk is a multiple of the block size, so blocks never straddle programs). Elements are
+handled as (even, odd) pairs, ``[NB, BS/2]`` each, which is how 4-bit codes are packed (first
+element in the low nibble); 8-bit codes are simply stored twice as often. A block's new scale
+is a reduction over its row of both halves. Encoding is a binary search over the code book's
+midpoints (padded with +inf to a power of two): the nearest code, as ``torch.searchsorted`` in
+the reference. Parity is tested under ``TRITON_INTERPRET=1`` on the CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from leanopt.kernels.multi_tensor import TableCache
+from leanopt.kernels.rules import Rule
+from leanopt.kernels.triton_common import TL_DTYPE, to_param_dtype
+from leanopt.kernels.triton_rules import rule_update, skipped_elements
+from leanopt.quant.formats import TOWARD_ZERO_TOLERANCE as _TOLERANCE
+
+TOWARD_ZERO_TOLERANCE: tl.constexpr = tl.constexpr(_TOLERANCE)
+
+# Elements per program: a multiple of every block size the quantized kernel takes.
+CHUNK = 2048
+
+
+def _flag(rule: Rule, hp: Mapping[str, Any]) -> bool:
+    flags = rule.flags(hp)
+    return bool(flags[0]) if flags else False
+
+
+def _scalar_table(cache: TableCache, rule: Rule, hp: Mapping[str, Any], steps: Sequence[int], safe: bool, device) -> tuple[Tensor, int]:
+    rows = [rule.scalars(hp, s, safe) for s in steps]
+    width = len(rows[0])
+    return cache.floats([v for row in rows for v in row], device), width
+
+
+# ---- dense states ---------------------------------------------------------------------------
+@triton.jit
+def _dense_kernel(
+    p_ptrs, g_ptrs, s0_ptrs, s1_ptrs, s2_ptrs, chunk_tensor, chunk_start, numels, scalars,
+    K: tl.constexpr, P_DTYPE: tl.constexpr, RULE: tl.constexpr, N_STATES: tl.constexpr, FLAG: tl.constexpr,
+    SAFE: tl.constexpr, MAXIMIZE: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    c = tl.program_id(0)
+    t = tl.load(chunk_tensor + c)
+    offs = tl.load(chunk_start + c) + tl.arange(0, CHUNK)
+    mask = offs < tl.load(numels + t)
+    p_ptr = tl.load(p_ptrs + t).to(tl.pointer_type(P_DTYPE))
+    g_ptr = tl.load(g_ptrs + t).to(tl.pointer_type(P_DTYPE))
+    s0_ptr = tl.load(s0_ptrs + t).to(tl.pointer_type(tl.float32))
+    s1_ptr = tl.load(s1_ptrs + t).to(tl.pointer_type(tl.float32))
+    s2_ptr = tl.load(s2_ptrs + t).to(tl.pointer_type(tl.float32))
+
+    p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
+    if MAXIMIZE:
+        g = -g
+    s0 = tl.load(s0_ptr + offs, mask=mask)
+    s1 = s0
+    s2 = s0
+    if N_STATES > 1:
+        s1 = tl.load(s1_ptr + offs, mask=mask)
+    if N_STATES > 2:
+        s2 = tl.load(s2_ptr + offs, mask=mask)
+    p_new, s0, s1, s2 = rule_update(p, g, s0, s1, s2, scalars + t * K, RULE, FLAG, SAFE)
+    if SAFE:
+        bad = skipped_elements(g, s0, s1, s2, N_STATES)
+        p_new = tl.where(bad, p, p_new)
+        s0 = tl.where(bad, 0.0, s0)
+        s1 = tl.where(bad, 0.0, s1)
+        s2 = tl.where(bad, 0.0, s2)
+    tl.store(p_ptr + offs, to_param_dtype(p_new, P_DTYPE), mask=mask)
+    tl.store(s0_ptr + offs, s0, mask=mask)
+    if N_STATES > 1:
+        tl.store(s1_ptr + offs, s1, mask=mask)
+    if N_STATES > 2:
+        tl.store(s2_ptr + offs, s2, mask=mask)
+
+
+def dense(rule: Rule, cache: TableCache, key: str, params, grads, states, steps: Sequence[int], hp: Mapping[str, Any], *,
+          safe: bool) -> None:  # fmt: skip
+    """One launch per param dtype; ``states[i]`` are param ``i``'s fp32 states, contiguous."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, p in enumerate(params):
+        if p.numel():
+            by_dtype.setdefault(p.dtype, []).append(i)
+    for dtype, idx in by_dtype.items():
+        ps = [params[i] for i in idx]
+        device = ps[0].device
+        n = len(states[idx[0]])
+        table = cache.chunks(ps, CHUNK)
+        scalars, width = _scalar_table(cache, rule, hp, [steps[i] for i in idx], safe, device)
+        k = f"{key}/{rule.name}/{dtype}"
+        state_tables = [cache.addresses(f"{k}/s{j}", [states[i][min(j, n - 1)] for i in idx], device) for j in range(3)]
+        _dense_kernel[(table.num_chunks,)](
+            cache.addresses(k + "/p", ps, device), cache.addresses(k + "/g", [grads[i] for i in idx], device),
+            *state_tables, table.chunk_tensor, table.chunk_start, table.numel, scalars,
+            K=width, P_DTYPE=TL_DTYPE[dtype], RULE=rule.triton_id, N_STATES=n, FLAG=_flag(rule, hp), SAFE=safe,
+            MAXIMIZE=bool(hp["maximize"]), CHUNK=CHUNK,
+        )  # fmt: skip
+
+
+# ---- block-quantized states -----------------------------------------------------------------
+@triton.jit
+def _decode(codes_ptr, offs, mask, values_ptr, scale, BITS: tl.constexpr, HIGH: tl.constexpr):
+    if BITS == 8:
+        code = tl.load(codes_ptr + offs, mask=mask, other=0).to(tl.int32)
+    else:
+        byte = tl.load(codes_ptr + offs // 2, mask=mask, other=0).to(tl.int32)
+        code = (byte >> 4) if HIGH else (byte & 15)
+    return tl.load(values_ptr + code, mask=mask, other=0.0) * scale
+
+
+@triton.jit
+def _encode(x, scale, thresholds_ptr, LOG2_LEN: tl.constexpr):
+    # Index of the nearest code = number of midpoints below y (searchsorted, left side).
+    y = x / tl.where(scale > 0, scale, 1.0)
+    idx = tl.zeros(y.shape, dtype=tl.int32)
+    for k in tl.static_range(LOG2_LEN):
+        # The stride of this level written inline: a constexpr assigned inside a static_range
+        # is a reassignment on the second pass, which Triton's compiler (not its interpreter) refuses.
+        t = tl.load(thresholds_ptr + idx + (((1 << LOG2_LEN) >> (k + 1)) - 1))
+        idx = tl.where(t < y, idx + ((1 << LOG2_LEN) >> (k + 1)), idx)
+    return idx
+
+
+@triton.jit
+def _encode_state(x, scale, g, thresholds_ptr, values_ptr, LOG2_LEN: tl.constexpr, ZERO: tl.constexpr,
+                  TOWARD_ZERO: tl.constexpr):  # fmt: skip
+    # Nearest code; for a TOWARD_ZERO state (a first moment), where the gradient is 0, the
+    # code may not be larger in magnitude than x, so momentum decays to 0 as in fp32 instead of
+    # sticking to a code (the reference's ``toward_zero``).
+    idx = _encode(x, scale, thresholds_ptr, LOG2_LEN)
+    if TOWARD_ZERO:
+        y = x / tl.where(scale > 0, scale, 1.0)
+        code_value = tl.load(values_ptr + idx)
+        over = (g == 0) & (tl.abs(code_value) > tl.abs(y) * TOWARD_ZERO_TOLERANCE) & (idx != ZERO)
+        idx = tl.where(over, tl.where(idx > ZERO, idx - 1, idx + 1), idx)
+    return idx
+
+
+@triton.jit
+def _load_state(codes_ptrs, scales_ptrs, t, values, block_index, block_mask, even, odd, mask_e, mask_o,
+                BITS: tl.constexpr):  # fmt: skip
+    codes = tl.load(codes_ptrs + t).to(tl.pointer_type(tl.uint8))
+    scales = tl.load(scales_ptrs + t).to(tl.pointer_type(tl.float32))
+    scale = tl.load(scales + block_index, mask=block_mask, other=0.0)[:, None]
+    return _decode(codes, even, mask_e, values, scale, BITS, False), _decode(codes, odd, mask_o, values, scale, BITS, True)
+
+
+@triton.jit
+def _store_state(x_e, x_o, g_e, g_o, codes_ptrs, scales_ptrs, t, values, thresholds, block_index, block_mask, even, odd,
+                 mask_e, mask_o, BITS: tl.constexpr, LOG2: tl.constexpr, ZERO: tl.constexpr,
+                 TOWARD_ZERO: tl.constexpr):  # fmt: skip
+    codes = tl.load(codes_ptrs + t).to(tl.pointer_type(tl.uint8))
+    scales = tl.load(scales_ptrs + t).to(tl.pointer_type(tl.float32))
+    x_e = tl.where(mask_e, x_e, 0.0)
+    x_o = tl.where(mask_o, x_o, 0.0)
+    scale = tl.maximum(tl.max(tl.abs(x_e), axis=1), tl.max(tl.abs(x_o), axis=1))
+    tl.store(scales + block_index, scale, mask=block_mask)
+    i_e = _encode_state(x_e, scale[:, None], g_e, thresholds, values, LOG2, ZERO, TOWARD_ZERO)
+    i_o = _encode_state(x_o, scale[:, None], g_o, thresholds, values, LOG2, ZERO, TOWARD_ZERO)
+    if BITS == 8:
+        tl.store(codes + even, i_e.to(tl.uint8), mask=mask_e)
+        tl.store(codes + odd, i_o.to(tl.uint8), mask=mask_o)
+    else:
+        # An odd tail element's high nibble is 0, as the reference packs it.
+        i_o = tl.where(mask_o, i_o, 0)
+        tl.store(codes + even // 2, (i_e | (i_o << 4)).to(tl.uint8), mask=mask_e)
+
+
+@triton.jit
+def _quantized_kernel(
+    p_ptrs, g_ptrs, c0_ptrs, a0_ptrs, c1_ptrs, a1_ptrs, c2_ptrs, a2_ptrs,
+    chunk_tensor, chunk_start, numels, scalars,
+    values0, thresholds0, values1, thresholds1, values2, thresholds2,
+    K: tl.constexpr, P_DTYPE: tl.constexpr, RULE: tl.constexpr, N_STATES: tl.constexpr, FLAG: tl.constexpr,
+    MAXIMIZE: tl.constexpr, BITS: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr,
+    LOG2_0: tl.constexpr, ZERO_0: tl.constexpr, TZ_0: tl.constexpr,
+    LOG2_1: tl.constexpr, ZERO_1: tl.constexpr, TZ_1: tl.constexpr,
+    LOG2_2: tl.constexpr, ZERO_2: tl.constexpr, TZ_2: tl.constexpr,
+):  # fmt: skip
+    c = tl.program_id(0)
+    t = tl.load(chunk_tensor + c)
+    start = tl.load(chunk_start + c)
+    n = tl.load(numels + t)
+    p_ptr = tl.load(p_ptrs + t).to(tl.pointer_type(P_DTYPE))
+    g_ptr = tl.load(g_ptrs + t).to(tl.pointer_type(P_DTYPE))
+
+    blk = tl.arange(0, NB)
+    block_index = start // BS + blk  # int64
+    block_mask = block_index * BS < n
+    even = start + blk[:, None] * BS + 2 * tl.arange(0, BS // 2)[None, :]
+    odd = even + 1
+    mask_e = even < n
+    mask_o = odd < n
+
+    s0_e, s0_o = _load_state(c0_ptrs, a0_ptrs, t, values0, block_index, block_mask, even, odd, mask_e, mask_o, BITS)
+    s1_e, s1_o = s0_e, s0_o
+    s2_e, s2_o = s0_e, s0_o
+    if N_STATES > 1:
+        s1_e, s1_o = _load_state(c1_ptrs, a1_ptrs, t, values1, block_index, block_mask, even, odd, mask_e, mask_o, BITS)
+    if N_STATES > 2:
+        s2_e, s2_o = _load_state(c2_ptrs, a2_ptrs, t, values2, block_index, block_mask, even, odd, mask_e, mask_o, BITS)
+
+    p_e = tl.load(p_ptr + even, mask=mask_e, other=0.0).to(tl.float32)
+    p_o = tl.load(p_ptr + odd, mask=mask_o, other=0.0).to(tl.float32)
+    g_e = tl.load(g_ptr + even, mask=mask_e, other=0.0).to(tl.float32)
+    g_o = tl.load(g_ptr + odd, mask=mask_o, other=0.0).to(tl.float32)
+    if MAXIMIZE:
+        g_e = -g_e
+        g_o = -g_o
+    cp = scalars + t * K
+    new_e, s0_e, s1_e, s2_e = rule_update(p_e, g_e, s0_e, s1_e, s2_e, cp, RULE, FLAG, True)
+    new_o, s0_o, s1_o, s2_o = rule_update(p_o, g_o, s0_o, s1_o, s2_o, cp, RULE, FLAG, True)
+    bad_e = skipped_elements(g_e, s0_e, s1_e, s2_e, N_STATES)
+    bad_o = skipped_elements(g_o, s0_o, s1_o, s2_o, N_STATES)
+    tl.store(p_ptr + even, to_param_dtype(tl.where(bad_e, p_e, new_e), P_DTYPE), mask=mask_e)
+    tl.store(p_ptr + odd, to_param_dtype(tl.where(bad_o, p_o, new_o), P_DTYPE), mask=mask_o)
+
+    _store_state(tl.where(bad_e, 0.0, s0_e), tl.where(bad_o, 0.0, s0_o), g_e, g_o, c0_ptrs, a0_ptrs, t, values0,
+                 thresholds0, block_index, block_mask, even, odd, mask_e, mask_o, BITS, LOG2_0, ZERO_0, TZ_0)  # fmt: skip
+    if N_STATES > 1:
+        _store_state(tl.where(bad_e, 0.0, s1_e), tl.where(bad_o, 0.0, s1_o), g_e, g_o, c1_ptrs, a1_ptrs, t, values1,
+                     thresholds1, block_index, block_mask, even, odd, mask_e, mask_o, BITS, LOG2_1, ZERO_1, TZ_1)  # fmt: skip
+    if N_STATES > 2:
+        _store_state(tl.where(bad_e, 0.0, s2_e), tl.where(bad_o, 0.0, s2_o), g_e, g_o, c2_ptrs, a2_ptrs, t, values2,
+                     thresholds2, block_index, block_mask, even, odd, mask_e, mask_o, BITS, LOG2_2, ZERO_2, TZ_2)  # fmt: skip
+
+
+_PADDED: dict[tuple[str, torch.device], tuple[Tensor, Tensor, int]] = {}
+
+
+def _padded_book(book, device: torch.device) -> tuple[Tensor, Tensor, int]:
+    """(values, midpoints padded with +inf to a power of two, log2 of that length)."""
+    key = (book.name, device)
+    if key not in _PADDED:
+        thr = book.thresholds.to(device=device, dtype=torch.float32)
+        log2 = max(1, (thr.numel()).bit_length())
+        padded = torch.full((1 << log2,), float("inf"), dtype=torch.float32, device=device)
+        padded[: thr.numel()] = thr
+        _PADDED[key] = (book.values.to(device=device, dtype=torch.float32), padded, log2)
+    return _PADDED[key]
+
+
+def quantized(rule: Rule, cache: TableCache, key: str, params, grads, states, steps: Sequence[int],
+              hp: Mapping[str, Any]) -> None:  # fmt: skip
+    """One launch per (param dtype, formats) for params whose states are all QuantizedStates of
+    one bit width and a block size dividing :data:`CHUNK` (``kernels.select`` checked that)."""
+    kinds = rule.states(hp)
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(params):
+        if p.numel():
+            groups.setdefault((p.dtype, tuple(q.format for q in states[i])), []).append(i)
+    for (dtype, formats), idx in groups.items():
+        ps = [params[i] for i in idx]
+        device = ps[0].device
+        n = len(formats)
+        table = cache.chunks(ps, CHUNK)
+        scalars, width = _scalar_table(cache, rule, hp, [steps[i] for i in idx], True, device)
+        k = f"{key}/{rule.name}/{dtype}/" + "/".join(f.name for f in formats)
+        pointers, books, consts = [], [], {}
+        for j in range(3):
+            s = min(j, n - 1)
+            pointers += [cache.addresses(f"{k}/c{j}", [states[i][s].codes for i in idx], device),
+                         cache.addresses(f"{k}/a{j}", [states[i][s].absmax for i in idx], device)]  # fmt: skip
+            values, thresholds, log2 = _padded_book(formats[s].book(device), device)
+            books += [values, thresholds]
+            consts.update({f"LOG2_{j}": log2, f"ZERO_{j}": formats[s].book("cpu").zero_index,
+                           f"TZ_{j}": kinds[s].toward_zero})  # fmt: skip
+        fmt = formats[0]
+        _quantized_kernel[(table.num_chunks,)](
+            cache.addresses(k + "/p", ps, device), cache.addresses(k + "/g", [grads[i] for i in idx], device),
+            *pointers, table.chunk_tensor, table.chunk_start, table.numel, scalars, *books,
+            K=width, P_DTYPE=TL_DTYPE[dtype], RULE=rule.triton_id, N_STATES=n, FLAG=_flag(rule, hp),
+            MAXIMIZE=bool(hp["maximize"]), BITS=fmt.bits, BS=fmt.block_size, NB=CHUNK // fmt.block_size, **consts,
+        )  # fmt: skip

@@ -1,0 +1,70 @@
+"""Optimizers whose update is an elementwise rule (:mod:`leanopt.kernels.rules`).
+
+:class:`ElementwiseOptimizer` is everything such an optimizer shares: its state layout comes
+from the rule's state kinds, and a step hands each param group's params, gradients, states and
+step counts to :func:`leanopt.kernels.step`, which picks a backend per param. A subclass gives
+its rule, its defaults and the checks of its hyper-parameters (:meth:`validate_group`); its
+quantized sibling adds :class:`leanopt.optim.lowbit.LowBit` (see ``AdamW8bit``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+
+from leanopt import kernels
+from leanopt.kernels.rules import Rule
+from leanopt.optim.base import LeanOptimizer
+from leanopt.optim.layout import StateSpec
+from leanopt.optim.sharding import local
+
+
+def state_dtype(param_dtype: torch.dtype) -> torch.dtype:
+    """fp64 params keep fp64 state, complex params complex state (of their real view's
+    precision, at least fp32); every other float dtype keeps fp32 state."""
+    if param_dtype.is_complex:
+        return torch.complex128 if param_dtype == torch.complex128 else torch.complex64
+    return torch.float64 if param_dtype == torch.float64 else torch.float32
+
+
+def real_view(t: Any) -> Any:
+    """A complex tensor as the real tensor of its (real, imaginary) pairs; others as they are."""
+    return torch.view_as_real(t) if isinstance(t, torch.Tensor) and t.is_complex() else t
+
+
+class ElementwiseOptimizer(LeanOptimizer):
+    """An optimizer that runs ``rule`` on each element (the shared implementation)."""
+
+    rule: ClassVar[Rule]
+    # Safe mode (the low-bit optimizers): second-moment floors and skipped non-finite elements.
+    safe: ClassVar[bool] = False
+
+    def state_keys(self, group: Mapping[str, Any]) -> list[str]:
+        """The rule's state keys (besides ``step``) for params of ``group``."""
+        return [kind.key for kind in self.rule.states(self.rule.hyperparameters(group))]
+
+    def state_layout(self, shape: tuple[int, ...], dtype: torch.dtype, group: Mapping[str, Any]) -> list[StateSpec]:
+        sd = state_dtype(dtype)
+        return [StateSpec("step", (), torch.float32, host=True)] + [
+            StateSpec(key, tuple(shape), sd) for key in self.state_keys(group)
+        ]
+
+    def _step_group(self, gi: int, group: Mapping[str, Any], params: list[torch.Tensor], key: str) -> None:
+        if not params:
+            return
+        keys = self.state_keys(group)
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for p in params:
+            by_device.setdefault(p.device, []).append(p)
+        hp = self.rule.hyperparameters(group)
+        for device_params in by_device.values():
+            # Elementwise: a DTensor (FSDP2) param updates its own shard; a complex one its real view.
+            kernels.step(
+                self.backend, self.rule, self._tables, key,
+                [real_view(local(p)) for p in device_params],
+                [real_view(local(p.grad)) for p in device_params],
+                [[real_view(local(self.state[p][k])) for k in keys] for p in device_params],
+                self._steps(device_params), hp, safe=self.safe,
+            )  # fmt: skip

@@ -1,0 +1,127 @@
+"""Block-quantized storage for any elementwise optimizer's states.
+
+:class:`LowBit` is mixed in before an :class:`~leanopt.optim.elementwise.ElementwiseOptimizer`
+(``class AdamW8bit(LowBit, AdamW)``): it stores each of the rule's states block-quantized
+(:mod:`leanopt.quant`), on the code its class declares as ``<state key>_code`` (a signed code
+for a first moment, an unsigned zero-free one for a second moment), in blocks of
+``block_size`` with one fp32 scale each, and runs the rule in safe mode. Params with fewer than
+``min_quant_size`` elements, and every param of a group with ``"quantize": False``, keep dense
+states. Nothing here knows which rule it stores.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+
+from leanopt.optim.base import check_flag
+from leanopt.optim.elementwise import ElementwiseOptimizer, state_dtype
+from leanopt.optim.layout import StateSpec
+from leanopt.quant import BlockFormat
+from leanopt.quant.formats import MAX_BLOCK_SIZE
+
+# Options that say how states are stored rather than how the optimizer steps. On load they
+# keep this optimizer's values (the loaded states are converted to them), so an 8-bit
+# checkpoint loads into the 4-bit optimizer as 4-bit and an fp32 one gains them.
+STORAGE_OPTIONS = ("quantize", "block_size", "min_quant_size", "state_bits")
+
+
+def check_block_size(value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_BLOCK_SIZE:
+        raise ValueError(f"Invalid block_size: {value!r} (must be an int in [1, {MAX_BLOCK_SIZE}])")
+
+
+def check_min_quant_size(value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"Invalid min_quant_size: {value!r} (must be an int >= 0)")
+
+
+class LowBit(ElementwiseOptimizer):
+    """Quantized states for the elementwise optimizer it is mixed into (see the module).
+
+    A subclass sets ``state_bits``, ``default_block_size`` and ``<key>_code`` for each of its
+    rule's state keys. Constructor keywords ``block_size`` (default: ``default_block_size``) and
+    ``min_quant_size`` (default 4096) are taken here; the rest go to the optimizer.
+    """
+
+    safe = True
+    # Complex states would need a complex code book: complex params are refused.
+    supports_complex = False
+    state_bits: ClassVar[int]
+    default_block_size: ClassVar[int]
+
+    def __init__(self, params: Any, *args: Any, block_size: int | None = None, min_quant_size: int = 4096,
+                 **kwargs: Any) -> None:  # fmt: skip
+        block_size = self.default_block_size if block_size is None else block_size
+        check_block_size(block_size)
+        check_min_quant_size(min_quant_size)
+        self._storage = dict(quantize=True, block_size=block_size, min_quant_size=min_quant_size, state_bits=self.state_bits)
+        super().__init__(params, *args, **kwargs)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # Each subclass's __init__ shows its optimizer's signature plus the storage keywords
+        # (for help(), IDEs and inspect.signature), though one __init__ serves them all.
+        super().__init_subclass__(**kwargs)
+        if "__init__" in cls.__dict__:
+            return
+        sibling = next(k for k in cls.__mro__[1:] if not issubclass(k, LowBit) and "__init__" in k.__dict__)
+        base = inspect.signature(sibling.__init__)
+        storage = [
+            inspect.Parameter("block_size", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="int | None"),
+            inspect.Parameter("min_quant_size", inspect.Parameter.KEYWORD_ONLY, default=4096, annotation="int"),
+        ]
+        params = list(base.parameters.values())
+        at = next((i for i, q in enumerate(params) if q.name == "rounding"), len(params))
+
+        def __init__(self: Any, *args: Any, **kw: Any) -> None:
+            LowBit.__init__(self, *args, **kw)
+
+        __init__.__signature__ = base.replace(parameters=params[:at] + storage + params[at:])  # type: ignore[attr-defined]
+        __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+        cls.__init__ = __init__  # type: ignore[method-assign]
+
+    def _complete_defaults(self, defaults: dict[str, Any]) -> dict[str, Any]:
+        return {**super()._complete_defaults(defaults), **self._storage}
+
+    def validate_group(self, group: Mapping[str, Any], *, loaded: bool = False) -> None:
+        super().validate_group(group, loaded=loaded)
+        check_block_size(group["block_size"])
+        check_min_quant_size(group["min_quant_size"])
+        check_flag("quantize", group["quantize"])
+        if group.get("state_bits", self.state_bits) != self.state_bits:
+            raise ValueError(f"{type(self).__name__} keeps {self.state_bits}-bit states; state_bits cannot be changed")
+
+    # ---- layout ---------------------------------------------------------------------------
+    def state_format(self, key: str, group: Mapping[str, Any]) -> BlockFormat:
+        """The format of state ``key`` of quantized params in ``group``."""
+        return BlockFormat(getattr(self, f"{key}_code"), group["block_size"])
+
+    def quantizes(self, shape: tuple[int, ...], group: Mapping[str, Any]) -> bool:
+        """Whether a param of (global) ``shape`` in ``group`` gets quantized states."""
+        return bool(group["quantize"]) and math.prod(shape) >= group["min_quant_size"]
+
+    def state_layout(self, shape: tuple[int, ...], dtype: torch.dtype, group: Mapping[str, Any]) -> list[StateSpec]:
+        shape = tuple(shape)
+        specs = [StateSpec("step", (), torch.float32, host=True)]
+        quantized = self.quantizes(shape, group)
+        for key in self.state_keys(group):
+            if quantized:
+                specs.append(StateSpec(key, shape, torch.float32, quant=self.state_format(key, group)))
+            else:
+                specs.append(StateSpec(key, shape, state_dtype(dtype)))
+        return specs
+
+    # ---- save / load ----------------------------------------------------------------------
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
+        if isinstance(groups, list) and len(groups) == len(self.param_groups):
+            patched = [
+                {**saved, **{k: group[k] for k in STORAGE_OPTIONS}} if isinstance(saved, Mapping) else saved
+                for saved, group in zip(groups, self.param_groups)
+            ]
+            state_dict = {**state_dict, "param_groups": patched}
+        super().load_state_dict(state_dict)
