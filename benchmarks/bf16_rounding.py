@@ -12,6 +12,18 @@ batches, warm-up + cosine schedule and weight decay as the comparison, in four w
 
 Prints final validation loss (mean ± std over seeds) and the measured bytes per parameter of
 weights + gradients + optimizer state (each storage once, after a step, before zero_grad).
+
+The same comparison through ``leanopt compare`` (contenders ``optimizer+mode``; its peak-memory
+meter, verdicts and report; docs/compare.md, "Training modes"):
+
+    leanopt compare --task bytes-gpt --precision bf16-mixed --steps 300 --lr 1e-3 --seeds 3 \\
+        --optimizers adamw,adamw+bf16-kahan,adamw+bf16-stochastic,adamw+bf16-nearest \\
+        --device cpu --threads 1 --out out/bf16
+
+Its losses differ from this script's by a few thousandths: ``compare`` decays matrices only
+(this script decays every param). Both compute the loss in fp32 from the logits
+(``ByteGPT.loss``); the figures in docs/memory.md were made before that, with a bf16 loss for the
+pure-bf16 modes.
 """
 
 from __future__ import annotations

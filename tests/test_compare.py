@@ -21,10 +21,11 @@ import torch
 
 from leanopt.compare import compare, get_task, main
 from leanopt.compare import stats
-from leanopt.compare.contenders import CONTENDERS, RELATIVE, Contender, contender
+from leanopt.compare.contenders import CONTENDERS, DEFAULT_CONTENDERS, MODES, RELATIVE, Contender, contender
+from leanopt.compare.meter import Recorder
 from leanopt.compare.progress import RemainingTime, RunLines, eta_check, load_summary
-from leanopt.compare.report import markdown, table_rows
-from leanopt.compare.runner import lr_grid, runs_planned, summarize
+from leanopt.compare.report import columns, markdown, table_rows, to_json
+from leanopt.compare.runner import lr_grid, reference, runs_planned, summarize
 from leanopt.compare.tasks import LR_MULTIPLIERS, SEEDS, warmup_cosine
 from leanopt.memory import OPTIMIZER_NAMES, available_optimizers
 
@@ -422,6 +423,11 @@ def test_skips_are_rows_with_reasons() -> None:
     "argv, message",
     [
         (["--optimizers", "adamw,sgd-deluxe"], "unknown optimizer 'sgd-deluxe'"),
+        (["--optimizers", "adamw,adamw+bf16-kahn"], "unknown training mode 'bf16-kahn' in 'adamw+bf16-kahn'"),
+        (["--optimizers", "sgd-deluxe+release"], "unknown optimizer 'sgd-deluxe'"),
+        (["--optimizers", "torch-adamw+bf16-kahan"], "bf16-kahan needs a leanopt optimizer"),
+        (["--optimizers", "adamw+bf16-mixed+bf16-kahan"], "one precision mode at most"),
+        (["--precision", "fp16"], "--precision"),
         (["--task", "nope"], "unknown task 'nope'"),
         (["--steps", "many"], "invalid int value"),
         (["--seeds", "0"], "--seeds 0"),
@@ -437,3 +443,158 @@ def test_errors_are_one_line(argv: list[str], message: str, capsys: pytest.Captu
     err = capsys.readouterr().err.strip()
     assert err.startswith("leanopt compare: error: ") and message in err
     assert "\n" not in err
+
+
+# ---- training modes: contenders named optimizer+mode -----------------------------------------------
+def test_mode_names() -> None:
+    kahan = contender("AdamW + BF16-Kahan")
+    assert (kahan.name, kahan.optimizer, kahan.family, kahan.origin) == ("adamw+bf16-kahan", "adamw", "adamw", "leanopt")
+    assert kahan.mode("bf16-mixed") == kahan.mode("fp32")  # a pure-bf16 mode ignores --precision
+    assert (kahan.mode().precision, kahan.mode().rounding, kahan.mode().release) == ("bf16", "kahan", False)
+    cpu = torch.device("cpu")
+    assert kahan.kwargs(lr=1e-3, weight_decay=0.01, device=cpu) == {
+        **contender("adamw").kwargs(lr=1e-3, weight_decay=0.01, device=cpu), "rounding": "kahan"}
+    assert kahan.load() is contender("adamw").load() and kahan.unavailable() == contender("adamw").unavailable()
+    # Modes in any order; the name is canonical (optimizer, precision, release).
+    both = contender("adamw8bit+release+bf16-stochastic")
+    assert both.name == "adamw8bit+bf16-stochastic+release" and both.cpu_compile_s == CONTENDERS["adamw8bit"].cpu_compile_s
+    assert both.mode() == type(both.mode())("bf16", "stochastic", True)
+    plain = contender("adamw+release")
+    assert plain.mode("bf16-mixed").precision == "bf16-mixed" and plain.mode().precision == "fp32"
+    assert contender("adamw+bf16-mixed").mode("fp32").precision == "bf16-mixed"
+    # A peer's bf16 params round to nearest: that mode only, and no release.
+    assert "rounding" not in contender("torch-adamw+bf16-nearest").kwargs(lr=1e-3, weight_decay=0.0, device=cpu)
+    for bad, message in [("adamw+bf16-kahn", "unknown training mode 'bf16-kahn' in 'adamw+bf16-kahn'"),
+                         ("adamw+", "unknown training mode ''"),
+                         ("nope+bf16-kahan", "unknown optimizer 'nope'"),
+                         ("adamw+release+release", "'release' is given twice"),
+                         ("adamw+fp32+bf16-kahan", "one precision mode at most"),
+                         ("torch-adamw+bf16-stochastic", "needs a leanopt optimizer"),
+                         ("torch-adamw+release", "release needs a leanopt optimizer")]:
+        with pytest.raises(ValueError, match=message.replace("+", r"\+")):
+            contender(bad)
+    assert not any("+" in name for name in DEFAULT_CONTENDERS)  # modes are never run unless named
+    assert set(MODES) >= {"bf16-nearest", "bf16-stochastic", "bf16-kahan", "bf16-mixed", "release"}
+
+
+def test_registered_optimizers_are_contenders_with_modes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An optimizer added to the library's registry is a contender, with every mode, by its name alone."""
+    from leanopt.compare import contenders
+
+    monkeypatch.setitem(OPTIMIZER_NAMES, "newopt", "leanopt:AdamW")
+    entry = contenders.contender("newopt+bf16-kahan")
+    assert (entry.optimizer, entry.origin, entry.family, entry.rounding) == ("newopt", "leanopt", "plain", "kahan")
+    assert entry.default_lr == 1e-3  # the class's own default lr centres its grid
+    assert entry.kwargs(lr=1e-3, weight_decay=0.0, device=torch.device("cpu")) == {
+        "lr": 1e-3, "weight_decay": 0.0, "rounding": "kahan"}
+
+
+def _tiny_plan(task: str = "bytes-gpt", steps: int = 4, precision: str = "fp32") -> Any:
+    plan = get_task(task).plan(device="cpu", quick=True, seed=0, steps=steps, lr=1e-3)
+    plan.seeds, plan.threads, plan.precision = [0, 1], 1, precision
+    return plan
+
+
+@pytest.fixture(scope="module")
+def modes_result() -> Any:
+    """Pure bf16 (Kahan), gradient release, and both, against plain AdamW: 4 steps, 2 seeds."""
+    threads = torch.get_num_threads()
+    try:
+        return compare(_tiny_plan(), ["adamw", "adamw+bf16-kahan", "adamw+release", "adamw+bf16-kahan+release"],
+                       isolate=False)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_mode_contenders_run_and_measure_memory(modes_result: Any) -> None:
+    by_name = {r["optimizer"]: r for r in modes_result.rows}
+    for name, row in by_name.items():
+        assert row["status"] == "ok", (name, row.get("reason"))
+        assert row["peak_bytes"] > 0 and all(math.isfinite(x) for c in row["loss_curves"] for x in c)
+        assert row["estimated_state_bytes"] == row["state_bytes"], name  # kahan_comp is in the layout
+    plain, kahan, release = by_name["adamw"], by_name["adamw+bf16-kahan"], by_name["adamw+release"]
+    assert plain["param_dtypes"] == release["param_dtypes"] == ["float32"]
+    assert kahan["param_dtypes"] == ["bfloat16"] and kahan["mode"] == "bf16 (kahan rounding)"
+    assert kahan["kwargs"]["rounding"] == "kahan" and "kahan_comp" in kahan["state_by_key"]
+    n = plain["params"]
+    # fp32: 4 (weights) + 4 (grads) + 8 (state); bf16 + Kahan: 2 + 2 + 8 + 2; released: no gradients.
+    assert plain["kept_bytes_per_param"] == pytest.approx(16.0, abs=0.01)
+    assert kahan["kept_bytes_per_param"] == pytest.approx(14.0, abs=0.01)
+    assert release["grad_bytes"] == 0 and release["kept_bytes_per_param"] == pytest.approx(12.0, abs=0.01)
+    assert by_name["adamw+bf16-kahan+release"]["kept_bytes_per_param"] == pytest.approx(12.0, abs=0.01)
+    assert kahan["param_bytes"] == 2 * n and plain["param_bytes"] == 4 * n
+    # Released, step() is a no-op: no step time is reported (the update is in the whole step's time).
+    assert release["step_ms_median"] is None and release["train_step_ms_median"] > 0
+    assert modes_result.reference == "adamw" and plain["verdict"] == "reference"
+
+
+def test_release_trains_exactly_what_the_plain_loop_trains(modes_result: Any) -> None:
+    by_name = {r["optimizer"]: r for r in modes_result.rows}
+    for usual, released in (("adamw", "adamw+release"), ("adamw+bf16-kahan", "adamw+bf16-kahan+release")):
+        a, b = by_name[usual], by_name[released]
+        assert a["loss_curves"] == b["loss_curves"] and a["val_losses"] == b["val_losses"], usual
+        assert a["state_bytes"] == b["state_bytes"]
+    # bf16 weights train a different (rounded) model from the same start.
+    assert by_name["adamw+bf16-kahan"]["loss_curves"] != by_name["adamw"]["loss_curves"]
+
+
+def test_mode_report_columns(modes_result: Any) -> None:
+    data = to_json(modes_result, "leanopt compare ...", [], None)
+    cols = columns(data)
+    assert {"mode", "val loss vs ref", "weights+grads+state B/param", "peak MiB"} <= set(cols)
+    rows = {row[cols.index("optimizer")]: row for row in table_rows(data)}
+    assert rows["adamw+bf16-kahan"][cols.index("mode")] == "bf16 (kahan rounding)"
+    assert rows["adamw+bf16-kahan"][cols.index("weights+grads+state B/param")] == "14.00"
+    assert rows["adamw+release"][cols.index("step ms median [IQR]")] == "in backward"
+    text = markdown(data)
+    assert "`bf16-kahan`: " + MODES["bf16-kahan"] in text and "`release`: " in text
+
+
+def test_pure_bf16_workload_params_and_release_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In the workload itself: bf16-* casts the params to bf16 (no autocast), release goes through
+    leanopt.release_gradients, bf16-mixed keeps fp32 params and runs the forward under autocast."""
+    import leanopt.optim.release as release_module
+
+    plan = _tiny_plan("digits", steps=3)
+    work = get_task("digits").prepare(plan)
+
+    def run(name: str) -> Any:
+        return work.run(contender(name), plan, Recorder(torch.device("cpu"), plan.steps, lambda e: None))
+
+    pure = run("adamw+bf16-stochastic")
+    assert {p.dtype for p in pure.model.parameters()} == {torch.bfloat16}
+    assert pure.optimizer.param_groups[0]["rounding"] == "stochastic" and math.isfinite(pure.metrics["val_loss"])
+    handles = []
+    real = release_module.release_gradients
+    monkeypatch.setattr(release_module, "release_gradients", lambda m, o: handles.append(real(m, o)) or handles[-1])
+    released = run("adamw+release")
+    assert len(handles) == 1 and handles[0].optimizer is released.optimizer
+    assert getattr(released.optimizer, "_gradient_release", None) is None  # removed after training
+    autocast_seen = []
+    monkeypatch.setattr(work, "loss", lambda model, batch: autocast_seen.append(torch.is_autocast_enabled("cpu"))
+                        or torch.nn.functional.cross_entropy(model(batch[0]).float(), batch[1]))
+    mixed = run("adamw+bf16-mixed")
+    assert {p.dtype for p in mixed.model.parameters()} == {torch.float32} and autocast_seen == [True] * plan.steps
+
+
+def test_reference_with_modes() -> None:
+    def row(name: str, loss: float = 2.0) -> dict[str, Any]:
+        return {"optimizer": name, "status": "ok", "val_loss_mean": loss}
+
+    assert reference([row("adamw+bf16-kahan"), row("adamw"), row("torch-adamw")]) == "adamw"
+    # Without plain AdamW, the first AdamW with master weights named with its precision.
+    assert reference([row("adamw+bf16-kahan"), row("adamw+release"), row("adamw+bf16-mixed")]) == "adamw+bf16-mixed"
+    assert reference([row("adamw+bf16-kahan"), row("adamw8bit+bf16-mixed")]) is None
+
+
+@pytest.mark.slow
+def test_modes_through_the_trainer() -> None:
+    pytest.importorskip("transformers")
+    plan = get_task("distilbert-trainer").plan(device="cpu", quick=True, seed=0, steps=2, lr=None)
+    plan.lr_multipliers, plan.seeds = [1.0], [0]
+    result = compare(plan, ["adamw", "adamw+bf16-kahan", "adamw+release"], isolate=False)
+    by_name = {r["optimizer"]: r for r in result.rows}
+    for name, row in by_name.items():
+        assert row["status"] == "ok", (name, row.get("reason"))
+    assert by_name["adamw+bf16-kahan"]["param_dtypes"] == ["bfloat16"]
+    assert by_name["adamw+release"]["step_ms_median"] is None

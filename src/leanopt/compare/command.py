@@ -14,7 +14,7 @@ from typing import NoReturn
 import torch
 from rich.console import Console
 
-from leanopt.compare.contenders import DEFAULT_CONTENDERS, contender
+from leanopt.compare.contenders import DEFAULT_CONTENDERS, MODES, PRECISIONS, contender
 from leanopt.compare.plots import write_plots
 from leanopt.compare.progress import LoadMonitor, RemainingTime, RunBars, RunLines, eta_check, load_summary
 from leanopt.compare.report import command_line, markdown, print_table, to_json, write_json
@@ -45,15 +45,22 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default {DEFAULT_TASK})")
     parser.add_argument("--optimizers", default=None,
                         help="comma-separated names; unavailable ones are skipped with the reason "
-                        f"(default: {','.join(DEFAULT_CONTENDERS)}; with --quick on the CPU the torchao ones "
-                        "(their compile time) and torch-adafactor are left out unless named)")
+                        f"(default: {','.join(DEFAULT_CONTENDERS)}; with --quick on the CPU only leanopt's AdamW and Adafactor "
+                        "families and the peers but the torchao ones (their compile time) and torch-adafactor run, "
+                        "unless named). A name may add "
+                        f"training modes after '+': {', '.join(MODES)}; e.g. adamw+bf16-kahan, adamw8bit+release")
+    parser.add_argument("--precision", default="fp32", choices=PRECISIONS,
+                        help="what optimizers named without a precision mode train in: fp32, or bf16-mixed "
+                        "(fp32 weights under bf16 autocast: the baseline for the pure-bf16 modes) "
+                        "(default: %(default)s)")
     parser.add_argument("--steps", type=int, default=None, help="training steps (default: the task's)")
     parser.add_argument("--device", default=None,
                         help="cpu or cuda (default: cuda when available); on CUDA the task sizes scale up")
     parser.add_argument("--out", default="out/compare", help="output directory (default: %(default)s)")
     parser.add_argument("--quick", action="store_true",
                         help=f"small sizes, a {len(LR_MULTIPLIERS[True])}-point lr grid and {SEEDS[True]} seeds: "
-                        "the default task and optimizers (on the CPU less the torchao pair and torch-adafactor) in under "
+                        "the default task and optimizers (on the CPU: leanopt's AdamW and Adafactor families and the peers, "
+                        "less the torchao pair and torch-adafactor) in under "
                         "4 minutes on 2 CPU cores")
     parser.add_argument("--seed", type=int, default=0,
                         help="the first seed (initial weights and data order); the lr is tuned on it (default: 0)")
@@ -140,14 +147,14 @@ def _argument_problem(args: argparse.Namespace) -> str | None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    names = [n.strip().lower() for n in (args.optimizers or ",".join(DEFAULT_CONTENDERS)).split(",") if n.strip()]
-    if not names:
+    given = [n.strip().lower() for n in (args.optimizers or ",".join(DEFAULT_CONTENDERS)).split(",") if n.strip()]
+    if not given:
         return fail("--optimizers is empty")
     if args.threads is not None and args.threads < 1:
         return fail("--threads must be at least 1")
     try:
-        for name in names:
-            contender(name)
+        # Canonical names (modes in a fixed order), each once.
+        names = list(dict.fromkeys(contender(name).name for name in given))
         task = get_task(args.task)
         task.check()
     except (ValueError, TaskUnavailable) as e:
@@ -162,6 +169,7 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as e:
         return fail(str(e))
     plan.threads = args.threads
+    plan.precision = args.precision
     if args.seeds is not None:
         plan.seeds = [plan.seed + i for i in range(args.seeds)]
     if args.lr_grid is not None:
@@ -179,7 +187,8 @@ def _run(args: argparse.Namespace) -> int:
     grid_text = "lr fixed at " + f"{plan.lr:g}" if plan.fixed_lr else (
         f"lr grid x{_multipliers(plan.lr_multipliers)} of each optimizer's usual lr"
         + (" + Adafactor's relative step" if plan.relative_step else ""))
-    console.print(f"[bold]{PROG}[/bold]: {task.name} — {task.description}; {plan.steps} steps on {device}; "
+    precision = "" if plan.precision == "fp32" else f" ({plan.precision} unless a name says otherwise)"
+    console.print(f"[bold]{PROG}[/bold]: {task.name} — {task.description}; {plan.steps} steps on {device}{precision}; "
                   f"{grid_text}; seeds {','.join(map(str, plan.seeds))}; {total} runs of {len(runnable)} optimizers"
                   f"{' (quick)' if plan.quick else ''}")
     start = time.perf_counter()

@@ -86,5 +86,7 @@ class ByteGPT(nn.Module):
         return self.head(self.ln_f(x))
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self(idx)
+        # In fp32 whatever the logits' dtype (bf16 for a pure-bf16 model or under autocast): a bf16
+        # loss would be rounded to 1/64 near 2.3 nats. A no-op for fp32 logits.
+        logits = self(idx).float()
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -161,6 +161,9 @@ class Recorder:
         self._t_opt = 0.0
         self._t_step = 0.0
         self.peak_bytes: int | None = None
+        # Bytes of the gradients alive between the first backward and its step (the workload
+        # sets it; 0 under gradient release, which frees each gradient inside backward).
+        self.grad_bytes: int | None = None
         # On the CPU the peak is read early, then the allocator switches to reusing blocks.
         self.memory_steps = CPU_MEMORY_STEPS if device.type == "cpu" else None
 
@@ -215,6 +218,7 @@ class Recorder:
         finite = all(math.isfinite(x) for x in self.losses)
         return {
             "peak_bytes": self.peak_bytes,
+            "grad_bytes": self.grad_bytes,
             "step_ms": mean_after_warmup(self.optimizer_ms),
             "step_ms_median": median_after_warmup(self.optimizer_ms),
             "train_step_ms": mean_after_warmup(self.train_ms),

@@ -97,6 +97,7 @@ def write_plots(data: dict[str, Any], out_dir: Path) -> tuple[list[str], str | N
     colors = {r["optimizer"]: plt.get_cmap("tab10")(i % 10) for i, r in enumerate(data["results"])}
     task, steps = data["settings"]["task"], data["settings"]["steps"]
     n_seeds = len(data["settings"]["seeds"])
+    at = f"at lr {data['settings']['lr']:g} (fixed)" if data["settings"].get("fixed_lr") else "at each tuned lr"
     files = []
 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=90)
@@ -117,7 +118,7 @@ def write_plots(data: dict[str, Any], out_dir: Path) -> tuple[list[str], str | N
         ax.set_ylim(min(bottoms) - 0.05 * span, max(tops) + 0.05 * span)
     ax.set_xlabel("step")
     ax.set_ylabel(f"training loss (moving mean of {window})")
-    ax.set_title(f"{task}: training loss at each tuned lr, mean ± std over {n_seeds} seeds (dashed: peers)",
+    ax.set_title(f"{task}: training loss {at}, mean ± std over {n_seeds} seeds (dashed: peers)",
                  fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
@@ -141,7 +142,7 @@ def write_plots(data: dict[str, Any], out_dir: Path) -> tuple[list[str], str | N
             ax.set_xlabel(label)
             ax.grid(alpha=0.3)
         axes[0].set_ylabel(f"validation loss (mean ± std, {n_seeds} seeds)")
-        fig.suptitle(f"{task}: memory vs validation loss at each tuned lr (circles: leanopt, triangles: peers)",
+        fig.suptitle(f"{task}: memory vs validation loss {at} (circles: leanopt, triangles: peers)",
                      fontsize=10)
         fig.tight_layout()
         fig.savefig(out_dir / MEMORY_VS_LOSS)

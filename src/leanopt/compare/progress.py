@@ -190,7 +190,8 @@ def run_line(name: str, row: dict[str, Any], done: int, total: int, elapsed: flo
     val = row.get("val_loss")
     val_text = f"{val:.3f}" if stats.finite(val) and not row.get("diverged") else "diverged"
     step = row.get("step_ms_median")
-    step_text = f"step {step:.2f} ms" if stats.finite(step) else "step ?"
+    step_text = ("step in backward" if row.get("release")  # released: step() is a no-op
+                 else f"step {step:.2f} ms" if stats.finite(step) else "step ?")
     return (f"[{done:>{width}}/{total}] {name:<17} lr {lr_text(row.get('lr')):<8} seed {row.get('seed')} "
             f"({row.get('phase', '')}): val {val_text}  {step_text}  run {duration(row.get('wall_s'))}  "
             f"elapsed {duration(elapsed)}, about {duration(left)} left")

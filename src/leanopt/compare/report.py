@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from leanopt.compare import stats
+from leanopt.compare.contenders import MODES
 from leanopt.compare.progress import duration, lr_text
 from leanopt.compare.runner import REFERENCES, Comparison, _finite
 
@@ -33,6 +34,11 @@ MEASURES = {
     "setup_s": "seconds of the warm-up, once per optimizer before any measured run: a throwaway model's forward, "
     "backward and step (imports, first-use set-up, the optimizer compiling its update)",
     "train_step_ms_median": "median wall time of a whole training step: forward, backward, step, schedule, zero_grad",
+    "mode": "the training mode: the precision (fp32; bf16-mixed: fp32 weights under bf16 autocast; bf16: pure bf16 "
+    "weights and gradients with the optimizer's rounding) and whether gradients are released (stepped inside "
+    "backward; step_ms is then not measured, train_step_ms is)",
+    "kept_bytes_per_param": "(param_bytes + grad_bytes + state_bytes) / params: weights, the gradients alive between "
+    "the first backward and its step (grad_bytes; 0 under gradient release) and the optimizer state",
 }
 
 
@@ -47,11 +53,13 @@ def ordered(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(rows, key=_order)
 
 
-def reference_state(rows: list[dict[str, Any]]) -> tuple[str, int] | None:
-    for name in REFERENCES:
+def reference_state(rows: list[dict[str, Any]], name: str | None = None) -> tuple[str, int] | None:
+    """The reference's name and state bytes: ``name`` (the verdict's reference), else the first
+    of :data:`REFERENCES` that ran."""
+    for candidate in ([name] if name else []) + list(REFERENCES):
         for r in rows:
-            if r["optimizer"] == name and r["status"] == "ok" and r.get("state_bytes"):
-                return name, r["state_bytes"]
+            if r["optimizer"] == candidate and r["status"] == "ok" and r.get("state_bytes"):
+                return candidate, r["state_bytes"]
     return None
 
 
@@ -74,6 +82,8 @@ def command_line(comparison: Comparison, out: str, *, lr_given: bool = False, th
         parts += ["--jobs", str(jobs)]
     if lr_given:
         parts += ["--lr", repr(plan.lr)]
+    if plan.precision != "fp32":
+        parts += ["--precision", plan.precision]
     if plan.quick:
         parts.append("--quick")
     return " ".join(parts)
@@ -123,51 +133,77 @@ def _pm(mean: Any, std: Any, digits: int = 3) -> str:
     return _num(mean, digits) + ("" if std is None else f" ± {_num(std, digits)}")
 
 
-COLUMNS = ["rank", "optimizer", "lr (pick)", "val loss (mean ± std)", "verdict vs AdamW", "final loss",
-           "state MiB", "B/param", "vs AdamW", "peak MiB", "step ms median [IQR]", "first step ms", "set-up s",
-           "accuracy"]
-TERMINAL_COLUMNS = {"rank", "optimizer", "lr (pick)", "val loss (mean ± std)", "verdict vs AdamW", "state MiB",
-                    "vs AdamW", "peak MiB", "step ms median [IQR]", "accuracy"}
+COLUMNS = ["rank", "optimizer", "mode", "lr (pick)", "val loss (mean ± std)", "verdict vs AdamW", "val loss vs ref",
+           "final loss", "state MiB", "B/param", "vs AdamW", "weights+grads+state B/param", "peak MiB", "step ms median [IQR]",
+           "first step ms", "set-up s", "accuracy"]
+TERMINAL_COLUMNS = {"rank", "optimizer", "mode", "lr (pick)", "val loss (mean ± std)", "verdict vs AdamW",
+                    "val loss vs ref", "state MiB", "vs AdamW", "weights+grads+state B/param", "peak MiB", "step ms median [IQR]",
+                    "accuracy"}
+TEXT_COLUMNS = {"optimizer", "mode", "verdict vs AdamW", "lr (pick)"}
 
 
-def table_rows(data: dict[str, Any], *, markdown: bool = False) -> list[list[str]]:
-    rows = data["results"]
-    ref = reference_state(rows)
-    out = []
-    for r in ordered(rows):
-        if r["status"] != "ok":
-            continue
-        ratio = f"{r['state_bytes'] / ref[1]:.3f}" if ref and r.get("state_bytes") is not None else ""
-        pick = lr_text(r.get("lr")) + (" (edge)" if r.get("lr_at_grid_edge") else "")
+def _cells(r: dict[str, Any], ref: tuple[str, int] | None, digits: int = 3,
+           ref_loss: float | None = None) -> dict[str, str]:
+    ratio = f"{r['state_bytes'] / ref[1]:.3f}" if ref and r.get("state_bytes") is not None else ""
+    pick = lr_text(r.get("lr")) + (" (edge)" if r.get("lr_at_grid_edge") else "")
+    if r.get("release"):
+        step = "in backward"  # released: the update runs inside backward, step() is a no-op
+    else:
         step = _ms(r.get("step_ms_median"))
         if r.get("step_ms_q1") is not None:
             step += f" [{_ms(r['step_ms_q1'])}–{_ms(r['step_ms_q3'])}]"
-        acc = r.get("accuracy_mean")
-        out.append([
-            str(r.get("rank", "-")),
-            r["optimizer"],
-            pick,
-            _pm(r.get("val_loss_mean"), r.get("val_loss_std")) + f" (n={len(r.get('seeds') or [])})",
-            r.get("verdict") or "",
-            _pm(r.get("final_loss_mean"), r.get("final_loss_std")),
-            _mib(r.get("state_bytes")),
-            _num(r.get("state_bytes_per_param"), 2),
-            ratio,
-            _mib(r.get("peak_bytes")),
-            step,
-            _ms(r.get("first_step_ms")),
-            _num(r.get("setup_s"), 1),
-            "" if acc is None else f"{100 * acc:.1f}%",
-        ])
-    if not any(row[-1] for row in out):
-        for row in out:
-            row.pop()
-    return out
+    acc = r.get("accuracy_mean")
+    return {
+        "rank": str(r.get("rank", "-")),
+        "optimizer": r["optimizer"],
+        "mode": r.get("mode") or "",
+        "lr (pick)": pick,
+        "val loss (mean ± std)": _pm(r.get("val_loss_mean"), r.get("val_loss_std"), digits)
+        + f" (n={len(r.get('seeds') or [])})",
+        "verdict vs AdamW": r.get("verdict") or "",
+        "val loss vs ref": (f"{100 * r['delta'] / ref_loss:+.2f} %" if stats.finite(r.get("delta")) and ref_loss
+                            and r.get("verdict") != stats.REFERENCE else ""),
+        "final loss": _pm(r.get("final_loss_mean"), r.get("final_loss_std")),
+        "state MiB": _mib(r.get("state_bytes")),
+        "B/param": _num(r.get("state_bytes_per_param"), 2),
+        "vs AdamW": ratio,
+        "weights+grads+state B/param": _num(r.get("kept_bytes_per_param"), 2),
+        "peak MiB": _mib(r.get("peak_bytes")),
+        "step ms median [IQR]": step,
+        "first step ms": _ms(r.get("first_step_ms")),
+        "set-up s": _num(r.get("setup_s"), 1),
+        "accuracy": "" if acc is None else f"{100 * acc:.1f}%",
+    }
+
+
+def _has_modes(data: dict[str, Any]) -> bool:
+    ok = [r for r in data["results"] if r["status"] == "ok"]
+    return any(r.get("precision", "fp32") != "fp32" or r.get("release") for r in ok)
 
 
 def columns(data: dict[str, Any]) -> list[str]:
-    has_acc = any(r.get("accuracy_mean") is not None for r in data["results"] if r["status"] == "ok")
-    return COLUMNS if has_acc else COLUMNS[:-1]
+    """The report's columns: ``mode`` only when some row trains in a mode other than fp32,
+    ``accuracy`` only when the task has labels."""
+    ok = [r for r in data["results"] if r["status"] == "ok"]
+    has_acc = any(r.get("accuracy_mean") is not None for r in ok)
+    has_kept = any(r.get("kept_bytes_per_param") is not None for r in ok)
+    drop = {"mode", "val loss vs ref"} if not _has_modes(data) else set()
+    if not has_acc:
+        drop.add("accuracy")
+    if not has_kept:
+        drop.add("weights+grads+state B/param")
+    return [c for c in COLUMNS if c not in drop]
+
+
+def table_rows(data: dict[str, Any], *, markdown: bool = False) -> list[list[str]]:
+    ref = reference_state(data["results"], data.get("reference"))
+    cols = columns(data)
+    # Modes differ by a few thousandths of a nat: four decimals there.
+    digits = 4 if _has_modes(data) else 3
+    by_name = {r["optimizer"]: r for r in data["results"]}
+    ref_loss = by_name.get(data.get("reference") or "", {}).get("val_loss_mean")
+    return [[cells[c] for c in cols] for cells in (_cells(r, ref, digits, ref_loss) for r in ordered(data["results"])
+                                                    if r["status"] == "ok")]
 
 
 def not_run(data: dict[str, Any]) -> list[str]:
@@ -180,8 +216,9 @@ def print_table(data: dict[str, Any], console: Console) -> None:
     table = Table(title=f"leanopt compare: {settings['task']} ({settings['steps']} steps, {settings['device']}, "
                         f"seeds {','.join(map(str, settings['seeds']))})")
     cols = columns(data)
-    keep = [i for i, c in enumerate(cols) if c in TERMINAL_COLUMNS]  # report.md has them all
-    numeric = set(cols) - {"optimizer", "verdict vs AdamW", "lr (pick)"}
+    shown = TERMINAL_COLUMNS if _has_modes(data) else TERMINAL_COLUMNS - {"weights+grads+state B/param"}
+    keep = [i for i, c in enumerate(cols) if c in shown]  # report.md has them all
+    numeric = set(cols) - TEXT_COLUMNS
     for i in keep:
         table.add_column(cols[i], justify="right" if cols[i] in numeric else "left")
     for row in table_rows(data):
@@ -202,6 +239,26 @@ def grid_rows(data: dict[str, Any]) -> list[str]:
             edge = " (edge)" if r.get("lr_at_grid_edge") else ""
             out.append(f"| {r['optimizer']} | {', '.join(pairs)} | {lr_text(r.get('lr'))}{edge} |")
     return out
+
+
+def mode_note(data: dict[str, Any]) -> list[str]:
+    """What the training modes in the table mean (nothing when every row is plain fp32)."""
+    if not _has_modes(data):
+        return []
+    precision = data["settings"].get("precision", "fp32")
+    used = [precision] if precision != "fp32" else []
+    for r in data["results"]:
+        for part in r["optimizer"].split("+")[1:]:
+            if part in MODES and part not in used:
+                used.append(part)
+    intro = (f"Training modes: an optimizer named without a mode trains in `{precision}` (`--precision`); "
+             "`name+mode` sets the mode. \"val loss vs ref\": the mean validation loss relative to the "
+             "reference's. \"weights+grads+state B/param\": parameter bytes, the gradient bytes alive between the "
+             "first backward and its step (none under release), and the optimizer state, per parameter; "
+             "`peak MiB` adds activations and temporaries (autocast's bf16 weight copies included).")
+    lines = [intro, ""]
+    lines += [f"- `{m}`: {MODES[m]}" for m in used]
+    return lines + [""]
 
 
 def timing_note(data: dict[str, Any]) -> list[str]:
@@ -228,7 +285,7 @@ def markdown(data: dict[str, Any]) -> str:
     s, env, task = data["settings"], data["environment"], data["task"]
     ok = [r for r in data["results"] if r["status"] == "ok"]
     params = ok[0]["params"] if ok else None
-    ref = reference_state(data["results"])
+    ref = reference_state(data["results"], data.get("reference"))
     cols = columns(data)
     if s.get("fixed_lr"):
         protocol = f"one lr for all, {s['lr']:g} (not tuned: rankings at one shared lr mislead, see docs/compare.md)"
@@ -248,13 +305,14 @@ def markdown(data: dict[str, Any]) -> str:
         "optimizer).",
         "",
         "| " + " | ".join(cols) + " |",
-        "|" + "|".join("---" if c in ("optimizer", "verdict vs AdamW", "lr (pick)") else "---:" for c in cols) + "|",
+        "|" + "|".join("---" if c in TEXT_COLUMNS else "---:" for c in cols) + "|",
     ]
     lines += ["| " + " | ".join(row) + " |" for row in table_rows(data)]
     lines.append("")
     if data.get("reference"):
         lines.append(f"Verdict: against `{data['reference']}`. {stats.VERDICT_RULE}.")
         lines.append("")
+    lines += mode_note(data)
     if ref:
         lines.append(f"\"vs AdamW\" is state bytes relative to `{ref[0]}`. Rank: by mean validation loss. "
                      "\"(edge)\": the pick is the grid's smallest or largest lr, so the best may lie outside it.")

@@ -123,12 +123,18 @@ def run_one(entry: Contender, workload: Workload, plan: Plan, emit: Emit, *, fre
     n_params = sum(p.numel() for p in params)
     kwargs = entry.kwargs(lr=plan.lr, weight_decay=plan.weight_decay, device=device)
     cls = type(trained.optimizer)
+    mode = entry.mode(plan.precision)
     row: dict[str, Any] = {
         "lr": plan.lr,
         "seed": plan.seed,
         "fresh_process": fresh,
         "class": f"{cls.__module__}.{cls.__qualname__}",
         "kwargs": {k: list(v) if isinstance(v, tuple) else v for k, v in kwargs.items()},
+        "mode": mode.label,
+        "precision": mode.precision,
+        "rounding": mode.rounding,
+        "release": mode.release,
+        "param_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in params}),
         "params": n_params,
         "param_bytes": sum(p.numel() * p.element_size() for p in params),
         "state_bytes": state.bytes,
@@ -146,10 +152,10 @@ def run_one(entry: Contender, workload: Workload, plan: Plan, emit: Emit, *, fre
 
 
 def _estimate(entry: Contender, model: torch.nn.Module, kwargs: dict[str, Any]) -> int | None:
-    if entry.name not in OPTIMIZER_NAMES:
+    if entry.optimizer not in OPTIMIZER_NAMES:
         return None
     try:
-        return leanopt.estimate(model, entry.name, **kwargs).bytes
+        return leanopt.estimate(model, entry.optimizer, **kwargs).bytes
     except Exception:  # no layout known for this class: measured bytes stand alone
         return None
 
@@ -340,11 +346,15 @@ def summarize(name: str, plan: Plan, setup: dict[str, Any] | None, runs: list[di
         at_pick = []
     else:
         at_pick = [r for r in runs if r["lr"] == grid[best] and (r.get("phase") == "seed" or r is grid_runs[best])]
-    for key in ("class", "params", "param_bytes", "state_bytes", "state_by_key", "estimated_state_bytes",
-                "memory_method"):
+    for key in ("class", "mode", "precision", "rounding", "release", "param_dtypes", "params", "param_bytes",
+                "grad_bytes", "state_bytes", "state_by_key", "estimated_state_bytes", "memory_method"):
         row[key] = first.get(key)
     row["kwargs"] = (at_pick[0] if at_pick else first).get("kwargs")
     row["state_bytes_per_param"] = row["state_bytes"] / row["params"] if row.get("params") else None
+    # What persists through a step, per param: weights + the gradients alive before the step + state.
+    kept = [row.get(k) for k in ("param_bytes", "grad_bytes", "state_bytes")]
+    row["kept_bytes_per_param"] = (sum(kept) / row["params"]
+                                   if row.get("params") and all(isinstance(k, int) for k in kept) else None)
     row["peak_bytes"] = first.get("peak_bytes") if first.get("fresh_process", True) else None
     row["seeds"] = [r["seed"] for r in at_pick]
     # Per seed (a list) and its mean and std: val_losses, val_loss_mean, val_loss_std, ...
@@ -377,11 +387,29 @@ def summarize(name: str, plan: Plan, setup: dict[str, Any] | None, runs: list[di
     return row
 
 
+def reference(rows: list[dict[str, Any]]) -> str | None:
+    """The row the verdicts are against: ``adamw``, else ``torch-adamw`` (each in the run's
+    precision), else the first listed of them with master weights named with a precision mode
+    (``adamw+bf16-mixed``, ``adamw+fp32``); None when none of them finished."""
+    ok = [r for r in rows if r.get("status") == "ok" and stats.finite(r.get("val_loss_mean"))]
+    names = [r["optimizer"] for r in ok]
+    for name in REFERENCES:
+        if name in names:
+            return name
+    for name in names:
+        try:
+            entry = contender(name)
+        except ValueError:
+            continue
+        if entry.optimizer in REFERENCES and entry.precision in ("fp32", "bf16-mixed") and not entry.release:
+            return name
+    return None
+
+
 def judge(rows: list[dict[str, Any]]) -> str | None:
     """Set ``verdict``, ``delta`` and ``delta_std`` on every ranked row; returns the reference's name."""
     by_name = {r["optimizer"]: r for r in rows}
-    ref = next((n for n in REFERENCES if by_name.get(n, {}).get("status") == "ok"
-                and stats.finite(by_name[n].get("val_loss_mean"))), None)
+    ref = reference(rows)
     for row in rows:
         if row["status"] != "ok":
             row.update(verdict=None, delta=None, delta_std=None)

@@ -76,6 +76,8 @@ class Plan:
     relative_step: bool = True
     fixed_lr: bool = False
     seeds: list[int] = field(default_factory=lambda: [0])
+    # The precision of contenders whose name carries no precision mode ("fp32", "bf16-mixed").
+    precision: str = "fp32"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -118,8 +120,8 @@ class Workload(ABC):
         does once for itself (compiling its update: torchao, leanopt's CPU path). The peak
         memory is then that of training itself, and the set-up's time is reported apart.
         """
-        model = self.build_model().to(self.device)
-        self.warm_loss(model).backward()
+        mode = contender.mode(self.plan.precision)
+        model = mode.cast(self.build_model().to(self.device))
         optimizer = contender.build(
             decay_groups(model.named_parameters(), self.plan.weight_decay),
             lr=lr,
@@ -128,7 +130,13 @@ class Workload(ABC):
         )
         if contender.scheduled(lr):
             torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        released = mode.attach(model, optimizer)
+        with mode.autocast(self.device):
+            loss = self.warm_loss(model)
+        loss.backward()
         optimizer.step()
+        if released is not None:
+            released.remove()
 
     @abstractmethod
     def run(self, contender: Contender, plan: Plan, recorder: Recorder) -> Trained: ...
@@ -155,12 +163,15 @@ class LoopWorkload(Workload):
     def evaluate(self, model: nn.Module) -> dict[str, float]: ...
 
     def warm_loss(self, model: nn.Module) -> torch.Tensor:
-        return self.loss(model, self.batch(0))
+        return self.loss(model, _like_params(self.batch(0), model))
 
     def run(self, contender: Contender, plan: Plan, recorder: Recorder) -> Trained:
+        """Train one model: one forward and backward per step, no gradient accumulation and no
+        gradient clipping (so gradient release trains exactly what the usual loop trains)."""
         self.shuffle(plan.seed)
         torch.manual_seed(plan.seed)
-        model = self.build_model().to(self.device)
+        mode = contender.mode(plan.precision)
+        model = mode.cast(self.build_model().to(self.device))
         optimizer = contender.build(
             decay_groups(model.named_parameters(), plan.weight_decay),
             lr=plan.lr,
@@ -170,12 +181,20 @@ class LoopWorkload(Workload):
         # A relative step size is its own schedule (it would ignore, or break on, an external one).
         schedule = (torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(plan.steps, plan.warmup_steps))
                     if contender.scheduled(plan.lr) else None)
-        recorder.watch(optimizer)
+        # Released, optimizer.step() is a no-op (the update runs inside backward): no step time.
+        released = mode.attach(model, optimizer)
+        if released is None:
+            recorder.watch(optimizer)
+        params = [p for p in model.parameters() if p.requires_grad]
         model.train()
         for step in range(plan.steps):
             recorder.begin_step()
-            loss = self.loss(model, self.batch(step))
+            with mode.autocast(self.device):
+                loss = self.loss(model, _like_params(self.batch(step), model))
             loss.backward()
+            if step == 0:  # the gradients alive between backward and step (none when released)
+                recorder.grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in params
+                                          if p.grad is not None)
             optimizer.step()
             if schedule is not None:
                 schedule.step()
@@ -185,10 +204,18 @@ class LoopWorkload(Workload):
             if not math.isfinite(value):
                 break
         recorder.end_training()
+        if released is not None:
+            released.remove()
         model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), mode.autocast(self.device):
             metrics = self.evaluate(model)
         return Trained(model, optimizer, metrics)
+
+
+def _like_params(batch: tuple[torch.Tensor, ...], model: nn.Module) -> tuple[torch.Tensor, ...]:
+    """Floating-point inputs in the dtype of the model's params (bf16 for a pure-bf16 model)."""
+    dtype = next(model.parameters()).dtype
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in batch)
 
 
 class Task(ABC):
@@ -391,10 +418,11 @@ class DigitsWorkload(LoopWorkload):
 
     def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
-        return F.cross_entropy(model(x), y)
+        return F.cross_entropy(model(x).float(), y)  # in fp32 for bf16 logits too
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
-        logits = model(self.x_val)
+        (x,) = _like_params((self.x_val,), model)
+        logits = model(x).float()
         return {
             "val_loss": F.cross_entropy(logits, self.y_val).item(),
             "accuracy": (logits.argmax(-1) == self.y_val).float().mean().item(),
@@ -424,8 +452,10 @@ class TrainerWorkload(Workload):
         from transformers import Trainer, TrainerCallback, TrainingArguments
 
         torch.manual_seed(plan.seed)
-        model = self.build_model()
+        mode = contender.mode(plan.precision)
+        model = mode.cast(self.build_model())
         last_loss: list[float] = []
+        released: list[Any] = []
 
         class RecordingTrainer(Trainer):
             def compute_loss(self, model, inputs, return_outputs=False, **kwargs):  # type: ignore[no-untyped-def]
@@ -437,7 +467,14 @@ class TrainerWorkload(Workload):
 
         class Timing(TrainerCallback):
             def on_train_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
-                recorder.watch(kwargs["optimizer"].optimizer if hasattr(kwargs["optimizer"], "optimizer") else kwargs["optimizer"])
+                opt = kwargs["optimizer"]
+                opt = getattr(opt, "optimizer", opt)  # accelerate's wrapper
+                # Released, optimizer.step() is a no-op (the update runs inside backward): no step time.
+                handle = mode.attach(kwargs["model"], opt)
+                if handle is None:
+                    recorder.watch(opt)
+                else:
+                    released.append(handle)
 
             def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
                 recorder.begin_step()
@@ -467,6 +504,10 @@ class TrainerWorkload(Workload):
                 use_cpu=self.device.type == "cpu",
                 dataloader_num_workers=0,
                 remove_unused_columns=False,
+                # bf16-mixed: the Trainer's autocast. Pure bf16: the model's params are bf16 already.
+                bf16=mode.precision == "bf16-mixed",
+                # Release frees each gradient inside backward: nothing is left to clip.
+                **({"max_grad_norm": 0.0} if mode.release else {}),
             )
             trainer = RecordingTrainer(
                 model=model,
@@ -480,11 +521,13 @@ class TrainerWorkload(Workload):
             )
             trainer.train()
             recorder.end_training()
+            for handle in released:
+                handle.remove()
             optimizer = trainer.optimizer
             optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
             model = trainer.model
         model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), mode.autocast(self.device):
             metrics = self.evaluate(model)
         return Trained(model, optimizer, metrics)
 
