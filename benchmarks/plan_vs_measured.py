@@ -1,15 +1,22 @@
 """``leanopt plan``'s predicted peak against a real training step on this machine.
 
-    python benchmarks/plan_vs_measured.py                 # the table in docs/plan.md
+    python benchmarks/plan_vs_measured.py                 # the table in docs/plan.md (~75 min)
+    python benchmarks/plan_vs_measured.py --sets bf16     # only the pure-bf16 rows (base, bf16, release)
     python benchmarks/plan_vs_measured.py --cases small   # the tiny models tests/test_plan.py uses
     python benchmarks/plan_vs_measured.py --gpus 2        # FSDP2 over 2 gloo ranks: per-rank peaks
+
+A configuration is (optimizer, precision, checkpointing[, rounding[, release]]): pure ``bf16`` is
+the model in bf16 with the optimizer built with ``rounding=``; release is
+``leanopt.release_gradients(model, optimizer)`` around the same loop.
 
 Each configuration runs in a fresh process (``MALLOC_MMAP_THRESHOLD_=65536``: glibc serves every
 block of 64 KiB and more with its own mmap, so a freed tensor leaves the resident set at once):
 
 1. warm-up: a forward, backward and two optimizer steps on a two-layer model of the same
-   architecture, same precision, checkpointing and optimizer (thread pools, oneDNN, the
-   optimizer compiling its update: one-time set-up, as ``leanopt compare`` puts it in the baseline);
+   architecture, same precision, checkpointing, optimizer, rounding and release (thread pools,
+   oneDNN, the optimizer compiling its update: one-time set-up, as ``leanopt compare`` puts it in
+   the baseline); the kernels' scratch buffers it leaves (Adafactor's) are dropped: the measured
+   model makes its own;
 2. baseline: the anonymous resident memory (``RssAnon``);
 3. the model is built (random weights, train mode), two steps are run, the kernel's high-water
    mark is reset (``/proc/self/clear_refs``), the third step is run;
@@ -41,7 +48,14 @@ CASES = {
     "distilbert": ("distilbert-base-cased", 8, 128),
     "gpt2": ("gpt2", 4, 256),
 }
+# (optimizer, precision, checkpointing[, rounding of pure bf16[, gradient release]])
 CONFIGS = [("adamw", "fp32", False), ("adamw8bit", "bf16-mixed", False), ("adafactor", "fp32", False), ("adamw", "fp32", True)]
+BF16_CONFIGS = [("adamw", "bf16", False, "kahan"), ("adamw", "bf16", False, "stochastic"), ("adamw8bit", "bf16", False, "kahan"),
+                ("adafactor", "bf16", False, "kahan"), ("adafactor", "bf16", False, "stochastic"), ("adamw", "bf16", True, "kahan")]
+RELEASE_CONFIGS = [("adamw", "fp32", False, None, True), ("adamw8bit", "bf16-mixed", False, None, True),
+                   ("adafactor", "fp32", False, None, True), ("adamw", "fp32", True, None, True),
+                   ("adamw", "bf16", False, "kahan", True), ("adamw", "bf16", True, "stochastic", True)]
+SETS = {"base": CONFIGS, "bf16": BF16_CONFIGS, "release": RELEASE_CONFIGS}
 DIST_CONFIGS = [("adamw", "fp32", False), ("adafactor", "fp32", False), ("adamw8bit", "fp32", False),
                 ("adamw8bit", "bf16-mixed", False), ("adamw", "fp32", True)]
 
@@ -53,6 +67,24 @@ SMALL = {
     "tiny-gpt2": ("GPT2LMHeadModel", "GPT2Config",
                   {"vocab_size": 8000, "n_positions": 256, "n_embd": 256, "n_layer": 2, "n_head": 4}, 8, 128),
 }  # fmt: skip
+
+
+def full_config(config: tuple) -> tuple[str, str, bool, str | None, bool]:
+    """(optimizer, precision, checkpointing[, rounding[, release]]) with the defaults filled in."""
+    optimizer, precision, ckpt, *rest = config
+    rounding = rest[0] if rest else None
+    release = bool(rest[1]) if len(rest) > 1 else False
+    return optimizer, precision, bool(ckpt), rounding, release
+
+
+def _encode(config: tuple) -> str:
+    optimizer, precision, ckpt, rounding, release = full_config(config)
+    return f"{optimizer}:{precision}:{int(ckpt)}:{rounding or ''}:{int(release)}"
+
+
+def _decode(text: str) -> tuple[str, str, bool, str | None, bool]:
+    optimizer, precision, ckpt, rounding, release = (text.split(":") + ["", "0"])[:5]
+    return optimizer, precision, ckpt == "1", rounding or None, release == "1"
 
 
 def _status_kib() -> dict[str, int]:
@@ -90,6 +122,8 @@ def build(case: str, *, tiny: bool = False) -> Any:
 
 
 def step_fn(model: Any, optimizer: Any, precision: str, batch: int, seq: int) -> Any:
+    """One training step, as ``plan`` plans it. Under ``leanopt.release_gradients`` the optimizer
+    steps inside ``backward`` and ``step()``/``zero_grad()`` are no-ops: the same loop runs."""
     import torch
 
     vocab = model.config.vocab_size
@@ -109,7 +143,8 @@ def step_fn(model: Any, optimizer: Any, precision: str, batch: int, seq: int) ->
     return step
 
 
-def prepare(model: Any, optimizer: str, precision: str, checkpointing: bool, *, sharded: bool = False) -> Any:
+def prepare(model: Any, optimizer: str, precision: str, checkpointing: bool, *, sharded: bool = False,
+            rounding: str | None = None, release: bool = False) -> Any:
     import warnings
 
     import torch
@@ -127,10 +162,17 @@ def prepare(model: Any, optimizer: str, precision: str, checkpointing: bool, *, 
         from leanopt.memory.plan_fsdp import shard_blocks
 
         shard_blocks(model)
-    return resolve_optimizer(optimizer)(model.parameters())
+    kwargs = {"rounding": rounding} if rounding else {}
+    opt = resolve_optimizer(optimizer)(model.parameters(), **kwargs)
+    if release:
+        import leanopt
+
+        opt._leanopt_release = leanopt.release_gradients(model, opt)  # kept alive with the optimizer
+    return opt
 
 
-def worker(case: str, optimizer: str, precision: str, checkpointing: bool, *, sharded: bool = False) -> int:
+def worker(case: str, optimizer: str, precision: str, checkpointing: bool, *, sharded: bool = False,
+           rounding: str | None = None, release: bool = False) -> int:
     """Run in a fresh process: the measured peak of the third step, in bytes (``sharded``: this
     rank's, under FSDP2, in an initialized process group)."""
     import gc
@@ -144,11 +186,13 @@ def worker(case: str, optimizer: str, precision: str, checkpointing: bool, *, sh
     _, _, _, batch, seq = model_spec(case)
     # 1. warm-up on a small model of the same architecture
     tiny = build(case, tiny=True)
-    opt = prepare(tiny, optimizer, precision, checkpointing, sharded=sharded)
+    opt = prepare(tiny, optimizer, precision, checkpointing, sharded=sharded, rounding=rounding, release=release)
     warm = step_fn(tiny, opt, precision, batch, seq)
     warm()
     warm()
+    _unrelease(opt)
     del tiny, opt, warm
+    _drop_kernel_workspaces()
     gc.collect()
     barrier = _barrier if sharded else lambda: None
     barrier()
@@ -156,7 +200,7 @@ def worker(case: str, optimizer: str, precision: str, checkpointing: bool, *, sh
     base = _status_kib()["RssAnon"]
     # 3. the model, two steps, reset the high-water mark, the third step
     model = build(case)
-    opt = prepare(model, optimizer, precision, checkpointing, sharded=sharded)
+    opt = prepare(model, optimizer, precision, checkpointing, sharded=sharded, rounding=rounding, release=release)
     step = step_fn(model, opt, precision, batch, seq)
     step()
     step()
@@ -167,9 +211,28 @@ def worker(case: str, optimizer: str, precision: str, checkpointing: bool, *, sh
     step()
     s = _status_kib()
     file_backed = s.get("RssFile", 0) + s.get("RssShmem", 0)
+    _unrelease(opt)
     del model, opt, step
     gc.collect()
     return (s["VmHWM"] - file_backed - base) * 1024
+
+
+def _drop_kernel_workspaces() -> None:
+    """The CPU kernels keep scratch buffers between steps (Adafactor's row blocks: up to 4 MiB a
+    slot), per thread and for the whole process. The warm-up model's would serve the measured
+    model and sit in the baseline (the measured peak was then 3-4 MiB under the trace for every
+    Adafactor row); dropped, the measured model makes its own, as the first model of a process does."""
+    from leanopt.kernels import cpu
+
+    workspaces = getattr(cpu, "_workspaces", None)
+    if workspaces is not None:
+        workspaces.__dict__.pop("pool", None)
+
+
+def _unrelease(opt: Any) -> None:
+    handle = getattr(opt, "_leanopt_release", None)
+    if handle is not None:
+        handle.remove()
 
 
 def _barrier() -> None:
@@ -189,8 +252,8 @@ def dist_worker(case: str, configs: list[str]) -> None:
     torch.set_num_threads(1)
     measured = []
     for config in configs:
-        optimizer, precision, ckpt = config.split(":")
-        mine = worker(case, optimizer, precision, ckpt == "1", sharded=True)
+        optimizer, precision, ckpt, rounding, release = _decode(config)
+        mine = worker(case, optimizer, precision, ckpt, sharded=True, rounding=rounding, release=release)
         every: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
         measured.append(every)
@@ -210,7 +273,7 @@ def measure_dist(case: str, configs: list[tuple[str, str, bool]], gpus: int, tim
         port = sock.getsockname()[1]
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(gpus), "--master_addr", "127.0.0.1",
-           "--master_port", str(port), __file__, "--dist-worker", case, *(f"{o}:{p}:{int(c)}" for o, p, c in configs)]  # fmt: skip
+           "--master_port", str(port), __file__, "--dist-worker", case, *map(_encode, configs)]  # fmt: skip
     # Its own session, so that a timeout ends torchrun's workers too.
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -228,19 +291,21 @@ def measure(case: str, configs: list[tuple[str, str, bool]]) -> list[int]:
     """Measured peaks of ``configs`` on ``case``, one after the other in one fresh process
     (the full benchmark starts one process per configuration)."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, __file__, "--worker", case, *(f"{o}:{p}:{int(c)}" for o, p, c in configs)]
+    cmd = [sys.executable, __file__, "--worker", case, *map(_encode, configs)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"worker {case} {configs} failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def predict(case: str, optimizer: str, precision: str, checkpointing: bool, gpus: int = 1) -> int:
+def predict(case: str, optimizer: str, precision: str, checkpointing: bool, gpus: int = 1, rounding: str | None = None,
+            release: bool = False) -> int:  # fmt: skip
     from leanopt.memory.plan import plan
 
     model = build_meta(case)
     _, _, _, batch, seq = model_spec(case)
-    (row,) = plan(model, batch=batch, seq=seq, gpus=gpus, optimizers=[optimizer], precisions=[precision], checkpointing=[checkpointing])
+    (row,) = plan(model, batch=batch, seq=seq, gpus=gpus, optimizers=[optimizer], precisions=[precision],
+                  checkpointing=[checkpointing], roundings=[rounding] if rounding else None, grad_release=[release])  # fmt: skip
     return row.peak_bytes
 
 
@@ -254,6 +319,7 @@ def build_meta(case: str) -> Any:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="full", help="full, small, or comma-separated case names")
+    parser.add_argument("--sets", default="base,bf16,release", help=f"comma-separated configuration sets: {', '.join(SETS)}")
     parser.add_argument("--worker", nargs="+", metavar="CASE OPTIMIZER:PRECISION:CKPT")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--gpus", type=int, default=1, help="N > 1: FSDP2 over N gloo ranks (torchrun), per-rank peaks")
@@ -266,28 +332,31 @@ def main(argv: list[str] | None = None) -> int:
         case, *configs = args.worker
         measured = []
         for config in configs:
-            optimizer, precision, ckpt = config.split(":")
-            measured.append(worker(case, optimizer, precision, ckpt == "1"))
+            optimizer, precision, ckpt, rounding, release = _decode(config)
+            measured.append(worker(case, optimizer, precision, ckpt, rounding=rounding, release=release))
         print(json.dumps(measured))
         return 0
     cases = {"full": list(CASES), "small": list(SMALL)}.get(args.cases) or args.cases.split(",")
     rows = []
     if args.gpus > 1:
         return _main_dist(cases, args.gpus, args.json)
+    configs = [c for name in args.sets.split(",") for c in SETS[name.strip()]]
     for case in cases:
-        for optimizer, precision, ckpt in CONFIGS:
+        for config in configs:
+            optimizer, precision, ckpt, rounding, release = full_config(config)
             t0 = time.perf_counter()
-            predicted = predict(case, optimizer, precision, ckpt)
+            predicted = predict(case, optimizer, precision, ckpt, rounding=rounding, release=release)
             t1 = time.perf_counter()
-            (measured,) = measure(case, [(optimizer, precision, ckpt)])
+            (measured,) = measure(case, [config])
             err = 100.0 * (predicted - measured) / measured
-            row = dict(case=case, optimizer=optimizer, precision=precision, checkpointing=ckpt,
-                       predicted_mib=round(predicted / 2**20, 1), measured_mib=round(measured / 2**20, 1),
-                       error_pct=round(err, 1), plan_s=round(t1 - t0, 1))  # fmt: skip
+            row = {"case": case, "optimizer": optimizer, "precision": precision, "rounding": rounding, "checkpointing": ckpt,
+                   "grad_release": release, "predicted_mib": round(predicted / 2**20, 1),
+                   "measured_mib": round(measured / 2**20, 1), "error_pct": round(err, 1), "plan_s": round(t1 - t0, 1)}  # fmt: skip
             rows.append(row)
             if not args.json:
-                print(f"| {case} | {optimizer} | {precision} | {'on' if ckpt else 'off'} | {row['predicted_mib']:,.0f} | "
-                      f"{row['measured_mib']:,.0f} | {err:+.1f} % |", flush=True)  # fmt: skip
+                mode = f"{precision} {rounding}" if rounding else precision
+                print(f"| {case} | {optimizer} | {mode} | {'on' if ckpt else 'off'} | {'on' if release else 'off'} | "
+                      f"{row['predicted_mib']:,.0f} | {row['measured_mib']:,.0f} | {err:+.1f} % |", flush=True)  # fmt: skip
     if args.json:
         print(json.dumps(rows, indent=2))
     return 0

@@ -15,6 +15,9 @@ import leanopt
 from leanopt.cli import main
 from leanopt.memory.inspect import inspect_state_dict
 from leanopt.memory.presets import PRESETS, parse_param_count, resolve_model
+from leanopt.optim import REGISTRY
+from leanopt.quant import QuantizedState
+from registry import OPTIMIZERS
 
 SEED_PARAMS = 65_783_042
 SEED_ADAMW_BYTES = 526_264_752
@@ -65,6 +68,29 @@ def test_estimate_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert adamw["training"]["bf16-mixed"]["total"] == 10 * SEED_PARAMS + SEED_ADAMW_BYTES
     assert adafactor["class"] == "transformers.optimization.Adafactor"
     assert adafactor["state_bytes"] < SEED_PARAMS // 50  # factored: ~0.01 B/param
+
+
+def test_estimate_training_modes(capsys: pytest.CaptureFixture[str]) -> None:
+    """Pure bf16 with each rounding and gradient release, in --json and in the table of modes."""
+    pytest.importorskip("transformers")
+    code, out, _ = run(capsys, "estimate", "distilbert-base-cased", "--json", "--optimizers", "adamw,torch-adamw")
+    assert code == 0
+    adamw, torch_adamw = json.loads(out)["optimizers"]
+    training, released = adamw["training"], adamw["training_grad_release"]
+    assert training["bf16"]["total"] == training["bf16-stochastic"]["total"] == 4 * SEED_PARAMS + SEED_ADAMW_BYTES
+    assert training["bf16-kahan"]["optimizer_state"] == SEED_ADAMW_BYTES + 2 * SEED_PARAMS  # + the compensation
+    largest = 28996 * 768  # the word embeddings
+    assert released["fp32"]["gradients"] == 4 * largest and released["bf16-kahan"]["gradients"] == 2 * largest
+    assert released["fp32"]["total"] == training["fp32"]["total"] - 4 * SEED_PARAMS + 4 * largest
+    assert torch_adamw["training"]["bf16-kahan"] is None and torch_adamw["training_grad_release"]["fp32"] is None
+    code, out, _ = run(capsys, "estimate", "distilbert-base-cased", "--optimizers", "adamw,torch-adamw")
+    modes = out[out.index("training MB by mode"):]
+    cells = lambda label: [c.strip() for c in next(l for l in modes.splitlines() if l.strip().startswith(label + " ")).split("│")]
+    assert cells("bf16 kahan")[1:] == ["878", "n/a"]  # 753 + 2 B/param
+    assert cells("fp32 + grad release")[1:] == ["838", "n/a"]
+    # a bare count has no largest param: no release rows
+    code, out, _ = run(capsys, "estimate", "7b", "--optimizers", "adamw")
+    assert "bf16 kahan" in out and "grad release │" not in out and "no grad release rows" in out
 
 
 def test_estimate_config_folder_and_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -182,7 +208,7 @@ def test_inspect_torch_adamw_checkpoint(tmp_path: Path, capsys: pytest.CaptureFi
     code, out, err = run(capsys, "inspect", str(tmp_path / "optimizer.pt"), "--json")
     assert code == 0, err
     data = json.loads(out)
-    assert data["layout"] == "torch.optim.AdamW"
+    assert data["layout"] == "torch.optim.AdamW" and data["optimizer"] is None  # torch declares no name
     assert data["bytes"] == leanopt.measure(opt).bytes == 8 * n + 4 * 4
     assert (data["params"], data["params_with_state"], data["param_elements"]) == (4, 4, n)
     assert data["by_key"]["exp_avg"] == {"bytes": 4 * n, "elements": n, "dtypes": ["float32"]}
@@ -206,24 +232,68 @@ def test_inspect_transformers_adafactor(tmp_path: Path, capsys: pytest.CaptureFi
     assert data["param_elements"] == sum(p.numel() for p in model.parameters())
 
 
+def _quantizable() -> torch.nn.Module:
+    # 256 x 80: large enough for the low-bit optimizers to quantize it
+    return torch.nn.Sequential(torch.nn.Linear(256, 80), torch.nn.ReLU(), torch.nn.Linear(80, 8))
+
+
+def _undeclared(sd: dict) -> dict:
+    """``sd`` as leanopt saved it before optimizers declared their names."""
+    return {**sd, "param_groups": [{k: v for k, v in g.items() if k != "optimizer"} for g in sd["param_groups"]]}
+
+
+@pytest.mark.parametrize("case", OPTIMIZERS, ids=str)
+def test_inspect_reports_the_declared_optimizer(case, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model, opt = _trained(lambda m: case.cls(m.parameters(), **{**case.kwargs, "backend": "reference"}), _quantizable())
+    sd = opt.state_dict()
+    report = inspect_state_dict(sd)
+    formats = sorted({v.format.name for st in opt.state.values() for v in st.values() if isinstance(v, QuantizedState)})
+    assert report.optimizer == case.name
+    assert report.layout == f"leanopt {case.cls.__name__}" + (f" ({', '.join(formats)})" if formats else "")
+    assert bool(formats) == (getattr(case.cls, "state_bits", None) is not None)
+    assert report.bytes == leanopt.measure(opt).bytes
+    assert report.param_elements == sum(p.numel() for p in model.parameters())
+    torch.save(sd, tmp_path / "optimizer.pt")
+    code, out, err = run(capsys, "inspect", str(tmp_path / "optimizer.pt"), "--json")
+    assert code == 0 and json.loads(out)["optimizer"] == case.name, err
+    code, out, err = run(capsys, "inspect", str(tmp_path))
+    siblings = [n for n, cls in REGISTRY.items() if cls.family == case.cls.family]
+    assert code == 0 and f"declared optimizer: {case.name}" in out, err
+    assert (f"convert --to: {', '.join(siblings)}" in out) == (len(siblings) > 1)
+
+
 @pytest.mark.parametrize(
     "factory,layout",
     [
-        (lambda m: leanopt.AdamW(m.parameters()), "leanopt AdamW"),
-        (lambda m: leanopt.Adafactor(m.parameters()), "leanopt Adafactor"),
         (lambda m: torch.optim.Adafactor(m.parameters()), "torch.optim.Adafactor"),
         (lambda m: torch.optim.Adam(m.parameters()), "torch.optim.Adam"),
+        # leanopt's files from before optimizers declared their names:
+        (lambda m: leanopt.AdamW(m.parameters()), "leanopt AdamW"),
+        (lambda m: leanopt.Adafactor(m.parameters()), "leanopt Adafactor"),
         (lambda m: leanopt.AdamW8bit(m.parameters(), backend="reference"), "leanopt AdamW8bit ("),
         (lambda m: leanopt.AdamW4bit(m.parameters(), backend="reference"), "leanopt AdamW4bit ("),
     ],
 )
-def test_recognized_layouts(factory, layout: str) -> None:
-    # 256 x 80: large enough for the low-bit optimizers to quantize it
-    model, opt = _trained(factory, torch.nn.Sequential(torch.nn.Linear(256, 80), torch.nn.ReLU(), torch.nn.Linear(80, 8)))
-    report = inspect_state_dict(opt.state_dict())
+def test_recognized_layouts_of_undeclared_files(factory, layout: str) -> None:
+    model, opt = _trained(factory, _quantizable())
+    report = inspect_state_dict(_undeclared(opt.state_dict()))
     assert report.layout == layout or (layout.endswith("(") and report.layout.startswith(layout))
+    assert report.optimizer is None
     assert report.bytes == leanopt.measure(opt).bytes
     assert report.param_elements == sum(p.numel() for p in model.parameters())
+
+
+def test_undeclared_lion_is_not_taken_for_adamw_and_unknown_names_are_reported() -> None:
+    _, opt = _trained(lambda m: leanopt.Lion(m.parameters(), backend="reference"), _quantizable())
+    sd = opt.state_dict()
+    assert inspect_state_dict(_undeclared(sd)).layout.startswith("unrecognized (state keys: exp_avg, step)")
+    newer = {**sd, "param_groups": [{**g, "optimizer": "sophia"} for g in sd["param_groups"]]}
+    report = inspect_state_dict(newer)
+    assert report.optimizer == "sophia" and "'sophia' (declared; not in this version's registry)" in report.layout
+    mixed = {**sd, "param_groups": [{**sd["param_groups"][0], "optimizer": "adamw"}]}
+    mixed["param_groups"].append({"params": [], "optimizer": "lion"})
+    report = inspect_state_dict(mixed)
+    assert report.optimizer is None and report.layout.startswith("leanopt, inconsistent")
 
 
 def test_saved_before_first_step() -> None:

@@ -48,6 +48,9 @@ def gpt2_rows() -> list[PlanRow]:
     return plan(tiny_gpt2(), batch=4, seq=32, optimizers=["adamw", "adamw8bit", "adafactor"])
 
 
+OPTIMIZER_ORDER = ["adamw", "adamw8bit", "adafactor"]
+
+
 # ---- budgets ----------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "text, expected",
@@ -67,20 +70,26 @@ def test_parse_bytes_errors_are_one_line(text):
 
 # ---- rows -------------------------------------------------------------------------------------
 def test_rows_cover_every_configuration_ranked_by_precision_kept(gpt2_rows):
-    assert len(gpt2_rows) == 3 * len(PLAN_PRECISIONS) * 2
-    order = [(r.precision, r.optimizer, r.checkpointing) for r in gpt2_rows]
-    assert order == sorted(order, key=lambda k: (PLAN_PRECISIONS.index(k[0]), ["adamw", "adamw8bit", "adafactor"].index(k[1]), k[2]))
-    assert gpt2_rows[0].precision == "fp32" and gpt2_rows[0].optimizer == "adamw" and not gpt2_rows[0].checkpointing
+    # fp32, bf16-mixed, bf16 x (kahan, stochastic): 4 modes x 3 optimizers x release x checkpointing
+    assert PLAN_PRECISIONS == ("fp32", "bf16-mixed", "bf16")
+    assert len(gpt2_rows) == 4 * 3 * 2 * 2
+    order = [(r.precision, r.rounding, r.optimizer, r.grad_release, r.checkpointing) for r in gpt2_rows]
+    rounding_rank = {None: -1, "kahan": 0, "stochastic": 1}
+    assert order == sorted(order, key=lambda k: (PLAN_PRECISIONS.index(k[0]), rounding_rank[k[1]], OPTIMIZER_ORDER.index(k[2]), k[3], k[4]))
+    assert len(set(order)) == len(order)
+    first = gpt2_rows[0]
+    assert (first.precision, first.optimizer, first.checkpointing, first.grad_release) == ("fp32", "adamw", False, False)
     for r in gpt2_rows:
-        assert r.fits is None and r.grad_release is False and r.gpus == 1
+        assert r.fits is None and r.gpus == 1
+        assert (r.rounding is None) == (r.precision != "bf16")
         assert set(r.breakdown) == set(KINDS)
         assert sum(r.breakdown.values()) == r.peak_bytes
 
 
 def test_json_keys(gpt2_rows):
     d = json.loads(json.dumps(gpt2_rows[0].as_dict()))
-    assert set(d) == {"optimizer", "precision", "checkpointing", "grad_release", "gpus", "peak_bytes", "fits", "breakdown"}
-    assert d["fits"] is None and isinstance(d["breakdown"], dict)
+    assert set(d) == {"optimizer", "precision", "rounding", "checkpointing", "grad_release", "gpus", "peak_bytes", "fits", "breakdown"}
+    assert d["fits"] is None and isinstance(d["breakdown"], dict) and d["rounding"] is None
 
 
 def test_terms_are_what_they_should_be(gpt2_rows):
@@ -93,6 +102,127 @@ def test_terms_are_what_they_should_be(gpt2_rows):
     assert rows["adamw8bit", "fp32", False].breakdown["optimizer_state"] == estimate(model, "adamw8bit").bytes
     # bf16-mixed keeps fp32 weights and adds autocast's bf16 copies of the matmul weights
     assert rows["adamw", "bf16-mixed", False].breakdown["weights"] > 4 * n
+
+
+def test_pure_bf16_terms(gpt2_rows):
+    model = tiny_gpt2()
+    n = sum(p.numel() for p in model.parameters())
+    with torch.device("meta"):
+        bf16 = [torch.empty(tuple(p.shape), dtype=torch.bfloat16) for p in model.parameters()]
+    rows = {(r.optimizer, r.rounding): r for r in gpt2_rows if r.precision == "bf16" and not r.checkpointing and not r.grad_release}
+    for (optimizer, rounding), r in rows.items():
+        assert r.breakdown["weights"] == 2 * n  # bf16 weights, no master copy
+        # the state of bf16 params with that rounding: Kahan adds a bf16 compensation per element
+        assert r.breakdown["optimizer_state"] == estimate(bf16, optimizer, rounding=rounding).bytes
+    assert rows["adamw", "kahan"].breakdown["optimizer_state"] == rows["adamw", "stochastic"].breakdown["optimizer_state"] + 2 * n
+
+
+def test_roundings_and_optimizers_without_them():
+    rows = plan(tiny_gpt2(), batch=2, seq=16, optimizers=["adamw", "torch-adamw"], precisions=["bf16"],
+                roundings=["nearest", "kahan"], checkpointing=[False])  # fmt: skip
+    got = [(r.optimizer, r.rounding, r.grad_release) for r in rows]
+    # torch's AdamW has no rounding= (nearest only) and no gradient release
+    assert got == [("adamw", "kahan", False), ("adamw", "kahan", True), ("adamw", "nearest", False),
+                   ("adamw", "nearest", True), ("torch-adamw", "nearest", False)]  # fmt: skip
+    _one_line_error(lambda: plan(tiny_gpt2(), batch=1, seq=8, optimizers=["torch-adamw"], precisions=["bf16"]), "no configuration")
+
+
+def test_the_stochastic_step_counts_its_fp32_copies():
+    """Pure bf16 with stochastic rounding steps each param through fp32 copies of it and its
+    gradient and the rounding's own temporaries: 39 B per element of the param being stepped,
+    measured on real steps (docs/plan.md); Kahan's 14."""
+    model = tiny_gpt2()
+    largest = max(p.numel() for p in model.parameters())
+    start = sum(4 * p.numel() for p in model.parameters())  # bf16 weights + bf16 gradients
+    for rounding, per_element in (("stochastic", 39), ("kahan", 14)):
+        step = _trace_step(model, "adamw", torch.bfloat16, rounding=rounding)
+        assert step.peak.bytes - start - step.kept["optimizer_state"] == per_element * largest
+
+
+# ---- shortcuts of the step trace, held to the plain trace ---------------------------------------
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit", "adafactor"])
+@pytest.mark.parametrize("dtype, rounding", [(torch.float32, None), (torch.bfloat16, "nearest"), (torch.bfloat16, "kahan"),
+                                             (torch.bfloat16, "stochastic")])  # fmt: skip
+def test_the_fast_step_trace_equals_two_traced_steps(optimizer, dtype, rounding):
+    """plan() makes the state from the layout instead of tracing a first step, and puts a rounded
+    step together from one param of each shape; the plain trace runs two whole steps."""
+    model = tiny_distilbert()
+    fast = _trace_step(model, optimizer, dtype, rounding=rounding)
+    plain = _trace_step(model, optimizer, dtype, rounding=rounding, fast=False)
+    assert (fast.peak.bytes, fast.peak.breakdown, fast.kept) == (plain.peak.bytes, plain.peak.breakdown, plain.kept)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adafactor_traced_on_its_first_and_last_row_blocks_equals_the_full_walk(monkeypatch, dtype):
+    from leanopt.kernels import cpu_adafactor
+    from leanopt.memory import plan_trace
+
+    # 2000 x 64 embeddings: 33 blocks of 62 rows (the last of 16); 256 x 64 layers: 5 blocks
+    monkeypatch.setattr(cpu_adafactor, "ADAFACTOR_BLOCK", 4000)
+    model = tiny_distilbert()
+    trimmed = _trace_step(model, "adafactor", dtype)
+    monkeypatch.setattr(plan_trace, "TRIM_REPEATED_BLOCKS", False)
+    full = _trace_step(model, "adafactor", dtype)
+    assert (trimmed.peak.bytes, trimmed.peak.breakdown, trimmed.kept) == (full.peak.bytes, full.peak.breakdown, full.kept)
+
+
+# ---- gradient release ---------------------------------------------------------------------------
+def _released_direct(model, optimizer, precision, rounding, ckpt, batch, seq) -> int:
+    """The released step traced as it runs: ``leanopt.release_gradients`` on the fake params, the
+    optimizer stepping inside backward (its state made by a first, plain step)."""
+    import leanopt
+    from leanopt.memory import plan as P
+    from leanopt.memory.plan_trace import LiveStorage, isolated_kernel_caches, state_tensors, track_module, traced_forward_backward
+
+    fake_mode, tracker = P._fake_mode(), LiveStorage()
+    with P._fake_weights(model, fake_mode, P._PARAM_DTYPE[precision]) as params, P._checkpointing(model, ckpt):
+        model.train()
+        with isolated_kernel_caches(), fake_mode, tracker:
+            track_module(tracker, model)
+            opt = P._optimizer_factory(optimizer, rounding)(params)
+            for p in params:
+                p.grad = torch.empty_like(p)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            for st in opt.state.values():
+                for t in state_tensors(st):
+                    tracker.track(t, "optimizer_state")
+            input_ids = torch.randint(0, P._vocab_size(model), (batch, seq))
+            labels = torch.randint(0, P._num_labels(model), (batch,)) if P._task(model) == "classification" else input_ids
+            tracker.track(input_ids)
+            tracker.track(labels)
+            tracker.reset_peak()
+            with leanopt.release_gradients(params, opt):
+                loss = traced_forward_backward(tracker, model, input_ids, labels, params, precision == "bf16-mixed", "model")
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            del loss
+            peak = tracker.peak().bytes
+    model.eval()
+    return peak
+
+
+@pytest.mark.parametrize(
+    "optimizer, precision, rounding, ckpt",
+    [("adamw", "fp32", None, True), ("adamw8bit", "bf16-mixed", None, True), ("adafactor", "fp32", None, False),
+     ("adamw", "bf16", "kahan", True), ("adamw", "bf16", "stochastic", True)],
+)  # fmt: skip
+def test_released_rows_equal_a_trace_of_the_released_step(optimizer, precision, rounding, ckpt):
+    """plan() composes the released step from one forward/backward trace and per-shape steps;
+    a trace of the step as it runs, the optimizer inside backward, gives the same peak."""
+    model = tiny_distilbert()
+    kwargs = {"batch": 4, "seq": 32, "optimizers": [optimizer], "precisions": [precision], "checkpointing": [ckpt],
+              "roundings": [rounding] if rounding else None}  # fmt: skip
+    (released,) = plan(model, grad_release=[True], **kwargs)
+    (usual,) = plan(model, grad_release=[False], **kwargs)
+    assert released.grad_release and not usual.grad_release
+    assert released.peak_bytes == _released_direct(model, optimizer, precision, rounding, ckpt, 4, 32)
+    assert sum(released.breakdown.values()) == released.peak_bytes
+    # This model peaks in backward (or in the step): release takes the gradients off the peak but
+    # the one of the param being stepped.
+    assert released.peak_bytes < usual.peak_bytes
+    largest = max(p.numel() for p in model.parameters()) * (2 if precision == "bf16" else 4)
+    assert released.breakdown["gradients"] <= largest
 
 
 def test_the_quantized_update_counts_its_temporaries():
@@ -118,7 +248,7 @@ def test_checkpointing_lowers_the_activation_peak():
     model = transformers.GPT2Config(**{**TINY_GPT2, "n_layer": 4})
     with torch.device("meta"):
         model = transformers.GPT2LMHeadModel(model)
-    off, on = plan(model, batch=8, seq=64, optimizers=["adafactor"], precisions=["fp32"])
+    off, on = plan(model, batch=8, seq=64, optimizers=["adafactor"], precisions=["fp32"], grad_release=[False])
     assert not off.checkpointing and on.checkpointing
     assert on.peak_bytes < off.peak_bytes
     assert on.breakdown["activations"] < off.breakdown["activations"] / 2
@@ -151,11 +281,11 @@ def test_kernel_caches_stay_real():
     from torch._subclasses.fake_tensor import FakeTensor
 
     from leanopt import AdamW8bit
-    from leanopt.kernels import cpu
+    from leanopt.kernels import cpu, cpu_elementwise
     from leanopt.quant import codebooks
 
     plan(tiny_gpt2(), batch=2, seq=16, optimizers=["adamw8bit", "adafactor"], precisions=["fp32"], checkpointing=[False])
-    cached = [*codebooks._CACHE.values(), *cpu._ENCODE_TABLES.values(), *cpu._workspaces.__dict__.get("pool", {}).values()]
+    cached = [*codebooks._CACHE.values(), *cpu_elementwise._ENCODE_TABLES.values(), *cpu._workspaces.__dict__.get("pool", {}).values()]
     tensors = [t for c in cached for t in ([c] if isinstance(c, torch.Tensor) else vars(c).values() if hasattr(c, "__dict__")
                else c if isinstance(c, tuple) else []) if isinstance(t, torch.Tensor)]  # fmt: skip
     assert not any(isinstance(t, FakeTensor) for t in tensors)
@@ -185,7 +315,10 @@ def test_errors_are_one_line(tmp_path):
     _one_line_error(lambda: plan(tiny_gpt2(), batch=1, seq=8, device="cuda"), "CPU")
     _one_line_error(lambda: plan(tiny_gpt2(), batch=1, seq=8, optimizers=["sgd9000"]), "unknown optimizer")
     _one_line_error(lambda: plan(tiny_gpt2(), batch=1, seq=8, precisions=["fp8"]), "unknown precision")
-    _one_line_error(lambda: plan(tiny_gpt2(), batch=1, seq=8, precisions=["bf16"]), "pure bf16 is not planned")
+    _one_line_error(lambda: plan(tiny_gpt2(), batch=1, seq=8, roundings=["up"]), "unknown rounding")
+    _one_line_error(lambda: plan(tiny_gpt2(), batch=1, seq=8, gpus=2, precisions=["bf16"]), "pure bf16 is not planned under FSDP2")
+    _one_line_error(lambda: plan(tiny_gpt2(), batch=1, seq=8, gpus=2, grad_release=[True]), "release is not planned under FSDP2")
+    _one_line_error(lambda: plan(tiny_gpt2(), batch=1, seq=8, optimizers=["torch-adamw"], grad_release=[True]), "needs a leanopt optimizer")
     _one_line_error(lambda: plan(tiny_gpt2(), batch=1, seq=8, budget="lots"), "budget")
     # longer than the model's positions: an input it cannot take
     _one_line_error(lambda: plan(tiny_distilbert(), batch=1, seq=128), "cannot trace.*positions")
@@ -201,12 +334,14 @@ def test_a_forward_that_fails_is_one_line_naming_what_failed():
 
 # ---- FSDP2 over several ranks ---------------------------------------------------------------
 def test_fsdp_rows_shard_weights_gradients_and_state():
-    one = {(r.optimizer, r.checkpointing): r for r in plan(tiny_gpt2(), batch=4, seq=32, precisions=["fp32"], optimizers=["adamw", "adafactor"])}
-    two = plan(tiny_gpt2(), batch=4, seq=32, gpus=2, precisions=["fp32"], optimizers=["adamw", "adafactor"])
+    one = {(r.optimizer, r.checkpointing): r for r in plan(tiny_gpt2(), batch=4, seq=32, precisions=["fp32"], optimizers=["adamw", "adafactor"],
+                                                              grad_release=[False])}  # fmt: skip
+    # FSDP2 rows: no pure bf16 and no release (both refuse DTensor params), whatever the defaults
+    two = plan(tiny_gpt2(), batch=4, seq=32, gpus=2, precisions=["fp32", "bf16"], optimizers=["adamw", "adafactor"])
     assert len(two) == len(one) == 4
     for r in two:
         ref = one[r.optimizer, r.checkpointing]
-        assert r.gpus == 2 and sum(r.breakdown.values()) == r.peak_bytes
+        assert r.gpus == 2 and not r.grad_release and r.precision == "fp32" and sum(r.breakdown.values()) == r.peak_bytes
         # every tensor is cut in two on dim 0 (64- and 2000-row tensors: no padding)
         assert r.breakdown["weights"] == ref.breakdown["weights"] // 2
         if r.optimizer == "adamw":  # moments cut in two; the step counts (scalars) are on every rank
@@ -231,14 +366,19 @@ def _run_cli(argv: list[str], capsys) -> str:
 
 def test_cli_table_and_json(tmp_path, capsys):
     transformers.GPT2Config(**TINY_GPT2).to_json_file(tmp_path / "config.json")
-    base = ["plan", str(tmp_path), "--batch", "2", "--seq", "16", "--optimizers", "adamw,adafactor", "--precisions", "fp32,bf16-mixed"]
+    base = ["plan", str(tmp_path), "--batch", "2", "--seq", "16", "--optimizers", "adamw,adafactor", "--precisions", "fp32,bf16",
+            "--roundings", "kahan"]  # fmt: skip
     rows = json.loads(_run_cli([*base, "--json"], capsys))
-    assert len(rows) == 8 and all(r["fits"] is None for r in rows)
-    budget = sorted(r["peak_bytes"] for r in rows)[3]
+    assert len(rows) == 16 and all(r["fits"] is None for r in rows)
+    assert {(r["precision"], r["rounding"]) for r in rows} == {("fp32", None), ("bf16", "kahan")}
+    assert {r["grad_release"] for r in rows} == {False, True}
+    assert len(json.loads(_run_cli([*base, "--grad-release", "off", "--json"], capsys))) == 8
+    budget = sorted(r["peak_bytes"] for r in rows)[7]
     out = _run_cli([*base, "--budget", str(budget)], capsys)
-    assert "✔" in out and "✘" in out and "recommended:" in out
+    assert "✔" in out and "✘" in out and "recommended:" in out and "bf16 kahan" in out
     best = next(r for r in json.loads(_run_cli([*base, "--budget", str(budget), "--json"], capsys)) if r["fits"])
-    assert f"recommended: {best['optimizer']}, {best['precision']}" in out
+    mode = f"{best['precision']} {best['rounding']}" if best["rounding"] else best["precision"]
+    assert f"recommended: {best['optimizer']}, {mode}" in out
     assert cli.main([*base, "--budget", "24 parsecs"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "budget" in err[0]
@@ -257,20 +397,31 @@ def _bench():
 SMALL_TOLERANCE = 0.05
 
 
-def _check_against_real_steps(case: str, configs: list[tuple[str, str, bool]]) -> None:
+def _check_against_real_steps(case: str, configs: list[tuple]) -> None:
     if not Path("/proc/self/clear_refs").exists():
         pytest.skip("needs Linux /proc to read the resident high-water mark")
     bench = _bench()
     measured = bench.measure(case, configs)
-    for (optimizer, precision, ckpt), real in zip(configs, measured):
-        predicted = bench.predict(case, optimizer, precision, ckpt)
-        assert abs(predicted - real) <= SMALL_TOLERANCE * real, (case, optimizer, precision, ckpt, predicted, real)
+    for config, real in zip(configs, measured):
+        optimizer, precision, ckpt, rounding, release = bench.full_config(config)
+        predicted = bench.predict(case, optimizer, precision, ckpt, rounding=rounding, release=release)
+        assert abs(predicted - real) <= SMALL_TOLERANCE * real, (case, config, predicted, real)
 
 
 # Compiling nothing: a few seconds each.
 @pytest.mark.parametrize("case", ["tiny-distilbert", "tiny-gpt2"])
 def test_prediction_matches_a_real_step(case):
     _check_against_real_steps(case, [("adamw", "fp32", False), ("adafactor", "fp32", False), ("adamw", "fp32", True)])
+
+
+# Pure bf16 (Kahan, stochastic rounding) and gradient release: measured within 2 % here (the
+# composition itself is held to a direct trace, to the byte, above). Four configurations in one
+# process: ~1 min each under load on the 2 shared cores.
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["tiny-distilbert", "tiny-gpt2"])
+def test_bf16_and_released_predictions_match_a_real_step(case):
+    _check_against_real_steps(case, [("adamw", "bf16", False, "kahan"), ("adamw", "bf16", False, "stochastic"),
+                                     ("adamw", "fp32", False, None, True), ("adafactor", "bf16", True, "kahan", True)])  # fmt: skip
 
 
 # The quantized updates compile on the CPU first (tens of seconds on 2 cores).
@@ -309,8 +460,11 @@ def test_a_7b_model_plans_within_a_minute():
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config)
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     rows = plan(model, batch=1, seq=2048, budget="80GiB")
-    assert time.perf_counter() - t0 <= 60
+    # Seconds of CPU (one thread traces): what it takes on an idle core; a shared machine's load
+    # stretches the wall clock (25 s of CPU took 100 s of wall under a load of 8 on 2 cores here).
+    assert time.process_time() - t0 <= 60
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before < 1024**2  # KiB: under 1 GiB grown
+    assert len(rows) == 4 * 4 * 2 * 2  # 4 optimizers x (fp32, bf16-mixed, bf16 kahan, bf16 stochastic) x ckpt x release
     assert rows[0].peak_bytes > 16 * 6.7e9  # weights + gradients + AdamW state, fp32

@@ -23,6 +23,7 @@ import torch
 
 import leanopt
 from leanopt.memory import PRECISIONS, resolve_optimizer
+from leanopt.memory.training import supports_training_modes
 from leanopt.quant import QuantizedState
 
 # (name, kwargs); peers only when installed. The state layout does not depend on the backend;
@@ -170,6 +171,94 @@ def test_bf16_equals_a_measured_step(case: tuple[str, dict[str, Any]]) -> None:
     model, measured = train_bf16(name, kwargs)
     predicted = leanopt.training_memory(model, name, precision="bf16", **kwargs)
     assert measured == predicted.total
+
+
+# ---- pure bf16 with each rounding, and gradient release ---------------------------------------
+LEAN = [case for case in OPTIMIZERS if supports_training_modes(case[0])]
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic", "kahan"])
+@pytest.mark.parametrize("case", LEAN, ids=_ids)
+def test_bf16_with_each_rounding_equals_a_measured_step(case: tuple[str, dict[str, Any]], rounding: str) -> None:
+    name, kwargs = case
+    kwargs = {**kwargs, "rounding": rounding}
+    model, measured = train_bf16(name, kwargs)
+    predicted = leanopt.training_memory(model, name, precision="bf16", **kwargs)
+    assert measured == predicted.total
+    assert predicted.rounding == rounding and predicted.mode == f"bf16 {rounding}"
+    n = sum(p.numel() for p in model.parameters())
+    # Kahan: a bf16 compensation per param element, in the optimizer state; the others keep none.
+    assert predicted.compensation == (2 * n if rounding == "kahan" else 0)
+    opt = resolve_optimizer(name)(model.parameters(), **kwargs)
+    _loss(model).backward()
+    opt.step()
+    assert leanopt.measure(opt).bytes == predicted.optimizer_state
+    assert leanopt.measure(opt).by_key.get("kahan_comp", 0) == predicted.compensation
+
+
+def test_bf16_rounding_rows_add_only_the_compensation() -> None:
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.Linear(200, 7))
+    n = sum(p.numel() for p in model.parameters())
+    nearest, stochastic, kahan = (leanopt.training_memory(model, "adamw", precision="bf16", rounding=r).total
+                                  for r in ("nearest", "stochastic", "kahan"))  # fmt: skip
+    assert nearest == stochastic == kahan - 2 * n
+    assert leanopt.training_memory(model, "adamw", precision="bf16").rounding == "nearest"  # the default
+    assert leanopt.training_memory(model, "adamw", precision="fp32", rounding="kahan").compensation == 0  # fp32 params ignore it
+    with pytest.raises(ValueError, match="no rounding= option"):
+        leanopt.training_memory(model, "torch-adamw", precision="bf16", rounding="kahan")
+    assert leanopt.training_memory(model, "torch-adamw", precision="bf16").rounding is None
+
+
+def _released_step(name: str, kwargs: dict[str, Any], precision: str) -> tuple[torch.nn.Module, int, int]:
+    """One released step: the most gradient bytes live at once (from a hook that runs before the
+    release's own), and the bytes live after it (weights, state, gradients left)."""
+    model = small_transformer()
+    if precision == "bf16":
+        model = model.to(torch.bfloat16)
+    params = list(model.parameters())
+    opt = resolve_optimizer(name)(params, **kwargs)
+    most = [0]
+
+    def seen(_: torch.Tensor) -> None:
+        most[0] = max(most[0], live_bytes([p.grad for p in params if p.grad is not None]))
+
+    hooks = [p.register_post_accumulate_grad_hook(seen) for p in params]
+    with leanopt.release_gradients(model, opt):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+            loss = _loss(model)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    for h in hooks:
+        h.remove()
+    assert all(p.grad is None for p in params)
+    return model, most[0], live_bytes(params, [p.grad for p in params], _state(opt))
+
+
+@pytest.mark.parametrize("precision, rounding", [("fp32", None), ("bf16-mixed", None), ("bf16", "kahan"), ("bf16", "stochastic")])
+@pytest.mark.parametrize("case", LEAN, ids=_ids)
+def test_grad_release_equals_a_measured_step(case: tuple[str, dict[str, Any]], precision: str, rounding: str | None) -> None:
+    name, kwargs = case
+    kwargs = {**kwargs, **({"rounding": rounding} if rounding else {})}
+    model, most_gradients, after = _released_step(name, kwargs, precision)
+    predicted = leanopt.training_memory(model, name, precision=precision, grad_release=True, **kwargs)
+    assert predicted.grad_release and predicted.mode.endswith("+ grad release")
+    largest = max(p.numel() for p in model.parameters())
+    assert most_gradients == predicted.gradients == (2 if precision == "bf16" else 4) * largest
+    # Nothing of the gradients persists; under autocast, neither do the bf16 weight copies.
+    transient = predicted.gradients + (predicted.weights if precision == "bf16-mixed" else 0)
+    assert after == predicted.total - transient
+    assert predicted.total == leanopt.training_memory(model, name, precision=precision, **kwargs).total - (
+        predicted.params * PRECISIONS[precision][1] - predicted.gradients
+    )
+
+
+def test_grad_release_needs_a_leanopt_optimizer() -> None:
+    with pytest.raises(ValueError, match="leanopt optimizer"):
+        leanopt.training_memory(torch.nn.Linear(2, 2), "torch-adamw", grad_release=True)
+    with pytest.raises(ValueError, match="grad_release"):
+        leanopt.training_memory(torch.nn.Linear(2, 2), "adamw", grad_release="yes")
 
 
 def test_formulas_per_precision() -> None:

@@ -2,9 +2,10 @@
 :mod:`leanopt.checkpoint` and :mod:`leanopt.compare`.
 
     leanopt estimate MODEL [--optimizers adamw,adafactor,...] [--json]
-    leanopt plan MODEL --batch B --seq S [--budget 24GiB] [--optimizers ...] [--precisions fp32,bf16-mixed] [--json]
+    leanopt plan MODEL --batch B --seq S [--budget 24GiB] [--optimizers ...] [--precisions fp32,bf16-mixed,bf16]
+                 [--roundings kahan,stochastic] [--grad-release off|on|both] [--json]
     leanopt inspect optimizer.pt [--json]
-    leanopt convert SRC DST --to adamw|adamw8bit|adamw4bit
+    leanopt convert SRC DST --to NAME   (a leanopt optimizer of the same family: adamw8bit, lion4bit, ...)
     leanopt compare [--quick] [...]
     leanopt --version
 
@@ -33,13 +34,18 @@ from leanopt import __version__
 from leanopt.memory.estimate import MiB, OPTIMIZER_NAMES, available_optimizers, resolve_optimizer
 from leanopt.memory.inspect import StateDictReport, inspect_file, inspect_state_dict, load_optimizer_state
 from leanopt.memory.presets import ModelSource, resolve_model, shape_dependent
-from leanopt.memory.training import TrainingMemory, training_memory
+from leanopt.memory.training import TRAINING_MODES, TrainingMemory, supports_training_modes, training_memory
 
 TABLE_PRECISIONS = ("fp32", "bf16-mixed")
 NOTES = (
     "MB = MiB (1024² bytes). Training = weights + gradients + master weights + optimizer state; no activations.",
     "fp32: 4 + 4 B/param + state. bf16-mixed (torch.autocast, Trainer(bf16=True)): 2 (bf16 weights) + 4 (fp32 grads)",
     "+ 4 (fp32 master weights) B/param + state. Formulas: docs/memory.md.",
+)
+MODE_NOTES = (
+    "bf16: pure bf16 weights and gradients (2 + 2 B/param), no master weights, the optimizer's rounding=; kahan adds a",
+    "2 B/param compensation. Persistent memory only: a stochastic/kahan step also makes an fp32 copy of one param at a",
+    "time. + grad release (leanopt.release_gradients): gradients = the largest param's. n/a: not a leanopt optimizer.",
 )
 
 
@@ -81,14 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--json", action="store_true", help="print JSON instead of a table")
     est.set_defaults(run=cmd_estimate)
 
-    from leanopt.memory.plan import DEFAULT_OPTIMIZERS, PLAN_PRECISIONS
+    from leanopt.memory.plan import DEFAULT_OPTIMIZERS, DEFAULT_ROUNDINGS, PLAN_PRECISIONS, ROUNDINGS
 
     pl = sub.add_parser(
         "plan",
         help="will training fit: peak memory per setup",
         description="Peak memory of one steady-state training step (weights, gradients, optimizer state, "
-        "activations, temporaries) for each optimizer x precision x activation checkpointing, traced on fake "
-        "tensors: nothing is allocated or downloaded but a config.",
+        "activations, temporaries) for each optimizer x precision (pure bf16: x rounding) x activation "
+        "checkpointing x gradient release, traced on fake tensors: nothing is allocated or downloaded but a config.",
     )
     pl.add_argument("model", help="a preset (distilbert-base-cased, gpt2, llama-2-7b, ...), a config.json or a folder "
                     "with one, or a Hugging Face Hub id")  # fmt: skip
@@ -97,7 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--budget", help="memory to fit in: 24GiB, 24GB, 500MiB or bytes")
     pl.add_argument("--gpus", type=int, default=1, help="ranks to shard over with FSDP2 (fully_shard per block and root; per-rank peak, batch per rank)")
     pl.add_argument("--optimizers", help=f"comma-separated (default: {','.join(DEFAULT_OPTIMIZERS)}); known: {', '.join(OPTIMIZER_NAMES)}")
-    pl.add_argument("--precisions", help=f"comma-separated (default: {','.join(PLAN_PRECISIONS)})")
+    pl.add_argument("--precisions", help=f"comma-separated (default: {','.join(PLAN_PRECISIONS)}; bf16 = pure bf16, no master weights)")
+    pl.add_argument("--roundings", help=f"rounding= of the pure-bf16 rows, comma-separated (default: {','.join(DEFAULT_ROUNDINGS)}); "
+                    f"known: {', '.join(ROUNDINGS)}")  # fmt: skip
+    pl.add_argument("--grad-release", choices=("off", "on", "both"), default="both",
+                    help="rows with leanopt.release_gradients (optimizer step inside backward; leanopt's optimizers, one process)")  # fmt: skip
     pl.add_argument("--json", action="store_true", help="print the rows as JSON")
     pl.set_defaults(run=cmd_plan)
 
@@ -105,24 +115,34 @@ def build_parser() -> argparse.ArgumentParser:
         "inspect",
         help="what a saved optimizer state holds (optimizer.pt)",
         description="Bytes per state key and per param group of a saved optimizer state_dict, and whose "
-        "layout it is. Loaded with torch.load(weights_only=True) on the CPU.",
+        "it is: the optimizer leanopt's files declare in their param groups (\"optimizer\"), or, for "
+        "peers' files, the one their state keys show. Loaded with torch.load(weights_only=True) on the CPU.",
     )
     ins.add_argument("file", help="optimizer.pt, or a checkpoint folder that holds one")
     ins.add_argument("--json", action="store_true", help="print JSON instead of tables")
     ins.set_defaults(run=cmd_inspect)
 
+    from leanopt.optim.registry import REGISTRY
+
+    families: dict[str, list[str]] = {}
+    for name, cls in REGISTRY.items():
+        families.setdefault(cls.family, []).append(name)
     conv = sub.add_parser(
         "convert",
-        help="re-save an AdamW state with fp32, 8-bit or 4-bit moments",
-        description="Read a saved AdamW-family optimizer state_dict (torch/leanopt AdamW, AdamW8bit, "
-        "AdamW4bit; e.g. a Trainer optimizer.pt), write it with its moments in another precision. "
-        "The result loads into the matching leanopt optimizer (fp32 also into torch.optim.AdamW).",
+        help="re-save a state for another optimizer of its family",
+        description="Read a saved optimizer state_dict (e.g. a Trainer optimizer.pt) and write it for another "
+        f"optimizer of the same family (the same rule): {', '.join('/'.join(f) for f in families.values() if len(f) > 1)}. "
+        "The source is the optimizer its param groups declare (\"optimizer\"); a file "
+        "without one (torch.optim.AdamW, older leanopt files) is read as the AdamW family. The result declares "
+        "--to and loads into it (an fp32 AdamW state also into torch.optim.AdamW). Another family is refused.",
     )
     conv.add_argument("src", help="the optimizer state_dict to read (optimizer.pt)")
     conv.add_argument("dst", help="where to write the converted state_dict")
-    conv.add_argument("--to", required=True, choices=["adamw", "adamw8bit", "adamw4bit"], help="target layout")
-    conv.add_argument("--block-size", type=int, help="elements per scale (default: 256 for 8-bit, 128 for 4-bit)")
-    conv.add_argument("--min-quant-size", type=int, default=4096, help="smaller params keep fp32 moments (default 4096)")
+    conv.add_argument("--to", required=True, type=str.lower, choices=list(REGISTRY), metavar="NAME",
+                      help=f"the optimizer to convert for, of the source's family; one of: {', '.join(REGISTRY)}")
+    conv.add_argument("--block-size", type=int, help="elements per scale of a low-bit target (default: the class's, "
+                      "256 for 8-bit, 128 for 4-bit)")
+    conv.add_argument("--min-quant-size", type=int, default=4096, help="smaller params keep fp32 states (default 4096)")
     conv.add_argument("--force", action="store_true", help="overwrite DST if it exists")
     conv.set_defaults(run=cmd_convert)
 
@@ -230,21 +250,42 @@ def estimate_rows(source: ModelSource, names: list[str]) -> list[dict[str, Any]]
     for name in names:
         row: dict[str, Any] = {"name": name, "class": _class_name(name)}
         if not source.exact_shapes and shape_dependent(name):
-            row.update(state_bytes=None, state_elements=None, bytes_per_param=None, by_key=None, training=None)
+            row.update(state_bytes=None, state_elements=None, bytes_per_param=None, by_key=None, training=None,
+                       training_grad_release=None)
         else:
             per_precision: dict[str, TrainingMemory] = {
                 p: training_memory(source.params, name, precision=p) for p in ("fp32", "bf16-mixed", "bf16")
             }
             state = per_precision["fp32"].state
+            training: dict[str, Any] = {p: m.as_dict() for p, m in per_precision.items()}
+            released: dict[str, Any] = {}
+            lean = supports_training_modes(name)
+            for precision, rounding in TRAINING_MODES:
+                key = _mode_key(precision, rounding)
+                kwargs = {"rounding": rounding} if rounding else {}
+                if key not in training:  # bf16-stochastic, bf16-kahan: leanopt's optimizers only
+                    training[key] = training_memory(source.params, name, precision=precision, **kwargs).as_dict() if lean else None
+                # Release keeps the largest param's gradient: a bare count has no params to tell it.
+                released[key] = (
+                    training_memory(source.params, name, precision=precision, grad_release=True, **kwargs).as_dict()
+                    if lean and source.exact_shapes else None
+                )
             row.update(
                 state_bytes=state.bytes,
                 state_elements=state.elements,
                 bytes_per_param=round(state.bytes_per_param, 6),
                 by_key=dict(state.by_key),
-                training={p: m.as_dict() for p, m in per_precision.items()},
+                training=training,
+                training_grad_release=released,
             )
         rows.append(row)
     return rows
+
+
+def _mode_key(precision: str, rounding: str | None) -> str:
+    """The key of a training mode in ``estimate --json``: ``fp32``, ``bf16-mixed``, ``bf16`` (nearest
+    rounding, as before there were others), ``bf16-stochastic``, ``bf16-kahan``."""
+    return precision if rounding in (None, "nearest") else f"{precision}-{rounding}"
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
@@ -295,7 +336,33 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         )
     for note in notes:
         console.print(note, style="dim", highlight=False)
+    _print_modes(console, rows, source.exact_shapes)
     return 0
+
+
+def _print_modes(console: Console, rows: list[dict[str, Any]], exact_shapes: bool) -> None:
+    """Training memory of every mode (rows) for every optimizer (columns), with and without release."""
+    modes = Table(title="training MB by mode", show_edge=False, header_style="bold")
+    modes.add_column("mode")
+    for row in rows:
+        modes.add_column(row["name"], justify="right")
+    for released in (False, True) if exact_shapes else (False,):
+        for precision, rounding in TRAINING_MODES:
+            key = _mode_key(precision, rounding)
+            label = f"{precision} {rounding}" if rounding else precision
+            cells = []
+            for row in rows:
+                table = row.get("training_grad_release" if released else "training") or {}
+                value = table.get(key)
+                cells.append(_mb(value["total"]) if value else "n/a")
+            modes.add_row(label + (" + grad release" if released else ""), *cells)
+    console.print()
+    console.print(modes)
+    notes = list(MODE_NOTES)
+    if not exact_shapes:
+        notes.append("A bare count has no largest param: no grad release rows (name a preset or a config).")
+    for note in notes:
+        console.print(note, style="dim", highlight=False)
 
 
 # ---- inspect -------------------------------------------------------------------------------------
@@ -330,6 +397,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         gpus=args.gpus,
         optimizers=_split(args.optimizers, "optimizers"),
         precisions=_split(args.precisions, "precisions"),
+        roundings=_split(args.roundings, "roundings"),
+        grad_release={"off": [False], "on": [True], "both": [False, True]}[args.grad_release],
     )
     if args.json:
         print(_json([r.as_dict() for r in rows]))
@@ -342,13 +411,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     console.print(f"[bold]{args.model}[/bold]: one training step at batch {args.batch}, seq {args.seq}, peak per setup "
                   "(MB = MiB)", highlight=False)  # fmt: skip
     table = Table(show_edge=False, header_style="bold")
-    for title in ("optimizer", "precision", "ckpt", "peak MB", *(k.replace("_", " ") for k in KINDS)):
-        table.add_column(title, justify="left" if title in ("optimizer", "precision", "ckpt") else "right")
+    left = ("optimizer", "precision", "ckpt", "release")
+    for title in (*left, "peak MB", *(k.replace("_", " ") for k in KINDS)):
+        table.add_column(title, justify="left" if title in left else "right")
     if budget is not None:
         table.add_column(f"≤ {_mib(budget)} MB", justify="center")
     for r in rows:
-        cells = [r.optimizer, r.precision, "on" if r.checkpointing else "off", _mib(r.peak_bytes),
-                 *(_mib(r.breakdown[k]) for k in KINDS)]  # fmt: skip
+        cells = [r.optimizer, _precision(r), "on" if r.checkpointing else "off", "on" if r.grad_release else "off",
+                 _mib(r.peak_bytes), *(_mib(r.breakdown[k]) for k in KINDS)]  # fmt: skip
         if budget is not None:
             cells.append("[green]✔[/green]" if r.fits else "[red]✘[/red]")
         table.add_row(*cells)
@@ -359,12 +429,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
     elif best is None:
         line = f"nothing fits in {_mib(budget)} MB: lower --batch or --seq, or shard over more devices"
     else:
-        line = (f"recommended: {best.optimizer}, {best.precision}, activation checkpointing "
-                f"{'on' if best.checkpointing else 'off'} ({_mib(best.peak_bytes)} MB)")  # fmt: skip
+        line = (f"recommended: {best.optimizer}, {_precision(best)}, activation checkpointing "
+                f"{'on' if best.checkpointing else 'off'}, gradient release {'on' if best.grad_release else 'off'} "
+                f"({_mib(best.peak_bytes)} MB)")  # fmt: skip
     console.print(line, highlight=False)
-    console.print("MB = MiB. Second step's peak (state exists), CPU kernels; not planned yet: gradient release, "
-                  "CUDA (docs/plan.md); --gpus N: rank 0's peak under FSDP2.", style="dim", highlight=False)  # fmt: skip
+    console.print("MB = MiB. Second step's peak (state exists), CPU kernels; not planned yet: CUDA (docs/plan.md); "
+                  "--gpus N: rank 0's peak under FSDP2 (fp32 and bf16-mixed, no release). bf16 = pure bf16 with the "
+                  "optimizer's rounding; release: leanopt.release_gradients (no grad clipping or accumulation).",
+                  style="dim", highlight=False)  # fmt: skip
     return 0
+
+
+def _precision(row: Any) -> str:
+    return f"{row.precision} {row.rounding}" if row.rounding else row.precision
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -375,6 +452,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return 0
     _print_report(_console(), str(args.file), report)
     return 0
+
+
+def _family_note(name: str) -> str:
+    """``" (convert --to: lion, lion8bit, lion4bit)"`` for a registered name with siblings."""
+    from leanopt.checkpoint import family_members
+
+    try:
+        members = family_members(name)
+    except ValueError:  # declared by a leanopt that knows more optimizers than this one
+        return " (not in this version's registry)"
+    return f" (convert --to: {', '.join(members)})" if len(members) > 1 else ""
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -392,10 +480,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
     state_dict = load_optimizer_state(args.src)  # one-line errors for missing / non-optimizer files
     before = state_dict_layout(state_dict)
     before_bytes = inspect_state_dict(state_dict).bytes
+    # A state of another family (lion8bit -> adamw) is a one-line ValueError naming both.
     converted = convert_state_dict(state_dict, args.to, block_size=args.block_size, min_quant_size=args.min_quant_size)
     _save_atomically(converted, dst)
     after = inspect_file(dst)
-    print(f"{args.src} ({before}, {_mb(before_bytes)} MB of state) -> {dst} ({args.to}, {_mb(after.bytes)} MB of state)")
+    print(f"{args.src} ({before}, {_mb(before_bytes)} MB of state) -> {dst} ({after.optimizer}, {_mb(after.bytes)} MB of state)")
     return 0
 
 
@@ -457,6 +546,10 @@ def _short(value: Any) -> str:
 
 def _print_report(console: Console, file: str, r: StateDictReport) -> None:
     console.print(f"[bold]{file}[/bold]: {r.layout}", highlight=False)
+    if r.optimizer is not None:
+        console.print(f"declared optimizer: {r.optimizer}{_family_note(r.optimizer)}", style="dim", highlight=False)
+    elif r.complete:
+        console.print("no declared optimizer: recognized from its state keys and options", style="dim", highlight=False)
     if not r.complete:
         console.print(f"tensor data: {r.bytes:,} bytes ({_mb(r.bytes)} MB); no per-key breakdown without loading its classes")
         return

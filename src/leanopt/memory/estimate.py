@@ -18,18 +18,25 @@ import torch
 
 from leanopt.optim.base import LeanOptimizer
 from leanopt.optim.layout import StateSpec
+from leanopt.optim.registry import REGISTRY
 
 MiB = 1024**2
 
-# Name -> "module:attribute". Resolved lazily so optional peers are imported only when asked.
-OPTIMIZER_NAMES: dict[str, str] = {
-    "adamw": "leanopt:AdamW",
-    "adafactor": "leanopt:Adafactor",
-    "adamw8bit": "leanopt:AdamW8bit",
-    "adamw4bit": "leanopt:AdamW4bit",
+# Peers, by hand: name -> "module:attribute", resolved lazily so that an optional peer is
+# imported only when asked for.
+PEER_NAMES: dict[str, str] = {
     "torch-adamw": "torch.optim:AdamW",
     "torch-adafactor": "torch.optim:Adafactor",
     "hf-adafactor": "transformers.optimization:Adafactor",
+}
+
+
+# Every name the library knows: leanopt's from its registry (leanopt.optim.REGISTRY, in
+# registration order; "leanopt:<class>", resolved through the registry), then the peers.
+# Registering an optimizer is what lists it here.
+OPTIMIZER_NAMES: dict[str, str] = {
+    **{name: f"leanopt:{cls.__name__}" for name, cls in REGISTRY.items()},
+    **PEER_NAMES,
 }
 
 
@@ -41,6 +48,9 @@ def resolve_optimizer(optimizer: str | type) -> type:
         return optimizer
     if not isinstance(optimizer, str):
         raise ValueError(f"optimizer must be a name or a class, got {optimizer!r}")
+    registered = REGISTRY.get(optimizer.lower())
+    if registered is not None:
+        return registered
     target = OPTIMIZER_NAMES.get(optimizer.lower())
     if target is None:
         raise ValueError(f"unknown optimizer {optimizer!r}; known: {', '.join(OPTIMIZER_NAMES)}")

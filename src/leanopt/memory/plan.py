@@ -1,18 +1,22 @@
 """Will a training run fit, and what is the most precise setup that does?
 
 :func:`plan` predicts the **peak memory of one steady-state training step** for each
-configuration — optimizer × precision × activation checkpointing — by running that step on
-fake tensors (nothing allocated; see :mod:`leanopt.memory.plan_trace`)::
+configuration — optimizer × precision (with the rounding of pure bf16) × activation
+checkpointing × gradient release — by running that step on fake tensors (nothing allocated;
+see :mod:`leanopt.memory.plan_trace`)::
 
     with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16-mixed"):
         loss = model(input_ids=ids, labels=labels).loss      # ids: [batch, seq]
-    loss.backward()
-    optimizer.step()
+    loss.backward()          # under release_gradients: each param is stepped here
+    optimizer.step()         # under release_gradients: a no-op
     optimizer.zero_grad(set_to_none=True)
 
 Labels are the model's natural ones: class ids for a sequence-classification head, the input
 ids for a causal / masked / seq2seq LM. Precisions: ``fp32``; ``bf16-mixed`` (fp32 weights,
-forward under autocast bf16 — ``Trainer(bf16=True)``). Pure ``bf16`` is not planned yet.
+forward under autocast bf16 — ``Trainer(bf16=True)``); ``bf16`` (the model in bf16, no master
+weights, the optimizer built with ``rounding=`` one of ``roundings``: ``kahan`` and
+``stochastic`` by default, ``nearest`` on request; optimizers without ``rounding=`` get
+``nearest`` rows only).
 
 How the step is put together. The forward/backward and the optimizer step are traced
 separately (the first does not depend on the optimizer, the second not on checkpointing) and
@@ -22,17 +26,26 @@ combined exactly: in steady state the optimizer's state and whatever it keeps be
     peak = max(peak(forward + backward) + kept by the optimizer,
                peak(optimizer.step, second step, with the gradients) + left after backward)
 
+Under gradient release (``grad_release`` True; leanopt's optimizers) the same forward/backward
+trace is counted a second time as if each gradient were freed when its hook runs, noting what
+is live at each hook; the step of one param of each shape is traced on its own, and::
+
+    peak = max(peak(forward + backward, gradients freed at their hooks),
+               max over params p (live when p's hook runs + what p's step adds)) + kept by the optimizer
+
 ``gpus`` > 1: the per-rank peak under FSDP2 (``fully_shard`` on each transformer block and the
 root, batch per rank = ``batch``), traced as rank 0 of a fake process group
-(:mod:`leanopt.memory.plan_fsdp`); rows get ``gpus`` = N.
+(:mod:`leanopt.memory.plan_fsdp`); rows get ``gpus`` = N. FSDP2 rows are fp32 / bf16-mixed
+without release: ``release_gradients`` and ``rounding="stochastic"|"kahan"`` refuse DTensor params.
 
-Not covered yet: gradient release (``grad_release`` is False in every row), CUDA (``device`` other than ``"cpu"`` is a ``ValueError``: on
-the GPU attention and the optimizers take other kernels, with other temporaries).
+Not covered yet: CUDA (``device`` other than ``"cpu"`` is a ``ValueError``: on the GPU attention
+and the optimizers take other kernels, with other temporaries).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
@@ -48,26 +61,35 @@ from leanopt.memory.estimate import (
 from leanopt.memory.plan_trace import (
     KINDS,
     LiveStorage,
+    ParamSteps,
     Peak,
     isolated_kernel_caches,
+    rounded_step_peak,
     track_module,
     traced_forward_backward,
+    traced_param_steps,
     traced_steps,
 )
+from leanopt.optim.base import LeanOptimizer
+from leanopt.optim.rounding import LOW_PRECISION
 
 __all__ = [
     "DEFAULT_OPTIMIZERS",
+    "DEFAULT_ROUNDINGS",
     "PLAN_PRECISIONS",
+    "ROUNDINGS",
     "PlanRow",
     "parse_bytes",
     "plan",
     "recommend",
 ]
 
-# Ranked by precision kept: what a user gives up first is last. Pure bf16 is traced the same way
-# but not offered: against real steps here it was 21 % low (AdamW) and 17 % high (Adafactor) on
-# DistilBERT, for a cause not yet found (memory kept below the aten ops the trace follows?).
-PLAN_PRECISIONS = ("fp32", "bf16-mixed")
+# Ranked by precision kept: what a user gives up first is last. Pure bf16 keeps no fp32 master
+# weights; of its roundings Kahan keeps what each rounding lost, stochastic keeps it on average,
+# nearest loses updates under half an ulp (see leanopt.optim.rounding).
+PLAN_PRECISIONS = ("fp32", "bf16-mixed", "bf16")
+ROUNDINGS = ("kahan", "stochastic", "nearest")
+DEFAULT_ROUNDINGS = ("kahan", "stochastic")
 _PARAM_DTYPE = {"fp32": torch.float32, "bf16-mixed": torch.float32, "bf16": torch.bfloat16}
 # Exact fp32 moments, then 8-bit and 4-bit block-quantized moments, then a factored second
 # moment without a first moment (a different algorithm, the least information kept).
@@ -87,11 +109,13 @@ class PlanRow:
     peak_bytes: int
     fits: bool | None
     breakdown: dict[str, int] = field(default_factory=dict)
+    rounding: str | None = None  # pure bf16: the optimizer's rounding=; None for fp32 and bf16-mixed
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "optimizer": self.optimizer,
             "precision": self.precision,
+            "rounding": self.rounding,
             "checkpointing": self.checkpointing,
             "grad_release": self.grad_release,
             "gpus": self.gpus,
@@ -130,7 +154,7 @@ def _model(spec: Any) -> tuple[torch.nn.Module, str]:
     if isinstance(spec, torch.nn.Module):
         return spec, type(spec).__name__
     if not isinstance(spec, str):
-        raise ValueError(f"expected a model name, config path or torch.nn.Module, got {type(spec).__name__}")  # noqa: TRY004
+        raise ValueError(f"expected a model name, config path or torch.nn.Module, got {type(spec).__name__}")
     from leanopt.memory.presets import resolve_model
 
     source = resolve_model(spec)  # one-line ValueError for unknown names and architectures
@@ -246,6 +270,11 @@ def _one_line(err: BaseException) -> str:
 class _ForwardBackward:
     peak: Peak
     left: dict[str, int]  # live after backward, other than weights and gradients (loss, inputs)
+    # Under gradient release: the peak with each gradient freed at its hook, and (param index,
+    # what was live) at each hook. None where not traced (FSDP2).
+    released: Peak | None = None
+    hooks: list[tuple[int, Peak]] = field(default_factory=list)
+    shapes: list[tuple[tuple[int, ...], torch.dtype]] = field(default_factory=list)  # of the params, by index
 
 
 @dataclass
@@ -254,7 +283,9 @@ class _Step:
     kept: dict[str, int]  # live after step + zero_grad, other than weights (state, workspaces)
 
 
-def _trace_forward_backward(model: torch.nn.Module, task: str, batch: int, seq: int, precision: str, checkpointing: bool) -> _ForwardBackward:
+def _trace_forward_backward(
+    model: torch.nn.Module, task: str, batch: int, seq: int, precision: str, checkpointing: bool, released: bool = False
+) -> _ForwardBackward:
     fake_mode = _fake_mode()
     tracker = LiveStorage()
     mixed = precision == "bf16-mixed"
@@ -270,14 +301,21 @@ def _trace_forward_backward(model: torch.nn.Module, task: str, batch: int, seq: 
                 labels = torch.randint(0, num_labels, (batch,)) if task == "classification" else input_ids
                 tracker.track(input_ids)
                 tracker.track(labels)
-                loss = traced_forward_backward(tracker, model, input_ids, labels, params, mixed, type(model).__name__)
+                loss = traced_forward_backward(
+                    tracker, model, input_ids, labels, params, mixed, type(model).__name__, released=released
+                )
                 peak = tracker.peak()
                 live = tracker.live_by_kind()
                 left = {k: v for k, v in live.items() if k not in ("weights", "gradients")}
+                out = _ForwardBackward(peak, left)
+                if released:
+                    out.released = tracker.peak_released()
+                    out.hooks = tracker.hook_moments()
+                    out.shapes = [(tuple(p.shape), p.dtype) for p in params]
                 del loss, input_ids, labels
         finally:
             model.train(was_training)
-    return _ForwardBackward(peak, left)
+    return out
 
 
 def _trace_forward_backward_fsdp(model: torch.nn.Module, task: str, batch: int, seq: int, precision: str, checkpointing: bool, gpus: int) -> _ForwardBackward:
@@ -292,17 +330,48 @@ def _trace_forward_backward_fsdp(model: torch.nn.Module, task: str, batch: int, 
     return _ForwardBackward(peak, left)
 
 
-def _trace_step(model: torch.nn.Module, optimizer: str, dtype: torch.dtype, gpus: int = 1) -> _Step:
+def _optimizer_factory(optimizer: str, rounding: str | None) -> Any:
     cls = resolve_optimizer(optimizer)
+    if rounding is None or not issubclass(cls, LeanOptimizer):
+        return cls
+    return functools.partial(cls, rounding=rounding)
+
+
+def _shapes(model: torch.nn.Module, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    return [(tuple(p.shape), dtype if p.is_floating_point() else p.dtype) for p in unique_params(list(_trainable(model)))]
+
+
+def _rounded(optimizer: str, rounding: str | None, dtype: torch.dtype) -> bool:
+    """Whether a step updates each param on its own, through an fp32 copy (stochastic or Kahan
+    rounding of bf16/fp16 params by a leanopt optimizer: ``LeanOptimizer._step_rounded``)."""
+    return rounding in ("stochastic", "kahan") and dtype in LOW_PRECISION and issubclass(resolve_optimizer(optimizer), LeanOptimizer)
+
+
+def _trace_step(
+    model: torch.nn.Module, optimizer: str, dtype: torch.dtype, gpus: int = 1, rounding: str | None = None,
+    param_steps: ParamSteps | None = None, *, fast: bool = True,
+) -> _Step:  # fmt: skip
+    """The steady-state ``optimizer.step()`` of ``model``'s params in ``dtype``. A rounded step
+    (:func:`_rounded`) is put together from the step of one param of each shape
+    (``param_steps``, traced here if not given) unless ``fast`` is False."""
+    cls = _optimizer_factory(optimizer, rounding)
     fake_mode = _fake_mode()
-    shapes = [(tuple(p.shape), dtype if p.is_floating_point() else p.dtype) for p in unique_params(list(_trainable(model)))]
+    shapes = _shapes(model, dtype)
     if gpus > 1:
         from leanopt.memory.plan_fsdp import trace_step
 
         return _Step(*trace_step(shapes, cls, gpus, fake_mode))
+    if fast and _rounded(optimizer, rounding, dtype):
+        return _Step(*rounded_step_peak(shapes, param_steps or _trace_param_steps(shapes, optimizer, rounding)))
     with isolated_kernel_caches(), fake_mode, LiveStorage() as tracker:
-        peak, kept = traced_steps(tracker, [torch.nn.Parameter(torch.empty(s, dtype=dt)) for s, dt in shapes], cls)
+        peak, kept = traced_steps(tracker, [torch.nn.Parameter(torch.empty(s, dtype=dt)) for s, dt in shapes], cls, fast=fast)
     return _Step(peak, kept)
+
+
+def _trace_param_steps(shapes: list[tuple[tuple[int, ...], torch.dtype]], optimizer: str, rounding: str | None) -> ParamSteps:
+    """The step of one param of each shape, alone (:func:`~leanopt.memory.plan_trace.traced_param_steps`)."""
+    with isolated_kernel_caches(), _fake_mode():
+        return traced_param_steps(shapes, _optimizer_factory(optimizer, rounding))
 
 
 def _trainable(model: torch.nn.Module) -> Iterable[torch.nn.Parameter]:
@@ -323,9 +392,39 @@ def _combine(fb: _ForwardBackward, step: _Step) -> tuple[int, dict[str, int]]:
     return max(during_fb, during_step), {k: breakdown[k] for k in KINDS}
 
 
-def _rank(row: PlanRow) -> tuple[int, int, bool]:
+def _combine_released(fb: _ForwardBackward, step: _Step, param_steps: ParamSteps) -> tuple[int, dict[str, int]]:
+    """The step under gradient release: backward with each gradient freed at its hook, where the
+    param's update adds its transient; ``optimizer.step()`` after it is a no-op. The optimizer's
+    state and workspaces (``step.kept``) are live throughout."""
+    assert fb.released is not None
+    best, extra = fb.released, 0
+    for index, live in fb.hooks:
+        added = param_steps.transient[fb.shapes[index]]
+        if live.bytes + added > best.bytes + extra:
+            best, extra = live, added
+    breakdown = dict(best.breakdown)
+    breakdown["other"] += extra
+    for k, v in step.kept.items():
+        breakdown[k] += v
+    return best.bytes + extra + sum(step.kept.values()), {k: breakdown[k] for k in KINDS}
+
+
+def _rank(row: PlanRow) -> tuple[int, int, int, bool, bool]:
     opt = _OPTIMIZER_RANK.index(row.optimizer) if row.optimizer in _OPTIMIZER_RANK else len(_OPTIMIZER_RANK)
-    return (PLAN_PRECISIONS.index(row.precision), opt, row.checkpointing)
+    rounding = ROUNDINGS.index(row.rounding) if row.rounding in ROUNDINGS else -1
+    return (PLAN_PRECISIONS.index(row.precision), rounding, opt, row.grad_release, row.checkpointing)
+
+
+def _flags(values: Sequence[bool], what: str) -> list[bool]:
+    out = []
+    for v in values:
+        if not isinstance(v, bool):
+            raise ValueError(f"{what} takes True/False values, got {v!r}")  # noqa: TRY004 - one-line ValueErrors
+        if v not in out:
+            out.append(v)
+    if not out:
+        raise ValueError(f"{what} is empty")
+    return out
 
 
 # ---- public ----------------------------------------------------------------------------------
@@ -339,16 +438,24 @@ def plan(
     optimizers: Sequence[str] | None = None,
     precisions: Sequence[str] | None = None,
     checkpointing: Sequence[bool] = (False, True),
+    grad_release: Sequence[bool] = (False, True),
+    roundings: Sequence[str] | None = None,
     device: str = "cpu",
 ) -> list[PlanRow]:
     """Predicted peak memory of a steady-state training step, per configuration, ranked by precision kept.
 
     ``model``: a preset, config.json, folder or Hub id (as for ``leanopt estimate``) or a
     transformers model (on any device, ``meta`` included; it is not changed). ``budget``: bytes or
-    a size such as ``"24GiB"``; ``fits`` is None without one. Rows are ordered fp32 → bf16-mixed,
-    then by how much the optimizer keeps (adamw, 8-bit, 4-bit, adafactor), checkpointing off
-    before on: the first row that fits is :func:`recommend`'s answer. Models that do not support
-    activation checkpointing get no checkpointing rows. Nothing is allocated.
+    a size such as ``"24GiB"``; ``fits`` is None without one. Rows are ordered fp32 → bf16-mixed →
+    bf16 (Kahan, then stochastic, then nearest rounding), then by how much the optimizer keeps
+    (adamw, 8-bit, 4-bit, adafactor), gradient release off before on, checkpointing off before
+    on: the first row that fits is :func:`recommend`'s answer.
+
+    ``roundings`` (default ``kahan, stochastic``): the ``rounding=`` of pure-``bf16`` rows, for
+    leanopt's optimizers; others get a ``bf16`` row only for ``nearest`` (their only rounding).
+    ``grad_release``: rows with :func:`leanopt.release_gradients` (leanopt's optimizers only; one
+    process only). Models that do not support activation checkpointing get no checkpointing
+    rows. Nothing is allocated.
     """
     for name, value in (("batch", batch), ("seq", seq)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -359,15 +466,27 @@ def plan(
         raise ValueError(f"device {device!r}: plan traces CPU steps only for now (CUDA kernels keep other temporaries)")
     budget_bytes = parse_bytes(budget) if budget is not None else None
     names = [n.lower() for n in (optimizers or DEFAULT_OPTIMIZERS)]
-    for n in names:
-        resolve_optimizer(n)  # one-line ValueError for unknown or unavailable names
-    precs = list(precisions or PLAN_PRECISIONS)
+    lean = {n: issubclass(resolve_optimizer(n), LeanOptimizer) for n in names}  # one-line ValueError for unknown names
+    precs = list(dict.fromkeys(precisions or PLAN_PRECISIONS))
     for p in precs:
-        if p == "bf16":
-            raise ValueError("pure bf16 is not planned yet (its traces missed real steps by up to 21 %); use fp32 or bf16-mixed")
         if p not in PLAN_PRECISIONS:
             raise ValueError(f"unknown precision {p!r}; known: {', '.join(PLAN_PRECISIONS)}")
+    rounds = list(dict.fromkeys(roundings or DEFAULT_ROUNDINGS))
+    for r in rounds:
+        if r not in ROUNDINGS:
+            raise ValueError(f"unknown rounding {r!r}; known: {', '.join(ROUNDINGS)}")
+    releases = _flags(grad_release, "grad_release")
     ckpts = [bool(c) for c in checkpointing]
+    if gpus > 1:
+        # release_gradients and rounding="stochastic"|"kahan" refuse DTensor (FSDP2) params.
+        if precisions is not None and precs == ["bf16"]:
+            raise ValueError("pure bf16 is not planned under FSDP2 (--gpus > 1): rounding='stochastic'/'kahan' refuse DTensor params")
+        if releases == [True]:
+            raise ValueError("gradient release is not planned under FSDP2 (--gpus > 1): release_gradients refuses DTensor params")
+        precs = [p for p in precs if p != "bf16"]
+        releases = [False]
+    if releases == [True] and not any(lean.values()):
+        raise ValueError(f"gradient release needs a leanopt optimizer; none of {', '.join(names)} is one")
     module, label = _model(model)
     task = _task(module)
     _check_positions(module, seq)
@@ -380,34 +499,63 @@ def plan(
 
         check_shardable(module, gpus)
 
-    forward_backward: dict[tuple[str, bool], _ForwardBackward] = {}
-    steps: dict[tuple[str, torch.dtype], _Step] = {}
+    def configurations(precision: str) -> list[tuple[str, str | None, bool]]:
+        """(optimizer, rounding, grad_release) rows of ``precision``."""
+        out = []
+        for name in names:
+            for rounding in (rounds if precision == "bf16" else [None]):
+                if rounding not in (None, "nearest") and not lean[name]:
+                    continue  # no rounding= option: its bf16 step is a nearest one
+                for release in releases:
+                    if release and not lean[name]:
+                        continue
+                    out.append((name, rounding, release))
+        return out
+
     rows = []
     for precision in precs:
+        configs = configurations(precision)
+        if not configs:
+            continue
+        dtype = _PARAM_DTYPE[precision]
+        released = any(release for _, _, release in configs)
+        forward_backward: dict[bool, _ForwardBackward] = {}
         for ckpt in ckpts:
             try:
                 if gpus > 1:
-                    forward_backward[precision, ckpt] = _trace_forward_backward_fsdp(module, task, batch, seq, precision, ckpt, gpus)
+                    forward_backward[ckpt] = _trace_forward_backward_fsdp(module, task, batch, seq, precision, ckpt, gpus)
                 else:
-                    forward_backward[precision, ckpt] = _trace_forward_backward(module, task, batch, seq, precision, ckpt)
+                    forward_backward[ckpt] = _trace_forward_backward(module, task, batch, seq, precision, ckpt, released)
             except ValueError:
                 raise
-            except Exception as err:  # noqa: BLE001 - whatever a model's code raises on fake tensors: one line
+            except Exception as err:
                 raise ValueError(
                     f"cannot trace a training step of {label} ({type(module).__name__}) at batch {batch}, seq {seq}, "
                     f"{precision}{', checkpointing' if ckpt else ''}: {_one_line(err)}"
                 ) from None
-        for name in names:
-            key = (name, _PARAM_DTYPE[precision])
-            if key not in steps:
-                try:
-                    steps[key] = _trace_step(module, name, _PARAM_DTYPE[precision], gpus)
-                except Exception as err:  # noqa: BLE001 - as above, for the optimizer's code
-                    raise ValueError(f"cannot trace {name}.step() on fake tensors ({precision}): {_one_line(err)}") from None
+        steps: dict[tuple[str, str | None], _Step] = {}
+        param_steps: dict[tuple[str, str | None], ParamSteps] = {}
+        for name, rounding, release in configs:
+            key = (name, rounding if lean[name] else None)
+            what = f"{name}.step() on fake tensors ({precision}{f', rounding={rounding}' if rounding else ''})"
+            try:
+                if key not in param_steps and (release or _rounded(name, key[1], dtype)):
+                    param_steps[key] = _trace_param_steps(_shapes(module, dtype), name, key[1])
+                if key not in steps:
+                    steps[key] = _trace_step(module, name, dtype, gpus, key[1], param_steps.get(key))
+            except Exception as err:
+                raise ValueError(f"cannot trace {what}: {_one_line(err)}") from None
             for ckpt in ckpts:
-                peak, breakdown = _combine(forward_backward[precision, ckpt], steps[key])
+                fb = forward_backward[ckpt]
+                if release:
+                    peak, breakdown = _combine_released(fb, steps[key], param_steps[key])
+                else:
+                    peak, breakdown = _combine(fb, steps[key])
                 fits = None if budget_bytes is None else peak <= budget_bytes
-                rows.append(PlanRow(name, precision, ckpt, False, gpus, peak, fits, breakdown))
+                rows.append(PlanRow(name, precision, ckpt, release, gpus, peak, fits, breakdown, rounding))
+    if not rows:  # pure bf16 only, for optimizers without rounding=, and nearest not asked for
+        raise ValueError(f"no configuration to plan: {', '.join(names)} take no rounding= (their pure-bf16 steps round "
+                         "to nearest: ask for --roundings nearest)")  # fmt: skip
     return sorted(rows, key=_rank)
 
 

@@ -193,6 +193,8 @@ def trace_step(shapes: list[tuple[tuple[int, ...], torch.dtype]], optimizer_cls:
             fully_shard(holder, mesh=mesh)
         params = list(holder.parameters())
         with fake_mode, tracker:
-            peak, kept = traced_steps(tracker, params, optimizer_cls)
+            # Two whole steps: the layout-and-throwaway shortcut of the one-process trace would fill the
+            # caches from unsharded params.
+            peak, kept = traced_steps(tracker, params, optimizer_cls, fast=False)
             del params, holder
     return peak, kept

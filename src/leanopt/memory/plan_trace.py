@@ -8,17 +8,25 @@ real step runs (HF forward, autograd, the optimizer's own ``step``), so whatever
 keeps alive (saved activations, autocast's bf16 weight copies, foreach temporaries, a reused
 workspace) is kept alive here too.
 
-Two things a fake tensor cannot do are answered here, both without effect on memory:
+What a fake tensor cannot do, or does not show, is answered here:
 
 * ``.item()`` (a data-dependent scalar: an optimizer's step count, a mask check in a model)
   returns 1 (``True`` for booleans). A model whose *shapes* depend on its data (dynamic
   output sizes) cannot be traced and is a ``ValueError``.
+* ``kernels.select`` sends anything but a plain tensor to the eager reference, a ``FakeTensor``
+  too: it is asked about stand-ins of the same shape and dtype instead, so the trace runs the
+  implementation a real step runs (:func:`_select_as_if_real`).
 * leanopt's CPU kernels that ``torch.compile`` builds cannot run on fake tensors. They are
   stubbed with a function that changes nothing and allocates, for a moment, what the compiled
-  kernel allocates: for the block-quantized AdamW update, :data:`QUANTIZED_TEMP_BYTES` bytes per
-  element of the param; the dense update of small tensors (< 4096 elements) allocates nothing
-  that matters. The mixed-dtype AdamW update (bf16 params with fp32 state: pure bf16, which
-  :func:`~leanopt.memory.plan.plan` does not offer yet) is stubbed with nothing, unmeasured.
+  kernel allocates: for block-quantized states, :data:`QUANTIZED_TEMP_BYTES` bytes per element
+  of the param; for dense states nothing (measured: 0.00 B per element, fp32 and bf16 params).
+* A CPU norm with an output dtype wider than its input converts the input first, a copy fake
+  tensors do not make: it is counted for a moment (:func:`_norm_upcast_bytes`).
+
+Adafactor's row blocks, the same allocations over and over, are walked first and last only
+(:data:`TRIM_REPEATED_BLOCKS`): the same peak, in seconds instead of minutes for a 7B model.
+Gradient release is counted in the same forward/backward trace (``count_released``), and
+one param's step on its own by :func:`traced_param_steps`.
 
 Under FSDP2 (:mod:`~leanopt.memory.plan_fsdp`, ``LiveStorage.distributed``) DTensor ops are let
 through to their local ops, ``UntypedStorage.resize_`` (how FSDP2 frees and refills unsharded
@@ -31,6 +39,8 @@ are emptied for the trace, so that the fake ones are created and counted, and pu
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -44,9 +54,10 @@ KINDS = ("weights", "gradients", "optimizer_state", "activations", "other")
 
 # Bytes per param element the compiled CPU quantized-AdamW update allocates while it runs, by
 # code bits. Measured here (torch 2.13 Inductor, 2 cores; VmHWM over one step of one param,
-# MALLOC_MMAP_THRESHOLD_=65536): 8-bit 8.97 and 8.97, 4-bit 13.03 and 13.04 B/element for
-# 4.2M- and 22.3M-element params. Re-measure when that kernel changes.
-QUANTIZED_TEMP_BYTES = {8: 9, 4: 13}
+# MALLOC_MMAP_THRESHOLD_=65536) for the generic rule kernel (kernels.cpu_elementwise): 8-bit 7.96
+# and 8.02, 4-bit 12.03 and 12.05 B/element for 4.2M- and 22.3M-element params, fp32 or bf16
+# params (the previous AdamW-only kernel: 8.97 and 13.03). Re-measure when that kernel changes.
+QUANTIZED_TEMP_BYTES = {8: 8, 4: 12}
 
 # What a new storage is, by the phase that made it, until something relabels it.
 _PHASE_KIND = {"setup": "other", "forward": "activations", "backward": "other", "step": "other"}
@@ -70,6 +81,13 @@ class Peak:
     breakdown: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
 
 
+def _summed(nbytes: int, blocks: list[tuple[_Block, int]]) -> Peak:
+    out = Peak(nbytes)
+    for block, size in blocks:
+        out.breakdown[block.kind] += size
+    return out
+
+
 class LiveStorage(TorchDispatchMode):
     """Counts the bytes of live tensor storage after every aten op (use inside FakeTensorMode)."""
 
@@ -86,6 +104,16 @@ class LiveStorage(TorchDispatchMode):
         # unsharded param's storage; not an aten op), let DTensor ops run down to their local ops.
         self.distributed = False
         self._orig_resize: Any = None
+        # Gradient release (``count_released``): a second count, the same trace as if each gradient
+        # were freed when its param's post-accumulate-grad hook ran (see ``released_hook``), with
+        # its own peak and, per hook, what was live when it ran.
+        self.count_released = False
+        self._released: dict[int, int] = {}  # block id -> bytes, gradients the second count has freed
+        self._released_bytes = 0
+        self._any_released = False
+        self._peak_released = 0
+        self._at_peak_released: list[tuple[_Block, int]] = []
+        self.hooks: list[tuple[int, int, list[tuple[_Block, int]]]] = []  # (param index, live bytes, live blocks)
 
     def __enter__(self) -> LiveStorage:  # noqa: PYI034
         if self.distributed and self._orig_resize is None:
@@ -115,6 +143,9 @@ class LiveStorage(TorchDispatchMode):
         block = self._live.pop(key, None)
         if block is not None:
             self.current -= block.nbytes
+        released = self._released.pop(key, None)
+        if released is not None:
+            self._released_bytes -= released
 
     def track(self, t: torch.Tensor, kind: str | None = None) -> None:
         """Count ``t``'s storage (once); ``kind`` relabels it."""
@@ -147,16 +178,53 @@ class LiveStorage(TorchDispatchMode):
         if self.current > self._peak:
             self._peak = self.current
             self._at_peak = [(b, b.nbytes) for b in self._live.values()]  # sizes then (resize_ changes them)
+        if self.count_released and self.current - self._released_bytes > self._peak_released:
+            self._peak_released = self.current - self._released_bytes
+            # Until the first gradient is released both counts are the same (no second snapshot).
+            self._at_peak_released = self._unreleased() if self._any_released else self._at_peak
+
+    def _unreleased(self) -> list[tuple[_Block, int]]:
+        return [(b, b.nbytes) for key, b in self._live.items() if key not in self._released]
+
+    def released_hook(self, index: int, p: torch.Tensor) -> None:
+        """What ``release_gradients``' hook would see for param ``index``: its gradient counted,
+        what is live then noted (the optimizer steps it at this moment), and the gradient freed in
+        the released count (the traced step itself keeps it, as the usual loop does)."""
+        if p.grad is None:
+            return
+        self.track(p.grad, "gradients")
+        self.hooks.append((index, self.current - self._released_bytes, self._unreleased()))
+        block = self._by_storage.get(p.grad.untyped_storage())
+        if block is not None and id(block) not in self._released:
+            self._released[id(block)] = block.nbytes
+            self._released_bytes += block.nbytes
+            self._any_released = True
+
+    def transient(self, nbytes: int) -> None:
+        """A buffer of ``nbytes`` that an op allocates and frees inside itself (kind ``other``)."""
+        block = _Block(nbytes, "other")
+        self._live[id(block)] = block
+        self.current += nbytes
+        self._note()
+        self._free(id(block))
 
     def reset_peak(self) -> None:
         self._peak = self.current
         self._at_peak = [(b, b.nbytes) for b in self._live.values()]
+        self._peak_released = self.current - self._released_bytes
+        self._at_peak_released = self._unreleased()
+        self.hooks.clear()
 
     def peak(self) -> Peak:
-        out = Peak(self._peak)
-        for block, nbytes in self._at_peak:
-            out.breakdown[block.kind] += nbytes
-        return out
+        return _summed(self._peak, self._at_peak)
+
+    def peak_released(self) -> Peak:
+        """The peak of the released count (``count_released``)."""
+        return _summed(self._peak_released, self._at_peak_released)
+
+    def hook_moments(self) -> list[tuple[int, Peak]]:
+        """(param index, what was live) at each released hook, in the order they ran."""
+        return [(index, _summed(nbytes, blocks)) for index, nbytes, blocks in self.hooks]
 
     def live_by_kind(self) -> dict[str, int]:
         out = dict.fromkeys(KINDS, 0)
@@ -176,6 +244,9 @@ class LiveStorage(TorchDispatchMode):
             # A data-dependent scalar: no memory depends on it (see the module docstring).
             t = args[0]
             return True if t.dtype == torch.bool else (1.0 if t.is_floating_point() else 1)
+        upcast = _norm_upcast_bytes(func, args, kwargs)
+        if upcast:
+            self.transient(upcast)
         out = func(*args, **kwargs)
         kind = None
         if (
@@ -191,43 +262,120 @@ class LiveStorage(TorchDispatchMode):
         return out
 
 
+def _norm_upcast_bytes(func: Any, args: Any, kwargs: dict[str, Any]) -> int:
+    """Bytes of the hidden copy a CPU norm with an output ``dtype`` wider than its input makes.
+
+    ``torch._foreach_norm(tensors, 2, dtype=torch.float32)`` and ``linalg.vector_norm(x,
+    dtype=...)`` of bf16 tensors on the CPU convert each whole input to ``dtype`` first, one
+    tensor at a time (measured: 4.0 B per element of the largest bf16 tensor for fp32, freed
+    before the next; none without ``dtype``). Fake tensors only make the outputs. Adafactor's
+    ``RMS(p)`` over bf16 params is such a norm: the largest param's fp32 copy is its step's peak.
+    """
+    if func is torch.ops.aten._foreach_norm.Scalar:
+        tensors, dtype = args[0], (args[2] if len(args) > 2 else kwargs.get("dtype"))
+    elif func is torch.ops.aten.linalg_vector_norm.default:
+        tensors, dtype = [args[0]], kwargs.get("dtype")
+    else:
+        return 0
+    if dtype is None:
+        return 0
+    item = torch.empty((), dtype=dtype, device="meta").element_size()
+    sizes = [t.numel() * item for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dtype != dtype]
+    return max(sizes, default=0)
+
+
 # ---- state the optimizers cache between calls -------------------------------------------------
 @contextlib.contextmanager
 def isolated_kernel_caches() -> Iterator[None]:
     """Empty leanopt's kernel caches for the trace (fake entries get made and counted), restore after;
     stub the compiled CPU kernels (fused, in place: no memory of their own)."""
-    from leanopt.kernels import cpu
+    from leanopt import kernels
+    from leanopt.kernels import cpu, cpu_adafactor, cpu_elementwise
     from leanopt.quant import codebooks
 
     saved_dicts = []
-    for owner, name in ((codebooks, "_CACHE"), (cpu, "_ENCODE_TABLES"), (cpu, "_QUANTIZED")):
+    for owner, name in ((codebooks, "_CACHE"), (cpu_elementwise, "_ENCODE_TABLES"), (cpu_elementwise, "_QUANTIZED"),
+                        (cpu_elementwise, "_DENSE")):  # fmt: skip
         d = getattr(owner, name, None)
         if isinstance(d, dict):
             saved_dicts.append((d, dict(d)))
             d.clear()
     pool = cpu._workspaces.__dict__.pop("pool", None)
-    stubs = {name: getattr(cpu, name) for name in ("_adamw_compiled", "_dense_safe_compiled", "_quantized_compiled") if hasattr(cpu, name)}
+    stubs = {name: getattr(cpu_elementwise, name) for name in ("_dense_graph", "_quantized_graph")}
     nothing: Callable[..., None] = lambda *args, **kwargs: None
 
-    def quantized(*args: Any) -> None:
-        # (p as [blocks, block], g, codes and scales of m and v, ..., bits, zero index)
-        p, bits = args[0], args[-2]
-        temp = torch.empty(p.numel() * QUANTIZED_TEMP_BYTES.get(bits, 13), dtype=torch.uint8)
-        del temp
+    def quantized_graph(rule: Any, flags: Any, maximize: bool, bits: int, *rest: Any) -> Callable[..., None]:
+        def temporaries(p: torch.Tensor, *args: Any) -> None:
+            # p as [blocks, block]: what the fused dequantize -> update -> requantize loop holds.
+            temp = torch.empty(p.numel() * QUANTIZED_TEMP_BYTES.get(bits, 13), dtype=torch.uint8)
+            del temp
 
-    for name in stubs:
-        setattr(cpu, name, quantized if name == "_quantized_compiled" else nothing)
+        return temporaries
+
+    cpu_elementwise._dense_graph = lambda *args, **kwargs: nothing
+    cpu_elementwise._quantized_graph = quantized_graph
+    select = getattr(kernels, "select", None)
+    if select is not None:
+        kernels.select = _select_as_if_real(select)
+    factored = getattr(cpu_adafactor, "_Factored", None) if TRIM_REPEATED_BLOCKS else None
+    factored_init = factored.__init__ if factored is not None else None
+    if factored is not None:
+        factored.__init__ = _first_and_last_block(factored_init)
     try:
         yield
     finally:
+        if select is not None:
+            kernels.select = select
+        if factored is not None:
+            factored.__init__ = factored_init
         for name, fn in stubs.items():
-            setattr(cpu, name, fn)
+            setattr(cpu_elementwise, name, fn)
         cpu._workspaces.__dict__.pop("pool", None)
         if pool is not None:
             cpu._workspaces.pool = pool
         for d, before in saved_dicts:
             d.clear()
             d.update(before)
+
+
+# Adafactor's CPU path walks a factored param in row blocks of ~1M elements, each block making and
+# freeing the same buffers in a reused workspace: on fake tensors, thousands of identical ops for a
+# 7B model (minutes). The trace walks the first block (full size) and the last (the rest) of each
+# param only: the same allocations, so the same peak (tests/test_plan.py holds it to the full walk).
+TRIM_REPEATED_BLOCKS = True
+
+
+def _first_and_last_block(init: Callable[..., None]) -> Callable[..., None]:
+    def trimmed(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        spans = getattr(self, "spans", None)
+        if isinstance(spans, list) and len(spans) > 2:
+            self.spans = [spans[0], spans[-1]]
+
+    return trimmed
+
+
+def _select_as_if_real(select: Callable[..., str]) -> Callable[..., str]:
+    """``kernels.select`` deciding for fake tensors what it decides for real ones.
+
+    ``select`` sends anything that is not a plain tensor (``type(p) is torch.Tensor``) to the
+    reference, a FakeTensor included: the trace would run the reference's temporaries (24 B per
+    element for fp32 AdamW, where the fused kernel allocates none) while a real step runs the
+    fast path. It is asked instead about stand-ins: plain one-element CPU tensors expanded to the
+    same shape and dtype (no memory, made outside the fake and tracking modes)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def stand_in(t: Any) -> Any:
+        if not isinstance(t, FakeTensor) or t.device.type != "cpu":
+            return t
+        with _disable_current_modes():
+            return torch.empty((), dtype=t.dtype).expand(t.shape)
+
+    def as_if_real(backend: str, rule: str, p: torch.Tensor, g: torch.Tensor, states: Any) -> str:
+        return select(backend, rule, stand_in(p), stand_in(g), [stand_in(s) for s in states])
+
+    return as_if_real
 
 
 def state_tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -265,11 +413,31 @@ def track_module(tracker: LiveStorage, module: torch.nn.Module) -> None:
 
 def traced_forward_backward(
     tracker: LiveStorage, model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
-    params: list[torch.nn.Parameter], mixed: bool, name: str,
+    params: list[torch.nn.Parameter], mixed: bool, name: str, *, released: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """One ``model(input_ids=, labels=).loss.backward()`` under ``tracker``, as a training step
     runs it: the forward under bf16 autocast when ``mixed``, the gradients counted after.
-    Returns the loss: the caller's step holds it until it lets go."""
+    Returns the loss: the caller's step holds it until it lets go.
+
+    ``released``: also count the same pass under gradient release (``tracker.count_released``):
+    a post-accumulate-grad hook on every param, where ``release_gradients`` puts its own, notes
+    what is live when it runs and frees the gradient in the second count."""
+    handles = []
+    if released:
+        tracker.count_released = True
+        for index, p in enumerate(params):
+            handles.append(p.register_post_accumulate_grad_hook(functools.partial(tracker.released_hook, index)))
+    try:
+        return _forward_backward(tracker, model, input_ids, labels, params, mixed, name)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _forward_backward(
+    tracker: LiveStorage, model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
+    params: list[torch.nn.Parameter], mixed: bool, name: str,
+) -> torch.Tensor:  # fmt: skip
     tracker.phase = "forward"
     tracker.autocast_copies = mixed
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
@@ -290,25 +458,125 @@ def traced_forward_backward(
     return loss
 
 
-def traced_steps(tracker: LiveStorage, params: list[torch.nn.Parameter], optimizer_cls: Any) -> tuple[Peak, dict[str, int]]:
-    """Two ``optimizer.step(); zero_grad(set_to_none=True)`` under ``tracker``; the peak of the
-    second (the steady state: its state exists before it) and what stays between steps other
-    than weights."""
+def traced_steps(tracker: LiveStorage, params: list[torch.nn.Parameter], optimizer_cls: Any, *, fast: bool = True) -> tuple[Peak, dict[str, int]]:
+    """``optimizer.step(); zero_grad(set_to_none=True)`` in steady state under ``tracker``: its
+    peak (the state exists before it, as in every step after the first) and what stays between
+    steps other than weights.
+
+    The first step of a run makes the state and fills the optimizers' caches and workspaces; the
+    trace needs only what it leaves. With ``fast`` and a leanopt optimizer it is not traced: the
+    state is allocated from the layout (``_init_state``, what the first step calls) and the caches
+    are filled by a step of a second optimizer over one param of each distinct shape (for a 7B
+    model, 6 params instead of 291). Otherwise (``fast=False``, or another optimizer) the step is
+    simply run twice. Both give the same peak and breakdown, to the byte (tests/test_plan.py).
+    """
+    from leanopt.optim.base import LeanOptimizer
+
     for p in params:
         tracker.track(p, "weights")
     opt = optimizer_cls(params)
-    for it in range(2):
+    steps = 2
+    if fast and isinstance(opt, LeanOptimizer):
+        steps = 1
+        tracker.phase = "setup"
+        for group in opt.param_groups:
+            for p in group["params"]:
+                opt._init_state(p, group)
+        _track_state(tracker, opt)
+        tracker.phase = "step"
+        _fill_caches(optimizer_cls, [(tuple(p.shape), p.dtype) for p in params])
+    for it in range(steps):
         tracker.phase = "setup"
         for p in params:
             p.grad = torch.empty_like(p)
             tracker.track(p.grad, "gradients")
-        if it == 1:
+        if it == steps - 1:
             tracker.reset_peak()
         tracker.phase = "step"
         opt.step()
-        for st in opt.state.values():
-            for t in state_tensors(st):
-                tracker.track(t, "optimizer_state")
+        _track_state(tracker, opt)
         opt.zero_grad(set_to_none=True)
     kept = {k: v for k, v in tracker.live_by_kind().items() if k != "weights"}
     return tracker.peak(), kept
+
+
+def _track_state(tracker: LiveStorage, opt: torch.optim.Optimizer) -> None:
+    for st in opt.state.values():
+        for t in state_tensors(st):
+            tracker.track(t, "optimizer_state")
+
+
+def _fill_caches(optimizer_cls: Any, shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> None:
+    """One step of a throwaway optimizer over one param of each distinct shape: the caches and
+    workspaces the optimizer's kernels keep (module-level) are made, as a first step makes them."""
+    params = [torch.nn.Parameter(torch.empty(shape, dtype=dtype)) for shape, dtype in dict.fromkeys(shapes)]
+    opt = optimizer_cls(params)
+    for p in params:
+        p.grad = torch.empty_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    del opt, params
+
+
+@dataclass
+class ParamSteps:
+    """Per distinct (shape, dtype): what one param's steady-state step adds for a moment over what
+    is live when it starts (``transient``), and the state such a param keeps (``state``); and
+    what the optimizer keeps besides (``kept_other``: caches, workspaces)."""
+
+    transient: dict[tuple[tuple[int, ...], torch.dtype], int]
+    state: dict[tuple[tuple[int, ...], torch.dtype], int]
+    kept_other: int
+
+
+def traced_param_steps(shapes: list[tuple[tuple[int, ...], torch.dtype]], optimizer_cls: Any) -> ParamSteps:
+    """The step of one param, alone, for each distinct (shape, dtype) of ``shapes`` (run inside
+    the fake mode and :func:`isolated_kernel_caches`; leanopt optimizers).
+
+    Each is traced on one param of that shape: a first ``step()`` makes its state (and the
+    optimizer's workspaces), as earlier steps have in a run; then the second, counted, is what the
+    hook of :func:`leanopt.release_gradients` runs, ``optimizer._step_param``, with the gradient
+    present, and the gradient is dropped after, as the hook drops it. A leanopt optimizer's
+    ``step()`` with ``rounding="stochastic"|"kahan"`` on bf16/fp16 params runs this same
+    ``_step_rounded`` for one param after the other, nothing shared between them, so its peak is
+    composed from these too (:func:`rounded_step_peak`).
+    """
+    transient: dict[tuple[tuple[int, ...], torch.dtype], int] = {}
+    state: dict[tuple[tuple[int, ...], torch.dtype], int] = {}
+    with LiveStorage() as tracker:
+        for shape, dtype in dict.fromkeys(shapes):
+            tracker.phase = "setup"
+            p = torch.nn.Parameter(torch.empty(shape, dtype=dtype))
+            tracker.track(p, "weights")
+            opt = optimizer_cls([p])
+            p.grad = torch.empty_like(p)
+            tracker.phase = "step"
+            opt.step()
+            _track_state(tracker, opt)
+            opt.zero_grad(set_to_none=True)
+            state[shape, dtype] = tracker.live_by_kind()["optimizer_state"]
+            tracker.phase = "setup"
+            p.grad = torch.empty_like(p)
+            tracker.track(p.grad, "gradients")
+            tracker.phase = "step"
+            tracker.reset_peak()
+            before = tracker.current
+            opt._step_param(p, 0, 0)
+            p.grad = None
+            transient[shape, dtype] = tracker.peak().bytes - before
+            del p, opt
+        kept_other = tracker.live_by_kind()["other"]
+    return ParamSteps(transient, state, kept_other)
+
+
+def rounded_step_peak(shapes: list[tuple[tuple[int, ...], torch.dtype]], steps: ParamSteps) -> tuple[Peak, dict[str, int]]:
+    """The peak of a steady-state ``step()`` that updates ``shapes``' params one after the other
+    (rounded bf16 params: ``LeanOptimizer._step_rounded``), with all gradients present, from
+    :func:`traced_param_steps`; and what stays between steps other than weights."""
+    nbytes = [math.prod(shape) * torch.empty((), dtype=dtype, device="meta").element_size() for shape, dtype in shapes]
+    state = sum(steps.state[key] for key in shapes)
+    kept = {"gradients": 0, "optimizer_state": state, "activations": 0, "other": steps.kept_other}
+    peak = Peak(0, {"weights": sum(nbytes), "gradients": sum(nbytes), "optimizer_state": state, "activations": 0,
+                    "other": steps.kept_other + max((steps.transient[key] for key in shapes), default=0)})  # fmt: skip
+    peak.bytes = sum(peak.breakdown.values())
+    return peak, kept

@@ -8,8 +8,11 @@ precision      weights     gradients   master weights    optimizer state
 =============  ==========  ==========  ================  ==================
 ``fp32``       4N          4N          0                 S_fp32
 ``bf16-mixed`` 2N (bf16)   4N (fp32)   4N (fp32)         S_fp32
-``bf16``       2N          2N          0                 S_bf16
+``bf16``       2N          2N          0                 S_bf16 (+ 2N: ``rounding="kahan"``)
 =============  ==========  ==========  ================  ==================
+
+With ``grad_release=True`` the gradients term is the largest param's gradient (4 or 2 bytes
+times its elements) instead of 4N or 2N.
 
 ``bf16-mixed`` is training with fp32 parameters that the optimizer updates (the master
 weights), fp32 gradients and bf16 copies of the weights for compute. This is:
@@ -25,7 +28,21 @@ weights), fp32 gradients and bf16 copies of the weights for compute. This is:
 
 ``bf16`` is pure bf16 training: parameters and gradients in bf16, no master copy, and the
 state the optimizer keeps for bf16 parameters (leanopt's optimizers: fp32 state;
-``torch.optim.AdamW``: bf16 state).
+``torch.optim.AdamW``: bf16 state). leanopt's optimizers take ``rounding=`` for it
+(:mod:`leanopt.optim.rounding`): ``"nearest"`` (default) and ``"stochastic"`` keep nothing more;
+``"kahan"`` keeps a compensation buffer of the param's dtype, 2 B/param in bf16 (``kahan_comp``,
+part of the state layout, so it is in the optimizer state). Pass it as for the optimizer:
+``training_memory(model, "adamw", precision="bf16", rounding="kahan")``. Only what persists
+between steps is counted: a stochastic or Kahan step also computes on an fp32 copy of one param
+(and of its gradient) at a time, a transient of the largest param that :func:`leanopt.memory.plan.plan`
+counts (AdamW on the CPU: 39 B per element of the largest param with stochastic rounding, 14
+with Kahan's).
+
+``grad_release=True`` is training under :func:`leanopt.release_gradients`: each param is stepped
+inside ``backward`` and its gradient freed at once, so the gradients term is the largest
+trainable param's gradient (what is live when its hook runs) instead of all of them; gradients
+autograd holds for a moment before they reach ``.grad`` (a layer's bias while its weight's hook
+runs) are temporaries, left out as the optimizer's are. Nothing of them persists after the step.
 
 Not counted: activations (they depend on batch size, sequence length and checkpointing),
 temporary buffers of the optimizer step, the CUDA context and allocator fragmentation.
@@ -33,15 +50,15 @@ temporary buffers of the optimizer step, the CUDA context and allocator fragment
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from leanopt.memory.estimate import MiB, StateEstimate, estimate, unique_params
+from leanopt.memory.estimate import MiB, StateEstimate, estimate, resolve_optimizer, unique_params
 
-__all__ = ["PRECISIONS", "TrainingMemory", "training_memory"]
+__all__ = ["PRECISIONS", "TRAINING_MODES", "TrainingMemory", "supports_training_modes", "training_memory"]
 
 # precision -> (bytes per weight, per gradient, per master weight, dtype the optimizer steps)
 PRECISIONS: dict[str, tuple[int, int, int, torch.dtype]] = {
@@ -49,6 +66,16 @@ PRECISIONS: dict[str, tuple[int, int, int, torch.dtype]] = {
     "bf16-mixed": (2, 4, 4, torch.float32),
     "bf16": (2, 2, 0, torch.bfloat16),
 }
+
+# (precision, rounding): every mode the tables show. rounding is the optimizer's ``rounding=`` for
+# pure bf16 (leanopt's optimizers); None where it does not apply.
+TRAINING_MODES: tuple[tuple[str, str | None], ...] = (
+    ("fp32", None),
+    ("bf16-mixed", None),
+    ("bf16", "nearest"),
+    ("bf16", "stochastic"),
+    ("bf16", "kahan"),
+)
 
 
 @dataclass(frozen=True)
@@ -62,6 +89,19 @@ class TrainingMemory:
     gradients: int
     master_weights: int
     state: StateEstimate
+    rounding: str | None = None  # pure bf16 with a leanopt optimizer: its rounding=
+    grad_release: bool = False  # gradients: the largest param's (see leanopt.memory.training)
+
+    @property
+    def compensation(self) -> int:
+        """Bytes of Kahan compensation (``kahan_comp``), included in :attr:`optimizer_state`."""
+        return self.state.by_key.get("kahan_comp", 0)
+
+    @property
+    def mode(self) -> str:
+        """``"bf16 kahan"``, ``"fp32 + grad release"``...: precision, rounding and release in words."""
+        text = f"{self.precision} {self.rounding}" if self.rounding else self.precision
+        return text + (" + grad release" if self.grad_release else "")
 
     @property
     def optimizer_state(self) -> int:
@@ -91,20 +131,35 @@ class TrainingMemory:
     def __str__(self) -> str:
         parts = ", ".join(f"{k} {v / MiB:,.0f}" for k, v in self.as_dict().items() if k != "total" and v)
         return (
-            f"{self.optimizer} ({self.precision}): {self.total:,} bytes ({self.megabytes:,.0f} MB) "
+            f"{self.optimizer} ({self.mode}): {self.total:,} bytes ({self.megabytes:,.0f} MB) "
             f"for {self.params:,} params, {self.bytes_per_param:.2f} B/param [MB: {parts}]"
         )
 
 
+def supports_training_modes(optimizer: str | type) -> bool:
+    """Whether ``optimizer`` takes ``rounding=`` and :func:`leanopt.release_gradients` (leanopt's optimizers)."""
+    from leanopt.optim.base import LeanOptimizer
+
+    return issubclass(resolve_optimizer(optimizer), LeanOptimizer)
+
+
 def training_memory(
-    model_or_params: Any, optimizer: str | type = "adamw", *, precision: str = "fp32", **optimizer_kwargs: Any
+    model_or_params: Any,
+    optimizer: str | type = "adamw",
+    *,
+    precision: str = "fp32",
+    grad_release: bool = False,
+    **optimizer_kwargs: Any,
 ) -> TrainingMemory:
     """Weights, gradients, master weights and optimizer state for training ``model_or_params``.
 
     ``model_or_params`` is anything :func:`leanopt.estimate` takes (a model, on the ``meta``
     device or not; tensors; param groups); only trainable parameters count. ``optimizer`` and
-    ``optimizer_kwargs`` are as for :func:`leanopt.estimate`. The formulas, per precision, and
-    what is left out (activations) are in :mod:`leanopt.memory.training`.
+    ``optimizer_kwargs`` are as for :func:`leanopt.estimate` (``rounding="kahan"`` adds its
+    compensation to the state of bf16 params). ``grad_release``: under
+    :func:`leanopt.release_gradients`, the gradients term is the largest param's gradient. The
+    formulas, per precision, and what is left out (activations, transients) are in
+    :mod:`leanopt.memory.training`.
 
     >>> import torch, leanopt
     >>> with torch.device("meta"):
@@ -114,22 +169,53 @@ def training_memory(
     (4198400, 4198400, 8396808, 16793608)
     >>> leanopt.training_memory(model, "adamw", precision="bf16-mixed").total   # + 2 B/param
     18892808
+    >>> leanopt.training_memory(model, "adamw", precision="bf16", rounding="kahan").compensation   # 2 B/param
+    2099200
+    >>> leanopt.training_memory(model, "adamw", grad_release=True).gradients   # the weight's gradient only
+    4194304
     """
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; known: {', '.join(PRECISIONS)}")
+    if not isinstance(grad_release, bool):
+        raise ValueError(f"grad_release must be True or False, got {grad_release!r}")  # noqa: TRY004
+    lean = supports_training_modes(optimizer)
+    name = optimizer if isinstance(optimizer, str) else optimizer.__name__
+    if "rounding" in optimizer_kwargs and not lean:
+        raise ValueError(f"{name} has no rounding= option (leanopt's optimizers have it); its bf16 steps round to nearest")
+    if grad_release and not lean:
+        raise ValueError(f"grad_release: leanopt.release_gradients needs a leanopt optimizer, not {name}")
     weight_b, grad_b, master_b, dtype = PRECISIONS[precision]
     # Duplicates go first: the dtype-converted copies would no longer be the same tensor.
-    state = estimate(_with_dtype(unique_params(model_or_params), dtype), optimizer, **optimizer_kwargs)
+    params = _with_dtype(unique_params(model_or_params), dtype)
+    state = estimate(params, optimizer, **optimizer_kwargs)
     n = state.params
+    gradients = grad_b * n
+    if grad_release:
+        gradients = grad_b * max((p.numel() for p in _param_tensors(params)), default=0)
+    rounding = None
+    if precision == "bf16" and lean:
+        rounding = optimizer_kwargs.get("rounding", "nearest")
     return TrainingMemory(
         optimizer=state.optimizer,
         precision=precision,
         params=n,
         weights=weight_b * n,
-        gradients=grad_b * n,
+        gradients=gradients,
         master_weights=master_b * n,
         state=state,
+        rounding=rounding,
+        grad_release=grad_release,
     )
+
+
+def _param_tensors(params: list[Any]) -> Iterator[torch.Tensor]:
+    for item in params:
+        if isinstance(item, Mapping):
+            yield from item["params"]
+        elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor):
+            yield item[1]
+        elif isinstance(item, torch.Tensor):
+            yield item
 
 
 def _with_dtype(model_or_params: Any, dtype: torch.dtype) -> Any:
