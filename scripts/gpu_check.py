@@ -702,8 +702,10 @@ def _pytest(label: str, extra: list[str], env: dict[str, str], xml: Path, timeou
 # Variants of leanopt.kernels.triton_elementwise's kernels, every rule (Adafactor's kernels:
 # tests/test_backends_adafactor.py::test_triton_kernels_compile_for_cuda).
 _DENSE = dict(CHUNK=2048)
-_Q8 = dict(BITS=8, BS=256, NB=8, LOG2_0=8, ZERO_0=127, TZ_0=True, LOG2_1=8, ZERO_1=0, TZ_1=False, LOG2_2=8, ZERO_2=0, TZ_2=False)
-_Q4 = dict(BITS=4, BS=128, NB=16, LOG2_0=4, ZERO_0=7, TZ_0=True, LOG2_1=4, ZERO_1=0, TZ_1=False, LOG2_2=4, ZERO_2=0, TZ_2=False)
+_Q8 = dict(BITS=8, BS=256, NB=8, LOG2_0=8, ZERO_0=127, LAST_0=254, DECAYS_0=True, LOG2_1=8, ZERO_1=0, LAST_1=255,
+           DECAYS_1=False, LOG2_2=8, ZERO_2=0, LAST_2=255, DECAYS_2=False)  # fmt: skip
+_Q4 = dict(BITS=4, BS=128, NB=16, LOG2_0=4, ZERO_0=7, LAST_0=14, DECAYS_0=True, LOG2_1=4, ZERO_1=0, LAST_1=15,
+           DECAYS_1=False, LOG2_2=4, ZERO_2=0, LAST_2=15, DECAYS_2=False)  # fmt: skip
 HOPPER_VARIANTS = [
     ("triton_elementwise", "_dense_kernel", dict(K=8, P_DTYPE="float32", RULE=0, N_STATES=3, FLAG=True, SAFE=False, MAXIMIZE=True, **_DENSE)),
     ("triton_elementwise", "_dense_kernel", dict(K=8, P_DTYPE="bfloat16", RULE=0, N_STATES=2, FLAG=False, SAFE=True, MAXIMIZE=False, **_DENSE)),
@@ -728,7 +730,7 @@ def compile_for_hopper() -> dict[str, str]:
     from triton.compiler import ASTSource
 
     def kind(arg: str) -> str:
-        if arg.endswith("_ptrs") or arg in ("chunk_start", "numels", "meta", "part_off"):
+        if arg.endswith("_ptrs") or arg in ("chunk_start", "numels", "meta", "part_off", "dither_keys"):
             return "*i64"
         if arg in ("chunk_tensor", "tile_tensor", "fin_tensor"):
             return "*i32"

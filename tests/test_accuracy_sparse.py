@@ -73,11 +73,6 @@ def test_every_step_within_fp32_worst_case_on_sparse_gradients(cls: type) -> Non
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue #11: a decaying 4-bit momentum rounded toward zero dies within a few steps; "
-    "passes once the decay rounding (DECAY_GROWTH_RATIO) is in every backend -- then remove this mark",
-)
 def test_4bit_sparse_drift_no_worse_than_torchao(sparse_run) -> None:
     factory = bench.torchao_factories().get("torchao AdamW4bit")
     if factory is None:

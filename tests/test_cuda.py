@@ -140,7 +140,7 @@ def assert_state_equal(got, want, what: str) -> None:
 
 # ---- inputs ------------------------------------------------------------------------------------
 def _spread_grad(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
-    """Scales 1e-4..1 inside each block and 30% exact zeros (momentum rounded toward zero)."""
+    """Scales 1e-4..1 inside each block and 30% exact zeros (the momentum's decay rounding)."""
     scale = 10.0 ** torch.randint(-4, 1, shape, generator=gen).float()
     keep = torch.rand(shape, generator=gen) > 0.3
     return torch.randn(shape, generator=gen) * scale * keep

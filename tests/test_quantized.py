@@ -319,8 +319,9 @@ def test_no_v_to_zero_hazard(cls: type) -> None:
     # 1e-4..1e-6 of their block's largest fall under the codes' resolution and lag that much
     # (bitsandbytes on CPU: 16 lr, torchao 4-bit: 17 lr; on a GPU both reach 330 000 lr).
     assert drift.max().item() <= path_bound, (drift.max().item(), path_bound)
-    # The hazard's trigger -- elements whose gradient went to zero -- stays within 5 lr (they
-    # move less than fp32 here, never more: their momentum is rounded toward zero).
+    # The hazard's trigger -- elements whose gradient went to zero -- stays within 5 lr (their
+    # momentum decays as fp32's in expectation; measured 4.85 lr for 8-bit with the decay
+    # rounding of issue #11).
     assert drift[~on].max().item() <= 5 * lr, drift[~on].max().item()
     # Elements the code resolves track fp32 closely (8-bit: within three decades of their
     # block's largest gradient; 4-bit, 15 levels: within one decade).

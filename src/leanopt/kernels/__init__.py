@@ -163,14 +163,17 @@ def select(backend: str, rule: str, p: torch.Tensor, g: torch.Tensor, states: Se
 
 
 def step(backend: str, rule, tables, key: str, params, grads, states, steps: Sequence[int], hp: Mapping[str, Any], *,
-         safe: bool) -> None:  # fmt: skip
+         safe: bool, offsets: Sequence[int] | None = None) -> None:  # fmt: skip
     """``rule`` (:class:`leanopt.kernels.rules.Rule`) on lists of tensors of one device.
 
     ``states[i]`` are param ``i``'s states in the rule's order (dense tensors in the compute
     dtype, or :class:`~leanopt.quant.QuantizedState`), ``steps[i]`` its new step count, ``hp``
     the rule's hyper-parameters; ``safe``: the low-bit optimizers' mode (floors, skipped
-    elements). Each param goes to the implementation :func:`select` picks, in row-major form.
+    elements); ``offsets[i]`` (default 0): the flat index of param ``i``'s element 0 in its
+    whole tensor (a shard's start), which keys the decay rounding's dither. Each param goes to
+    the implementation :func:`select` picks, in row-major form.
     """
+    offsets = [0] * len(params) if offsets is None else list(offsets)
     n = max((len(s) for s in states), default=0)
     columns = [[s[j] for s in states] for j in range(n)]
     with row_major([params, grads, *columns], read_only=(1,)) as lists:
@@ -185,14 +188,14 @@ def step(backend: str, rule, tables, key: str, params, grads, states, steps: Seq
                 from leanopt.kernels import reference
 
                 for i in idx:
-                    reference.rule_step_(rule, params[i], grads[i], states[i], steps[i], hp, safe=safe)
+                    reference.rule_step_(rule, params[i], grads[i], states[i], steps[i], hp, safe=safe, offset=offsets[i])
             elif impl.startswith("cpu"):
                 from leanopt.kernels import cpu_elementwise
 
                 if impl == "cpu-dense":
                     cpu_elementwise.dense(rule, pick(params), pick(grads), pick(states), pick(steps), hp, safe=safe)
                 else:
-                    cpu_elementwise.quantized(rule, pick(params), pick(grads), pick(states), pick(steps), hp)
+                    cpu_elementwise.quantized(rule, pick(params), pick(grads), pick(states), pick(steps), hp, pick(offsets))
             else:
                 from leanopt.kernels import triton_elementwise
 
@@ -200,7 +203,8 @@ def step(backend: str, rule, tables, key: str, params, grads, states, steps: Seq
                     triton_elementwise.dense(rule, tables, key, pick(params), pick(grads), pick(states), pick(steps), hp,
                                              safe=safe)  # fmt: skip
                 else:
-                    triton_elementwise.quantized(rule, tables, key, pick(params), pick(grads), pick(states), pick(steps), hp)
+                    triton_elementwise.quantized(rule, tables, key, pick(params), pick(grads), pick(states), pick(steps), hp,
+                                                 pick(offsets))  # fmt: skip
 
 
 def adafactor(

@@ -24,7 +24,7 @@ from leanopt.kernels import reference
 from leanopt.kernels.cpu import compiled, compiled_per_dtypes, own_code
 from leanopt.kernels.rules import ADAMW, Rule, skipped_elements
 from leanopt.quant import QuantizedState
-from leanopt.quant.formats import TOWARD_ZERO_TOLERANCE
+from leanopt.quant.formats import decay_rounded, dither
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -144,15 +144,17 @@ def _pack(index: Tensor, rows: int, block: int, bits: int) -> Tensor:
 
 
 # Per quantized state, the tensors a graph takes: codes [blocks, block bytes], scales [blocks],
-# code values, lookup table, padded midpoints.
+# code values, lookup table, padded midpoints. Then the dither's key (0-dim int64: the step and
+# the flat index of element 0 in the whole tensor), then the rule's scalars.
 _PER_STATE = 5
 _QUANTIZED: dict[tuple, Callable[..., Any]] = {}
 
 
-def _quantized_graph(rule: Rule, flags: tuple, maximize: bool, bits: int, kinds: tuple, zeros: tuple) -> Callable[..., Any]:
+def _quantized_graph(rule: Rule, flags: tuple, maximize: bool, bits: int, kinds: tuple, zeros: tuple,
+                     lasts: tuple) -> Callable[..., Any]:  # fmt: skip
     # One graph per (rule, flags, bits, state kinds, zero codes); the block size is a static
     # dimension of the 2-D inputs and only the number of blocks is dynamic, so loops vectorise.
-    key = (rule.name, flags, maximize, bits, kinds, zeros)
+    key = (rule.name, flags, maximize, bits, kinds, zeros, lasts)
     graph = _QUANTIZED.get(key)
     if graph is None:
         n = len(kinds)
@@ -160,21 +162,26 @@ def _quantized_graph(rule: Rule, flags: tuple, maximize: bool, bits: int, kinds:
         def update(p: Tensor, g: Tensor, *rest: Tensor) -> None:
             rows, block = p.shape
             per_state = [rest[k * _PER_STATE : (k + 1) * _PER_STATE] for k in range(n)]
-            c = rest[n * _PER_STATE :]
+            step, offset = rest[n * _PER_STATE], rest[n * _PER_STATE + 1]
+            c = rest[n * _PER_STATE + 2 :]
             pf = p.float()
             gf = -g.float() if maximize else g.float()
             dense = [values[_unpack(codes, rows, block, bits)] * absmax.unsqueeze(1) for codes, absmax, values, _, _ in per_state]
             new_p, new = rule.elementwise(pf, gf, dense, c, flags, True)
             new_p, new = _safe_result(gf, pf, new_p, new)
             p.copy_(new_p)
-            for (codes, absmax, values, lut, thresholds), toward_zero, zero, x in zip(per_state, kinds, zeros, new):
+            for (codes, absmax, values, lut, thresholds), decays, zero, last, old, x in zip(
+                per_state, kinds, zeros, lasts, dense, new
+            ):
                 scale = x.abs().amax(1)
-                y = x / torch.where(scale > 0, scale, 1.0).unsqueeze(1)
+                safe_scale = torch.where(scale > 0, scale, 1.0).unsqueeze(1)
+                y = x / safe_scale
                 index = _nearest_code(y, lut, thresholds)
-                if toward_zero:
-                    # Where the gradient is 0, round toward zero (reference: ``toward_zero``).
-                    over = (gf == 0) & (values[index].abs() > y.abs() * TOWARD_ZERO_TOLERANCE) & (index != zero)
-                    index = torch.where(over, index - torch.sign(index - zero), index)
+                if decays:
+                    # Where the gradient is 0: the reference's decay rounding, same dither bits.
+                    flat = torch.arange(rows * block, dtype=torch.int64).view(rows, block) + offset
+                    u = dither(flat, step)
+                    index = decay_rounded(index, y, values, zero, last, gf == 0, old.abs() / safe_scale, u)
                 codes.copy_(_pack(index, rows, block, bits))
                 absmax.copy_(scale)
 
@@ -184,11 +191,14 @@ def _quantized_graph(rule: Rule, flags: tuple, maximize: bool, bits: int, kinds:
     return graph
 
 
-def quantized(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mapping[str, Any]) -> None:
+def quantized(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mapping[str, Any],
+              offsets: Sequence[int] | None = None) -> None:  # fmt: skip
     """``rule`` in safe mode over CPU params whose states are all :class:`QuantizedState` of
-    one bit width and block size (``kernels.select`` checked that)."""
+    one bit width and block size (``kernels.select`` checked that); ``offsets[i]``: the flat
+    index of param ``i``'s element 0 in its whole tensor (default 0)."""
     flags = rule.flags(hp)
-    kinds = tuple(kind.toward_zero for kind in rule.states(hp))
+    kinds = tuple(kind.decays for kind in rule.states(hp))
+    offsets = [0] * len(params) if offsets is None else offsets
     for i, p in enumerate(params):
         n = p.numel()
         if n == 0:
@@ -206,15 +216,18 @@ def quantized(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mappi
                 tensors += [q.codes[: rows * row_bytes].view(rows, row_bytes), q.absmax[:rows], book.values, lut, thresholds]
             for t in (p, *tensors[0::_PER_STATE], *tensors[1::_PER_STATE]):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
-            graph = _quantized_graph(rule, flags, hp["maximize"], fmt.bits, kinds, tuple(b.zero_index for b in books))
+            graph = _quantized_graph(rule, flags, hp["maximize"], fmt.bits, kinds, tuple(b.zero_index for b in books),
+                                     tuple(b.thresholds.numel() for b in books))  # fmt: skip
             g2 = grads[i].reshape(-1)[:full].view(rows, bs)
             torch._dynamo.maybe_mark_dynamic(g2, 0)
-            graph(p.view(-1)[:full].view(rows, bs), g2, *tensors, *_as_tensors(rule.scalars(hp, steps[i], True)))
+            key = [torch.tensor(steps[i], dtype=torch.int64), torch.tensor(offsets[i], dtype=torch.int64)]
+            graph(p.view(-1)[:full].view(rows, bs), g2, *tensors, *key, *_as_tensors(rule.scalars(hp, steps[i], True)))
         if full < n:
             # The last, partial block is independent of the others: the reference on views.
             start, first = fmt.code_bytes(full), full // bs
             tail = [QuantizedState(q.codes[start:], q.absmax[first:], q.format, (n - full,)) for q in qs]
-            reference.rule_step_(rule, p.view(-1)[full:], grads[i].reshape(-1)[full:], tail, steps[i], hp, safe=True)
+            reference.rule_step_(rule, p.view(-1)[full:], grads[i].reshape(-1)[full:], tail, steps[i], hp, safe=True,
+                                 offset=offsets[i] + full)  # fmt: skip
 
 
 def quantized_takes(states: Sequence[Any], device: torch.device) -> bool:

@@ -70,3 +70,6 @@ class TableCache:
 
     def floats(self, values: Sequence[float], device: torch.device) -> Tensor:
         return _to_device(torch.tensor(values, dtype=torch.float32), device)
+
+    def ints(self, values: Sequence[int], device: torch.device) -> Tensor:
+        return _to_device(torch.tensor(values, dtype=torch.int64), device)

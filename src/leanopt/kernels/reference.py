@@ -128,6 +128,7 @@ def rule_step_(
     hp: Mapping[str, Any],
     *,
     safe: bool,
+    offset: int = 0,
 ) -> None:
     """One update of ``param`` by ``rule`` (:mod:`leanopt.kernels.rules`), in place; ``step`` is
     the 1-based step count after this update. The definition every fast backend is held to.
@@ -146,16 +147,25 @@ def rule_step_(
     would be were it absent from the block (bitsandbytes does the same on CUDA; torchao 4-bit
     turns the whole block to NaN).
 
-    Where the gradient is exactly 0, a quantized state whose kind says ``toward_zero`` (a
-    first moment) is stored rounded toward zero, not to the nearest code: nearest rounding would
-    put ``b1 m`` back on ``m``'s code wherever codes are more than ~20% apart (near 0 in every
-    code), and the weight would keep moving at a constant speed with no gradient.
+    Where the gradient is exactly 0, a quantized state whose kind ``decays`` (a first moment)
+    is stored with the decay rounding of
+    :meth:`~leanopt.quant.formats.BlockFormat.code_indices`: the nearest code where that is
+    smaller than what the element held, else a dithered choice between the two codes around the
+    value, so that the stored momentum decays by ``b1`` in expectation. Nearest rounding alone
+    would put ``b1 m`` back on ``m``'s code wherever codes are more than ~20% apart (near 0 in
+    every code) and keep the weight moving with no gradient; rounding toward zero (the rule
+    before issue #11) drops a 4-bit momentum by at least one of its 7 levels per step, so it
+    dies within a few steps instead of fp32's ~10 and the weight lags fp32's.
+
+    ``offset``: the flat index of ``param``'s element 0 in the whole tensor (a shard's start,
+    or a tail's): the decay rounding's dither is keyed on global indices, so a tensor updated
+    in pieces stores the same codes as one updated whole.
 
     Without ``safe`` and with dense states this is the rule as written (for AdamW:
     ``torch.optim.AdamW``'s single-tensor path, to rounding).
     """
     from leanopt.quant import QuantizedState
-    from leanopt.quant.formats import may_hold_true
+    from leanopt.quant.formats import Decay, may_hold_true
 
     ct = _compute_dtype(param)
     p = param.to(dtype=ct, copy=True)
@@ -171,10 +181,13 @@ def rule_step_(
             new_p = torch.where(bad, p, new_p)
     param.copy_(new_p)
     zero_grad = None
-    for kind, state, value in zip(rule.states(hp), states, new):
+    for kind, state, old, value in zip(rule.states(hp), states, dense, new):
         if isinstance(state, QuantizedState):
-            if kind.toward_zero and zero_grad is None:
+            if kind.decays and zero_grad is None:
                 zero_grad = g == 0
-            state.quantize_(value, toward_zero=zero_grad if kind.toward_zero else None)
+            # Decaying elements (gradient exactly 0) of a momentum: decay rounding (issue #11),
+            # in expectation the fp32 decay; see BlockFormat.code_indices.
+            state.quantize_(value, decay=Decay(zero_grad, old, step, offset) if kind.decays else None)
         else:
             state.copy_(value)
+

@@ -11,7 +11,8 @@ moment-like states to new ones. Each rule here has
   (``kernels.triton_rules``, one ``@triton.jit`` helper per rule) is held to it by the parity
   tests;
 * the **kinds of its states**: their keys, whether they are signed (a first moment: a signed
-  code when stored quantized) and whether a zero gradient rounds them toward zero.
+  code when stored quantized) and whether they only decay on a zero gradient (then a quantized
+  copy is stored with the decay rounding of ``quant.formats``).
 
 Storage is not the rule's business: the same rule runs on fp32 states, on block-quantized ones
 (dequantized before, requantized after, by whichever backend runs it) and on FSDP2 shards.
@@ -39,13 +40,14 @@ MOMENT_BOUND_SLACK = 1e-3
 @dataclass(frozen=True)
 class StateKind:
     """One state of a rule: its ``key`` in ``optimizer.state[p]``; ``signed``: takes both signs
-    (a first moment; stored on a signed code); ``toward_zero``: where the gradient is exactly 0
-    a quantized copy rounds toward zero, so a decaying momentum dies out as in fp32 instead of
-    sticking on a code."""
+    (a first moment; stored on a signed code); ``decays``: where the gradient is exactly 0 the
+    state only decays (a momentum), and a quantized copy is stored with the decay rounding of
+    :meth:`leanopt.quant.formats.BlockFormat.code_indices`, so that it decays as fp32's does in
+    expectation instead of sticking on its code or dropping a whole code each step."""
 
     key: str
     signed: bool
-    toward_zero: bool = False
+    decays: bool = False
 
 
 @dataclass(frozen=True)
@@ -125,7 +127,7 @@ def _lr(value: Any) -> float:
 
 # ---- AdamW ----------------------------------------------------------------------------------
 def _adamw_states(hp: Mapping[str, Any]) -> tuple[StateKind, ...]:
-    kinds = (StateKind("exp_avg", True, toward_zero=True), StateKind("exp_avg_sq", False))
+    kinds = (StateKind("exp_avg", True, decays=True), StateKind("exp_avg_sq", False))
     return kinds + ((StateKind("max_exp_avg_sq", False),) if hp.get("amsgrad") else ())
 
 
@@ -189,9 +191,10 @@ def lion_elementwise(p, g, states, c, flags, safe: bool):
 
 LION = Rule(
     "lion",
-    # Nearest rounding, not toward zero: with a zero gradient Lion steps by sign(m), which a
-    # decaying fp32 momentum keeps; a momentum rounded down to 0 would stop the param instead
-    # (measured: 3.5x the drift from fp32 on sparse gradients, benchmarks/lowbit_vs_bnb.py).
+    # Nearest rounding, not the decay rounding: with a zero gradient Lion steps by sign(m),
+    # which a decaying fp32 momentum keeps, and a momentum rounded down to 0 would stop the
+    # param (rounding toward zero measured 3.5x the drift from fp32 on sparse gradients,
+    # benchmarks/lowbit_vs_bnb.py).
     lambda hp: (StateKind("exp_avg", True),),
     _lion_hyperparameters, lambda hp: (), _lion_scalars, lion_elementwise, triton_id=1,
 )
@@ -263,9 +266,9 @@ def ademamix_elementwise(p, g, states, c, flags, safe: bool):
 
 ADEMAMIX = Rule(
     "ademamix",
-    # The slow EMA (beta3 ~ 0.9999) rounds to nearest: toward zero would drop a whole code per
-    # step where fp32 decays by 0.01 %.
-    lambda hp: (StateKind("exp_avg_fast", True, toward_zero=True), StateKind("exp_avg_slow", True),
+    # The slow EMA (beta3 ~ 0.9999) rounds to nearest: it decays by 0.01 % a step, far below a
+    # code's spacing, and nearest rounding keeps it where fp32 nearly does.
+    lambda hp: (StateKind("exp_avg_fast", True, decays=True), StateKind("exp_avg_slow", True),
                 StateKind("exp_avg_sq", False)),  # fmt: skip
     _ademamix_hyperparameters, lambda hp: (), _ademamix_scalars, ademamix_elementwise, triton_id=2,
 )

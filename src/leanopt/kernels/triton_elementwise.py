@@ -30,9 +30,11 @@ from leanopt.kernels.multi_tensor import TableCache
 from leanopt.kernels.rules import Rule
 from leanopt.kernels.triton_common import TL_DTYPE, to_param_dtype
 from leanopt.kernels.triton_rules import rule_update, skipped_elements
-from leanopt.quant.formats import TOWARD_ZERO_TOLERANCE as _TOLERANCE
+from leanopt.quant.formats import DECAY_GROWTH_RATIO as _GROWTH
+from leanopt.quant.formats import DECAY_PROGRESS as _PROGRESS
 
-TOWARD_ZERO_TOLERANCE: tl.constexpr = tl.constexpr(_TOLERANCE)
+DECAY_PROGRESS: tl.constexpr = tl.constexpr(_PROGRESS)
+DECAY_GROWTH_RATIO: tl.constexpr = tl.constexpr(_GROWTH)
 
 # Elements per program: a multiple of every block size the quantized kernel takes.
 CHUNK = 2048
@@ -140,17 +142,45 @@ def _encode(x, scale, thresholds_ptr, LOG2_LEN: tl.constexpr):
 
 
 @triton.jit
-def _encode_state(x, scale, g, thresholds_ptr, values_ptr, LOG2_LEN: tl.constexpr, ZERO: tl.constexpr,
-                  TOWARD_ZERO: tl.constexpr):  # fmt: skip
-    # Nearest code; for a TOWARD_ZERO state (a first moment), where the gradient is 0, the
-    # code may not be larger in magnitude than x, so momentum decays to 0 as in fp32 instead of
-    # sticking to a code (the reference's ``toward_zero``).
+def _dither(index, step):
+    # leanopt.quant.formats.dither in uint32 arithmetic (products wrap mod 2^32): the same bits.
+    h = index.to(tl.uint32) ^ ((index >> 32).to(tl.uint32) * 0x9E3779B9)
+    h = h * 0x9E3779B1 + step.to(tl.uint32) * 0x85EBCA77
+    h = h ^ (h >> 16)
+    h = h * 0x7FEB352D
+    h = h ^ (h >> 15)
+    h = h * 0x846CA68B
+    h = h ^ (h >> 16)
+    return (h >> 8).to(tl.float32) * (1.0 / 16777216.0)
+
+
+@triton.jit
+def _decay_rounded(idx, y, values_ptr, prev_y, u, ZERO: tl.constexpr, LAST: tl.constexpr):
+    # leanopt.quant.formats.decay_rounded, for elements that only decay (their gradient is 0).
+    near = tl.abs(tl.load(values_ptr + idx))
+    progress = near < prev_y * DECAY_PROGRESS
+    over = (near > tl.abs(y)) & (idx != ZERO)
+    a = tl.where(over, tl.where(idx > ZERO, idx - 1, idx + 1), idx)
+    b = tl.minimum(tl.maximum(a + tl.where(y < 0, -1, 1), 0), LAST)
+    va = tl.abs(tl.load(values_ptr + a))
+    vb = tl.abs(tl.load(values_ptr + b))
+    gap = vb - va
+    frac = tl.where(gap > 0, (tl.abs(y) - va) / tl.where(gap > 0, gap, 1.0), 0.0)
+    up = (u < frac) & ~((vb * DECAY_PROGRESS > prev_y) & (vb > va * DECAY_GROWTH_RATIO))
+    return tl.where(progress, idx, tl.where(up, b, a))
+
+
+@triton.jit
+def _encode_state(x, scale, g, old, index, step, thresholds_ptr, values_ptr, LOG2_LEN: tl.constexpr,
+                  ZERO: tl.constexpr, LAST: tl.constexpr, DECAYS: tl.constexpr):  # fmt: skip
+    # Nearest code; for a DECAYS state (a first moment), where the gradient is 0, the decay
+    # rounding of the reference (``BlockFormat.code_indices``), keyed on the global ``index``.
     idx = _encode(x, scale, thresholds_ptr, LOG2_LEN)
-    if TOWARD_ZERO:
-        y = x / tl.where(scale > 0, scale, 1.0)
-        code_value = tl.load(values_ptr + idx)
-        over = (g == 0) & (tl.abs(code_value) > tl.abs(y) * TOWARD_ZERO_TOLERANCE) & (idx != ZERO)
-        idx = tl.where(over, tl.where(idx > ZERO, idx - 1, idx + 1), idx)
+    if DECAYS:
+        safe = tl.where(scale > 0, scale, 1.0)
+        y = x / safe
+        decayed = _decay_rounded(idx, y, values_ptr, tl.abs(old) / safe, _dither(index, step), ZERO, LAST)
+        idx = tl.where(g == 0, decayed, idx)
     return idx
 
 
@@ -164,17 +194,17 @@ def _load_state(codes_ptrs, scales_ptrs, t, values, block_index, block_mask, eve
 
 
 @triton.jit
-def _store_state(x_e, x_o, g_e, g_o, codes_ptrs, scales_ptrs, t, values, thresholds, block_index, block_mask, even, odd,
-                 mask_e, mask_o, BITS: tl.constexpr, LOG2: tl.constexpr, ZERO: tl.constexpr,
-                 TOWARD_ZERO: tl.constexpr):  # fmt: skip
+def _store_state(x_e, x_o, g_e, g_o, old_e, old_o, base, step, codes_ptrs, scales_ptrs, t, values, thresholds,
+                 block_index, block_mask, even, odd, mask_e, mask_o, BITS: tl.constexpr, LOG2: tl.constexpr,
+                 ZERO: tl.constexpr, LAST: tl.constexpr, DECAYS: tl.constexpr):  # fmt: skip
     codes = tl.load(codes_ptrs + t).to(tl.pointer_type(tl.uint8))
     scales = tl.load(scales_ptrs + t).to(tl.pointer_type(tl.float32))
     x_e = tl.where(mask_e, x_e, 0.0)
     x_o = tl.where(mask_o, x_o, 0.0)
     scale = tl.maximum(tl.max(tl.abs(x_e), axis=1), tl.max(tl.abs(x_o), axis=1))
     tl.store(scales + block_index, scale, mask=block_mask)
-    i_e = _encode_state(x_e, scale[:, None], g_e, thresholds, values, LOG2, ZERO, TOWARD_ZERO)
-    i_o = _encode_state(x_o, scale[:, None], g_o, thresholds, values, LOG2, ZERO, TOWARD_ZERO)
+    i_e = _encode_state(x_e, scale[:, None], g_e, old_e, base + even, step, thresholds, values, LOG2, ZERO, LAST, DECAYS)
+    i_o = _encode_state(x_o, scale[:, None], g_o, old_o, base + odd, step, thresholds, values, LOG2, ZERO, LAST, DECAYS)
     if BITS == 8:
         tl.store(codes + even, i_e.to(tl.uint8), mask=mask_e)
         tl.store(codes + odd, i_o.to(tl.uint8), mask=mask_o)
@@ -187,13 +217,13 @@ def _store_state(x_e, x_o, g_e, g_o, codes_ptrs, scales_ptrs, t, values, thresho
 @triton.jit
 def _quantized_kernel(
     p_ptrs, g_ptrs, c0_ptrs, a0_ptrs, c1_ptrs, a1_ptrs, c2_ptrs, a2_ptrs,
-    chunk_tensor, chunk_start, numels, scalars,
+    chunk_tensor, chunk_start, numels, scalars, dither_keys,
     values0, thresholds0, values1, thresholds1, values2, thresholds2,
     K: tl.constexpr, P_DTYPE: tl.constexpr, RULE: tl.constexpr, N_STATES: tl.constexpr, FLAG: tl.constexpr,
     MAXIMIZE: tl.constexpr, BITS: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr,
-    LOG2_0: tl.constexpr, ZERO_0: tl.constexpr, TZ_0: tl.constexpr,
-    LOG2_1: tl.constexpr, ZERO_1: tl.constexpr, TZ_1: tl.constexpr,
-    LOG2_2: tl.constexpr, ZERO_2: tl.constexpr, TZ_2: tl.constexpr,
+    LOG2_0: tl.constexpr, ZERO_0: tl.constexpr, LAST_0: tl.constexpr, DECAYS_0: tl.constexpr,
+    LOG2_1: tl.constexpr, ZERO_1: tl.constexpr, LAST_1: tl.constexpr, DECAYS_1: tl.constexpr,
+    LOG2_2: tl.constexpr, ZERO_2: tl.constexpr, LAST_2: tl.constexpr, DECAYS_2: tl.constexpr,
 ):  # fmt: skip
     c = tl.program_id(0)
     t = tl.load(chunk_tensor + c)
@@ -226,6 +256,10 @@ def _quantized_kernel(
         g_e = -g_e
         g_o = -g_o
     cp = scalars + t * K
+    # The decay rounding's dither key: this tensor's step and the global index of its element 0.
+    step = tl.load(dither_keys + 2 * t)
+    base = tl.load(dither_keys + 2 * t + 1)
+    o0_e, o0_o, o1_e, o1_o, o2_e, o2_o = s0_e, s0_o, s1_e, s1_o, s2_e, s2_o
     new_e, s0_e, s1_e, s2_e = rule_update(p_e, g_e, s0_e, s1_e, s2_e, cp, RULE, FLAG, True)
     new_o, s0_o, s1_o, s2_o = rule_update(p_o, g_o, s0_o, s1_o, s2_o, cp, RULE, FLAG, True)
     bad_e = skipped_elements(g_e, s0_e, s1_e, s2_e, N_STATES)
@@ -233,14 +267,17 @@ def _quantized_kernel(
     tl.store(p_ptr + even, to_param_dtype(tl.where(bad_e, p_e, new_e), P_DTYPE), mask=mask_e)
     tl.store(p_ptr + odd, to_param_dtype(tl.where(bad_o, p_o, new_o), P_DTYPE), mask=mask_o)
 
-    _store_state(tl.where(bad_e, 0.0, s0_e), tl.where(bad_o, 0.0, s0_o), g_e, g_o, c0_ptrs, a0_ptrs, t, values0,
-                 thresholds0, block_index, block_mask, even, odd, mask_e, mask_o, BITS, LOG2_0, ZERO_0, TZ_0)  # fmt: skip
+    _store_state(tl.where(bad_e, 0.0, s0_e), tl.where(bad_o, 0.0, s0_o), g_e, g_o, o0_e, o0_o, base, step, c0_ptrs,
+                 a0_ptrs, t, values0, thresholds0, block_index, block_mask, even, odd, mask_e, mask_o, BITS, LOG2_0,
+                 ZERO_0, LAST_0, DECAYS_0)  # fmt: skip
     if N_STATES > 1:
-        _store_state(tl.where(bad_e, 0.0, s1_e), tl.where(bad_o, 0.0, s1_o), g_e, g_o, c1_ptrs, a1_ptrs, t, values1,
-                     thresholds1, block_index, block_mask, even, odd, mask_e, mask_o, BITS, LOG2_1, ZERO_1, TZ_1)  # fmt: skip
+        _store_state(tl.where(bad_e, 0.0, s1_e), tl.where(bad_o, 0.0, s1_o), g_e, g_o, o1_e, o1_o, base, step,
+                     c1_ptrs, a1_ptrs, t, values1, thresholds1, block_index, block_mask, even, odd, mask_e, mask_o,
+                     BITS, LOG2_1, ZERO_1, LAST_1, DECAYS_1)  # fmt: skip
     if N_STATES > 2:
-        _store_state(tl.where(bad_e, 0.0, s2_e), tl.where(bad_o, 0.0, s2_o), g_e, g_o, c2_ptrs, a2_ptrs, t, values2,
-                     thresholds2, block_index, block_mask, even, odd, mask_e, mask_o, BITS, LOG2_2, ZERO_2, TZ_2)  # fmt: skip
+        _store_state(tl.where(bad_e, 0.0, s2_e), tl.where(bad_o, 0.0, s2_o), g_e, g_o, o2_e, o2_o, base, step,
+                     c2_ptrs, a2_ptrs, t, values2, thresholds2, block_index, block_mask, even, odd, mask_e, mask_o,
+                     BITS, LOG2_2, ZERO_2, LAST_2, DECAYS_2)  # fmt: skip
 
 
 _PADDED: dict[tuple[str, torch.device], tuple[Tensor, Tensor, int]] = {}
@@ -259,9 +296,11 @@ def _padded_book(book, device: torch.device) -> tuple[Tensor, Tensor, int]:
 
 
 def quantized(rule: Rule, cache: TableCache, key: str, params, grads, states, steps: Sequence[int],
-              hp: Mapping[str, Any]) -> None:  # fmt: skip
+              hp: Mapping[str, Any], offsets: Sequence[int] | None = None) -> None:  # fmt: skip
     """One launch per (param dtype, formats) for params whose states are all QuantizedStates of
-    one bit width and a block size dividing :data:`CHUNK` (``kernels.select`` checked that)."""
+    one bit width and a block size dividing :data:`CHUNK` (``kernels.select`` checked that);
+    ``offsets[i]``: the flat index of param ``i``'s element 0 in its whole tensor (default 0)."""
+    offsets = [0] * len(params) if offsets is None else offsets
     kinds = rule.states(hp)
     groups: dict[tuple, list[int]] = {}
     for i, p in enumerate(params):
@@ -273,6 +312,7 @@ def quantized(rule: Rule, cache: TableCache, key: str, params, grads, states, st
         n = len(formats)
         table = cache.chunks(ps, CHUNK)
         scalars, width = _scalar_table(cache, rule, hp, [steps[i] for i in idx], True, device)
+        keys = cache.ints([v for i in idx for v in (steps[i], offsets[i])], device)
         k = f"{key}/{rule.name}/{dtype}/" + "/".join(f.name for f in formats)
         pointers, books, consts = [], [], {}
         for j in range(3):
@@ -281,12 +321,13 @@ def quantized(rule: Rule, cache: TableCache, key: str, params, grads, states, st
                          cache.addresses(f"{k}/a{j}", [states[i][s].absmax for i in idx], device)]  # fmt: skip
             values, thresholds, log2 = _padded_book(formats[s].book(device), device)
             books += [values, thresholds]
-            consts.update({f"LOG2_{j}": log2, f"ZERO_{j}": formats[s].book("cpu").zero_index,
-                           f"TZ_{j}": kinds[s].toward_zero})  # fmt: skip
+            book = formats[s].book("cpu")
+            consts.update({f"LOG2_{j}": log2, f"ZERO_{j}": book.zero_index, f"LAST_{j}": book.thresholds.numel(),
+                           f"DECAYS_{j}": kinds[s].decays})  # fmt: skip
         fmt = formats[0]
         _quantized_kernel[(table.num_chunks,)](
             cache.addresses(k + "/p", ps, device), cache.addresses(k + "/g", [grads[i] for i in idx], device),
-            *pointers, table.chunk_tensor, table.chunk_start, table.numel, scalars, *books,
+            *pointers, table.chunk_tensor, table.chunk_start, table.numel, scalars, keys, *books,
             K=width, P_DTYPE=TL_DTYPE[dtype], RULE=rule.triton_id, N_STATES=n, FLAG=_flag(rule, hp),
             MAXIMIZE=bool(hp["maximize"]), BITS=fmt.bits, BS=fmt.block_size, NB=CHUNK // fmt.block_size, **consts,
         )  # fmt: skip

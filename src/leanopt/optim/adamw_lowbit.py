@@ -64,8 +64,10 @@ _DOC = r"""AdamW (Loshchilov & Hutter) with {bits}-bit block-quantized moments.
     AdamW can reach the floor is inactive.
 
     **Zero gradients.** Where an element's gradient is exactly 0 (rows of an embedding not in
-    the batch, dead units) its decaying first moment is stored rounded toward zero rather than
-    to the nearest code, so its momentum dies out as in fp32 instead of sticking on a code.
+    the batch, dead units) its decaying first moment is stored with a *decay rounding*: the
+    nearest code where that is smaller than what it held, else a dithered choice between the
+    two codes around it, so that it decays by ``beta1`` in expectation as in fp32 instead of
+    sticking on a code (``leanopt.quant.formats.BlockFormat.code_indices``; docs/quantized.md).
 
     **amsgrad** is not supported (``amsgrad=True`` raises ``ValueError``): a running maximum of
     quantized second moments needs a third state and rounding only ratchets it up. Use

@@ -111,8 +111,8 @@ class AdEMAMix8bit(LowBit, AdEMAMix):
     exact moments reach, with beta3 on its schedule), so a second moment rounded toward 0 can
     never turn a small gradient into an ``lr * m / eps`` step; non-finite gradient elements are
     skipped (param kept, states reset) without touching their block neighbours; where the
-    gradient is exactly 0 the fast EMA rounds toward zero (the slow one, decaying by 0.01 % per
-    step, rounds to nearest). Params with fewer than ``min_quant_size`` elements (default 4096)
+    gradient is exactly 0 the fast EMA is stored with AdamW8bit's decay rounding (in expectation
+    the fp32 decay; the slow one, decaying by 0.01 % per step, rounds to nearest). Params with fewer than ``min_quant_size`` elements (default 4096)
     keep fp32 states.
 
     Args: as :class:`leanopt.AdEMAMix`, plus ``block_size`` and ``min_quant_size``.

@@ -18,7 +18,7 @@ from leanopt import kernels
 from leanopt.kernels.rules import Rule
 from leanopt.optim.base import LeanOptimizer
 from leanopt.optim.layout import StateSpec
-from leanopt.optim.sharding import local
+from leanopt.optim.sharding import local, shard_offset
 
 
 def state_dtype(param_dtype: torch.dtype) -> torch.dtype:
@@ -67,4 +67,5 @@ class ElementwiseOptimizer(LeanOptimizer):
                 [real_view(local(p.grad)) for p in device_params],
                 [[real_view(local(self.state[p][k])) for k in keys] for p in device_params],
                 self._steps(device_params), hp, safe=self.safe,
+                offsets=[shard_offset(p) for p in device_params],
             )  # fmt: skip

@@ -83,7 +83,8 @@ _LOWBIT_DOC = r"""Lion with {bits}-bit block-quantized momentum.
     (fp32 Lion: 4). Each step dequantizes the momentum, runs the rule in fp32 and requantizes;
     as in ``AdamW{bits}bit``, a gradient element that is NaN/Inf or whose square overflows is
     skipped (param kept, momentum reset to 0) without touching its block neighbours, and where
-    the gradient is exactly 0 the decaying momentum rounds toward zero. Params with fewer than
+    the gradient is exactly 0 the decaying momentum rounds to the nearest code (Lion steps by
+    ``sign(m)``, which a decaying fp32 momentum keeps). Params with fewer than
     ``min_quant_size`` elements (default 4096), and groups with ``"quantize": False``, keep an
     fp32 momentum. Checkpoints convert between Lion, Lion8bit and Lion4bit on load.
 

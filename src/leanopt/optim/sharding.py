@@ -35,6 +35,7 @@ import torch
 
 from leanopt.optim.layout import StateSpec, convert_saved
 from leanopt.quant import QuantizedState
+from leanopt.quant.formats import may_hold_true
 
 __all__ = [
     "ShardQuantizedState",
@@ -45,6 +46,7 @@ __all__ = [
     "local",
     "quantized_shard",
     "shardable",
+    "shard_offset",
     "shared_blocks",
     "state_placements",
     "update_whole",
@@ -125,6 +127,19 @@ def _shard_ranges(rows: int, row_numel: int, ranks: int) -> list[tuple[int, int]
     return [(min(r * chunk, rows) * row_numel, min((r + 1) * chunk, rows) * row_numel) for r in range(ranks)]
 
 
+def shard_offset(p: Any) -> int:
+    """Flat index, in the whole tensor, of this rank's first element of DTensor ``p`` when it is
+    sharded on dim 0 (FSDP2, HSDP); 0 for any other tensor or sharding."""
+    if not is_dtensor(p):
+        return 0
+    sharding = _dim0_sharding(p)
+    if sharding is None:
+        return 0
+    rows = p.shape[0] if p.ndim else 1
+    ranges = _shard_ranges(rows, p.numel() // rows if rows else 0, sharding[1])
+    return ranges[p.device_mesh.get_local_rank(sharding[0])][0]
+
+
 def shared_blocks(p: torch.Tensor, block_size: int) -> list[int] | None:
     """The blocks (of the whole tensor's flat order) that straddle a shard boundary of ``p``.
 
@@ -172,7 +187,7 @@ class ShardQuantizedState(QuantizedState):
         vals = self._padded(self.format.book(self.codes.device).values[idx.long()])
         return vals.mul_(self.absmax.view(-1, 1)).view(-1)[self.lead : self.lead + self.numel].view(self.shape)
 
-    def quantize_(self, x: torch.Tensor, toward_zero: torch.Tensor | None = None) -> None:
+    def quantize_(self, x: torch.Tensor, decay: Any = None) -> None:
         import torch.distributed as dist
 
         # The same operations as BlockFormat.encode_, on the whole tensor's block grid.
@@ -184,9 +199,12 @@ class ShardQuantizedState(QuantizedState):
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.group)  # maxima are >= 0
         for j, k in self.shared:
             scale[j] = maxima[k]
-        y = blocks / torch.where(scale > 0, scale, torch.ones_like(scale)).view(-1, 1)
-        mask = None if toward_zero is None else toward_zero.reshape(-1)
-        idx = self.format.code_indices(y.view(-1)[self.lead : self.lead + self.numel], mask)
+        safe_scale = torch.where(scale > 0, scale, torch.ones_like(scale)).view(-1, 1)
+        y = blocks / safe_scale
+        decay_y = None
+        if decay is not None and may_hold_true(decay.mask):
+            decay_y = decay.scaled(safe_scale, self.format.block_size, self.lead)
+        idx = self.format.code_indices(y.view(-1)[self.lead : self.lead + self.numel], decay_y)
         self.codes.copy_(self.format._pack(idx.to(torch.uint8)))
         self.absmax.copy_(scale)
 

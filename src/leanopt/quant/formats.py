@@ -35,8 +35,99 @@ from torch._subclasses.fake_tensor import is_fake
 from leanopt.quant.codebooks import CodeBook, code_bits, codebook
 
 
-# Round toward zero only where the nearest code exceeds |y| by more than this factor.
-TOWARD_ZERO_TOLERANCE = 1 + 1e-5
+# Decay rounding: the nearest code counts as progress only below this fraction of the previous
+# stored magnitude (an ulp of the new block scale must not decide between nearest and dither).
+DECAY_PROGRESS = 1 - 1e-5
+
+# Decay rounding: the dither may store a larger magnitude than the element held (its block's
+# scale rose) only between codes at most this far apart; across a wider gap (the bottom of every
+# code: 0 to its smallest value, and the next one or two) it rounds toward zero instead, so that
+# a block scale rising for many steps (the first steps of training) cannot carry a decaying
+# momentum upward. math.inf: unbiased dither everywhere (more accurate on average, a heavier
+# tail on the hazard scenario: benchmarks/accuracy_vs_peers.py, issue #11).
+DECAY_GROWTH_RATIO = 2.0
+
+
+@dataclass(frozen=True)
+class Decay:
+    """What :meth:`BlockFormat.encode_` needs to round decaying elements (issue #11).
+
+    ``mask``: bool, one per element, set where the state only decays this step (its gradient
+    is exactly 0); ``previous``: the values the state held before the step (dequantized, the
+    same shape); ``step``: the 1-based step, which seeds the dither; ``offset``: the flat index,
+    in the whole (global) tensor, of element 0 -- a shard passes its offset, so the dither does
+    not depend on how the tensor is split.
+    """
+
+    mask: torch.Tensor
+    previous: torch.Tensor
+    step: int
+    offset: int = 0
+
+    def flat(self) -> "Decay":
+        return Decay(self.mask.reshape(-1), self.previous.reshape(-1), self.step, self.offset)
+
+    def scaled(self, safe_scale: torch.Tensor, block_size: int, lead: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(mask, prev_y, u)`` for :meth:`BlockFormat.code_indices`, flat: ``prev_y`` is
+        ``|previous|`` in units of the *new* block scales ``safe_scale`` (``[blocks, 1]``, no
+        zeros) of blocks of ``block_size`` whose first starts ``lead`` elements before element
+        0; ``u`` is the :func:`dither` of each element's global index and the step."""
+        numel, nb = self.previous.numel(), safe_scale.shape[0]
+        prev = torch.nn.functional.pad(self.previous.reshape(-1).float().abs(), (lead, nb * block_size - lead - numel))
+        prev_y = (prev.view(nb, block_size) / safe_scale).view(-1)[lead : lead + numel]
+        index = torch.arange(numel, dtype=torch.int64, device=prev.device) + self.offset
+        return self.mask.reshape(-1), prev_y, dither(index, self.step)
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, k: int) -> torch.Tensor:
+    """``x * k mod 2^32`` for int64 ``x`` in [0, 2^32), without int64 overflow."""
+    lo = x * (k & 0xFFFF)
+    hi = ((x * (k >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & _M32
+
+
+def dither(index: torch.Tensor, step: int) -> torch.Tensor:
+    """A uniform number in [0, 1) per element from its global flat ``index`` (int64 >= 0) and
+    ``step``: 32-bit integer arithmetic only, so every backend computes the same bits.
+
+    ``h = (index mod 2^32) xor ((index >> 32) * 0x9E3779B9)``, ``h = h * 0x9E3779B1 +
+    step * 0x85EBCA77``, then the ``lowbias32`` finalizer (``h ^= h >> 16; h *= 0x7FEB352D;
+    h ^= h >> 15; h *= 0x846CA68B; h ^= h >> 16``), every product mod 2^32; the result is
+    ``(h >> 8) / 2^24``.
+    """
+    h = (index & _M32) ^ _mul32(index >> 32, 0x9E3779B9)
+    h = (_mul32(h, 0x9E3779B1) + ((step * 0x85EBCA77) & _M32)) & _M32
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x7FEB352D)
+    h = h ^ (h >> 15)
+    h = _mul32(h, 0x846CA68B)
+    h = h ^ (h >> 16)
+    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+def decay_rounded(
+    idx: torch.Tensor, y: torch.Tensor, values: torch.Tensor, zero_index: int, last: int,
+    mask: torch.Tensor, prev_y: torch.Tensor, u: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """The decay rounding of :meth:`BlockFormat.code_indices`: ``idx`` (the nearest codes of
+    ``y``, on the signed code book ``values`` whose 0 is ``zero_index`` and largest distinct
+    value ``last``) with the elements of ``mask`` re-rounded. Tensor operations only (the
+    compiled CPU path traces it; the Triton kernel has the same steps, ``_decay_rounded``)."""
+    near = values[idx].abs()
+    progress = near < prev_y * DECAY_PROGRESS
+    # a: the code toward zero from y (nearest if it does not exceed |y|, else one code nearer
+    # zero); b: the next code away from zero, clamped at both ends of the book.
+    over = (near > y.abs()) & (idx != zero_index)
+    a = torch.where(over, idx - torch.sign(idx - zero_index), idx)
+    b = (a + torch.where(y < 0, -1, 1)).clamp(0, last)
+    va, vb = values[a].abs(), values[b].abs()
+    gap = vb - va
+    frac = torch.where(gap > 0, (y.abs() - va) / torch.where(gap > 0, gap, 1.0), 0.0)
+    up = (u < frac) & ~((vb * DECAY_PROGRESS > prev_y) & (vb > va * DECAY_GROWTH_RATIO))
+    return torch.where(mask & ~progress, torch.where(up, b, a), idx)
 
 # Largest block (elements per fp32 scale). The optimizers use 128 and 256; past a few thousand a
 # block's scale is set by its outliers and the codes lose their resolution, so nothing useful
@@ -83,12 +174,11 @@ class QuantizedState:
         """fp32 tensor of ``shape``."""
         return self.format.decode(self.codes, self.absmax, self.numel).view(self.shape)
 
-    def quantize_(self, x: torch.Tensor, toward_zero: torch.Tensor | None = None) -> None:
+    def quantize_(self, x: torch.Tensor, decay: "Decay | None" = None) -> None:
         """Store ``x`` (any float dtype, ``shape``) in place: each element becomes the nearest
-        code, or, where the boolean mask ``toward_zero`` is set, the nearest code no larger in
-        magnitude."""
-        mask = None if toward_zero is None else toward_zero.reshape(-1)
-        self.format.encode_(x.reshape(-1), self.codes, self.absmax, toward_zero=mask)
+        code, or, where ``decay.mask`` is set, the decay rounding of
+        :meth:`BlockFormat.code_indices`."""
+        self.format.encode_(x.reshape(-1), self.codes, self.absmax, decay=None if decay is None else decay.flat())
 
     def to(self, device: torch.device | str) -> "QuantizedState":
         return QuantizedState(self.codes.to(device), self.absmax.to(device), self.format, self.shape)
@@ -216,32 +306,41 @@ class BlockFormat:
             vals[full * bs :].mul_(absmax[full])
         return vals
 
-    def encode_(
-        self, flat: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, toward_zero: torch.Tensor | None = None
-    ) -> None:
+    def encode_(self, flat: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, decay: "Decay | None" = None) -> None:
         """Write ``flat`` (finite values; any float dtype) into ``codes`` and ``absmax``: the
-        nearest code, or where the boolean mask ``toward_zero`` is set, the nearest code whose
-        magnitude does not exceed the value's."""
+        nearest code, or where ``decay.mask`` is set (flat), the decay rounding of
+        :meth:`code_indices`."""
         numel = flat.numel()
         nb = self.num_blocks(numel)
         x = torch.nn.functional.pad(flat.float(), (0, nb * self.block_size - numel)).view(nb, self.block_size)
         scale = x.abs().amax(dim=1)
         # An all-zero block keeps scale 0 and encodes as the code nearest 0: it decodes to 0.
-        y = (x / torch.where(scale > 0, scale, torch.ones_like(scale)).view(nb, 1)).view(-1)[:numel]
-        codes.copy_(self._pack(self.code_indices(y, toward_zero).to(torch.uint8)))
+        safe_scale = torch.where(scale > 0, scale, torch.ones_like(scale)).view(nb, 1)
+        y = (x / safe_scale).view(-1)[:numel]
+        decay_y = decay.scaled(safe_scale, self.block_size) if decay is not None and may_hold_true(decay.mask) else None
+        codes.copy_(self._pack(self.code_indices(y, decay_y).to(torch.uint8)))
         absmax.copy_(scale)
 
-    def code_indices(self, y: torch.Tensor, toward_zero: torch.Tensor | None = None) -> torch.Tensor:
-        """Code-book index of each scaled value ``y`` (in [-1, 1]): the nearest value, or where
-        ``toward_zero`` is set, the nearest value no larger in magnitude."""
+    def code_indices(self, y: torch.Tensor, decay: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Code-book index of each scaled value ``y`` (in [-1, 1]): the nearest value, except
+        where ``decay`` says the element only decays.
+
+        ``decay = (mask, prev_y, u)``: where ``mask`` is set (the element only decays), the
+        nearest code if it is smaller in magnitude than ``prev_y`` (the previous stored
+        magnitude in units of the new block scale) times :data:`DECAY_PROGRESS`; otherwise
+        (nearest rounding would keep or grow the magnitude: a momentum stuck on its code, or a
+        block scale that rose) the value is rounded stochastically between ``a``, the largest
+        code no larger in magnitude than ``|y|``, and ``b``, the next code away from zero:
+        ``b`` where ``u < (|y| - |a|) / (|b| - |a|)``, else ``a`` -- except that ``b`` is not
+        taken where it exceeds ``prev_y`` and ``|b| > DECAY_GROWTH_RATIO * |a|``. The stored
+        momentum is ``b1 m`` in expectation wherever that exception does not bite (a stuck
+        momentum: ``b`` is its own code), never grows across a coarse gap, and dies out (0 is
+        a code and never left).
+        """
         book = self.book(y.device)
         idx = torch.searchsorted(book.thresholds, y)
-        if toward_zero is not None and may_hold_true(toward_zero):
-            # The tolerance keeps a value sitting on a code there: a block whose elements all
-            # decay by b1 has its scale decay by b1 too, so y lands exactly on its old code, and
-            # an ulp of rounding must not decide whether momentum drops a whole code.
-            overshoot = toward_zero & (book.values[idx].abs() > y.abs() * TOWARD_ZERO_TOLERANCE) & (idx != book.zero_index)
-            idx = torch.where(overshoot, idx - torch.sign(idx - book.zero_index), idx)
+        if decay is not None:
+            idx = decay_rounded(idx, y, book.values, book.zero_index, book.thresholds.numel(), *decay)
         return idx
 
     def _pack(self, idx: torch.Tensor) -> torch.Tensor:
