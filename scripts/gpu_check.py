@@ -70,11 +70,16 @@ STAGES = [
     Stage("timing_float32", 85, 30, "optimizer.step, TinyLlama-1.1B shapes, fp32 params"),
     Stage("timing_bfloat16", 80, 30, "optimizer.step, TinyLlama-1.1B shapes, bf16 params"),
     Stage("accuracy", 40, 30, "distance from fp32 AdamW, sparse-gradient hazard, NaN isolation"),
-    Stage("plan_check", 10, 10, "python3 -m leanopt.memory.plan_check, if present"),
+    # Issue #12's planner check: 8 rows (two models x four configurations), each a plan and a
+    # measured step; dry, 4 rows measured in two CPU processes.
+    Stage("plan_check", 60, 120, "python3 -m leanopt.memory.plan_check, if present"),
 ]
-# Whole run: issue #11 asks for <= 6 minutes on the GPU (<= 3 minutes dry), start to finish.
-TOTAL_BUDGET_S = 345.0
-DRY_TOTAL_BUDGET_S = 170.0
+# Whole run: issue #11 asks for <= 6 minutes on the GPU (<= 3 minutes dry), start to finish, for
+# its stages (335 s, 160 s dry); plan_check (issue #12) comes on top.
+PLAN_CHECK_EXTRA_S = 60.0 - 10.0  # plan_check's budget over the 10 s (10 s dry) it had in those totals
+DRY_PLAN_CHECK_EXTRA_S = 120.0 - 10.0
+TOTAL_BUDGET_S = 345.0 + PLAN_CHECK_EXTRA_S
+DRY_TOTAL_BUDGET_S = 170.0 + DRY_PLAN_CHECK_EXTRA_S
 GRACE_S = 5.0  # after a stage's budget, before it is killed (it stops itself at the budget)
 # Multiplies every budget (a loaded CI machine running the dry run); 1 on the GPU.
 BUDGET_SCALE = float(os.environ.get("GPU_CHECK_BUDGET_SCALE") or 1.0)

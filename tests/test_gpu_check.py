@@ -124,6 +124,15 @@ def test_dry_run_accuracy(dry_run) -> None:
         assert 0.5 < r["bytes_per_param"] < 2.6
 
 
+def test_dry_run_plan_check(dry_run) -> None:
+    # python3 -m leanopt.memory.plan_check --dry-run (issue #12): the CPU plan against a CPU
+    # measurement on the two-layer models, each row within the check's +-5 %.
+    stage = _results(dry_run)["stages"]["plan_check"]
+    assert stage["status"] == "ok" and stage["result"]["ok"] is True and stage["result"]["dry_run"] is True
+    rows = stage["result"]["rows"]
+    assert len(rows) == 4 and all(math.isfinite(r[-1]) and abs(r[-1]) <= 5 for r in rows), rows
+
+
 def test_tinyllama_shapes_are_the_model() -> None:
     shapes = gpu_check.llama_shapes(gpu_check.TINYLLAMA)
     assert sum(math.prod(s) for s in shapes) == gpu_check.TINYLLAMA_PARAMS == 1_100_048_384

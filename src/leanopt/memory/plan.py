@@ -38,8 +38,11 @@ root, batch per rank = ``batch``), traced as rank 0 of a fake process group
 (:mod:`leanopt.memory.plan_fsdp`); rows get ``gpus`` = N. FSDP2 rows are fp32 / bf16-mixed
 without release: ``release_gradients`` and ``rounding="stochastic"|"kahan"`` refuse DTensor params.
 
-Not covered yet: CUDA (``device`` other than ``"cpu"`` is a ``ValueError``: on the GPU attention
-and the optimizers take other kernels, with other temporaries).
+``device="cuda"``: the step as one GPU runs it, traced on the same fake CPU tensors (fake CUDA
+tensors abort a CPU-only torch build) with what a GPU does differently put in
+(:mod:`leanopt.memory.plan_trace`, "CUDA"): the caching allocator's 512-byte blocks, the fused
+attention kernel torch picks (no seq x seq matrix saved), CUDA autocast's fp32 ops, leanopt's
+Triton kernels (in place) and torch's foreach default. One GPU only (``gpus`` 1).
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ from leanopt.memory.plan_trace import (
     LiveStorage,
     ParamSteps,
     Peak,
+    cuda_optimizer_kernels,
     isolated_kernel_caches,
     rounded_step_peak,
     track_module,
@@ -284,10 +288,12 @@ class _Step:
 
 
 def _trace_forward_backward(
-    model: torch.nn.Module, task: str, batch: int, seq: int, precision: str, checkpointing: bool, released: bool = False
-) -> _ForwardBackward:
+    model: torch.nn.Module, task: str, batch: int, seq: int, precision: str, checkpointing: bool, released: bool = False,
+    device: str = "cpu",
+) -> _ForwardBackward:  # fmt: skip
     fake_mode = _fake_mode()
     tracker = LiveStorage()
+    tracker.device = device
     mixed = precision == "bf16-mixed"
     vocab = _vocab_size(model)
     num_labels = _num_labels(model)
@@ -302,7 +308,7 @@ def _trace_forward_backward(
                 tracker.track(input_ids)
                 tracker.track(labels)
                 loss = traced_forward_backward(
-                    tracker, model, input_ids, labels, params, mixed, type(model).__name__, released=released
+                    tracker, model, input_ids, labels, params, mixed, type(model).__name__, released=released, device=device
                 )
                 peak = tracker.peak()
                 live = tracker.live_by_kind()
@@ -349,7 +355,7 @@ def _rounded(optimizer: str, rounding: str | None, dtype: torch.dtype) -> bool:
 
 def _trace_step(
     model: torch.nn.Module, optimizer: str, dtype: torch.dtype, gpus: int = 1, rounding: str | None = None,
-    param_steps: ParamSteps | None = None, *, fast: bool = True,
+    param_steps: ParamSteps | None = None, *, fast: bool = True, device: str = "cpu",
 ) -> _Step:  # fmt: skip
     """The steady-state ``optimizer.step()`` of ``model``'s params in ``dtype``. A rounded step
     (:func:`_rounded`) is put together from the step of one param of each shape
@@ -362,16 +368,25 @@ def _trace_step(
 
         return _Step(*trace_step(shapes, cls, gpus, fake_mode))
     if fast and _rounded(optimizer, rounding, dtype):
-        return _Step(*rounded_step_peak(shapes, param_steps or _trace_param_steps(shapes, optimizer, rounding)))
-    with isolated_kernel_caches(), fake_mode, LiveStorage() as tracker:
+        steps = param_steps or _trace_param_steps(shapes, optimizer, rounding, device)
+        return _Step(*rounded_step_peak(shapes, steps, device))
+    tracker = LiveStorage()
+    tracker.device = device
+    with isolated_kernel_caches(), _device_kernels(device), fake_mode, tracker:
         peak, kept = traced_steps(tracker, [torch.nn.Parameter(torch.empty(s, dtype=dt)) for s, dt in shapes], cls, fast=fast)
     return _Step(peak, kept)
 
 
-def _trace_param_steps(shapes: list[tuple[tuple[int, ...], torch.dtype]], optimizer: str, rounding: str | None) -> ParamSteps:
+def _device_kernels(device: str) -> contextlib.AbstractContextManager[None]:
+    return cuda_optimizer_kernels() if device == "cuda" else contextlib.nullcontext()
+
+
+def _trace_param_steps(
+    shapes: list[tuple[tuple[int, ...], torch.dtype]], optimizer: str, rounding: str | None, device: str = "cpu"
+) -> ParamSteps:
     """The step of one param of each shape, alone (:func:`~leanopt.memory.plan_trace.traced_param_steps`)."""
-    with isolated_kernel_caches(), _fake_mode():
-        return traced_param_steps(shapes, _optimizer_factory(optimizer, rounding))
+    with isolated_kernel_caches(), _device_kernels(device), _fake_mode():
+        return traced_param_steps(shapes, _optimizer_factory(optimizer, rounding), device)
 
 
 def _trainable(model: torch.nn.Module) -> Iterable[torch.nn.Parameter]:
@@ -456,14 +471,18 @@ def plan(
     ``grad_release``: rows with :func:`leanopt.release_gradients` (leanopt's optimizers only; one
     process only). Models that do not support activation checkpointing get no checkpointing
     rows. Nothing is allocated.
+
+    ``device``: ``"cpu"`` (default) or ``"cuda"``: the peak of ``torch.cuda.max_memory_allocated``
+    for the step on one GPU (see the module docstring; ``gpus`` must be 1).
     """
     for name, value in (("batch", batch), ("seq", seq)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
     if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
         raise ValueError(f"gpus must be a whole number >= 1, got {gpus!r}")
-    if device != "cpu":
-        raise ValueError(f"device {device!r}: plan traces CPU steps only for now (CUDA kernels keep other temporaries)")
+    device = _device(device)
+    if device == "cuda" and gpus > 1:
+        raise ValueError("device='cuda' with gpus > 1 is not planned yet (FSDP2 over NCCL): plan one GPU, or --gpus on the CPU")
     budget_bytes = parse_bytes(budget) if budget is not None else None
     names = [n.lower() for n in (optimizers or DEFAULT_OPTIMIZERS)]
     lean = {n: issubclass(resolve_optimizer(n), LeanOptimizer) for n in names}  # one-line ValueError for unknown names
@@ -525,7 +544,7 @@ def plan(
                 if gpus > 1:
                     forward_backward[ckpt] = _trace_forward_backward_fsdp(module, task, batch, seq, precision, ckpt, gpus)
                 else:
-                    forward_backward[ckpt] = _trace_forward_backward(module, task, batch, seq, precision, ckpt, released)
+                    forward_backward[ckpt] = _trace_forward_backward(module, task, batch, seq, precision, ckpt, released, device)
             except ValueError:
                 raise
             except Exception as err:
@@ -540,9 +559,9 @@ def plan(
             what = f"{name}.step() on fake tensors ({precision}{f', rounding={rounding}' if rounding else ''})"
             try:
                 if key not in param_steps and (release or _rounded(name, key[1], dtype)):
-                    param_steps[key] = _trace_param_steps(_shapes(module, dtype), name, key[1])
+                    param_steps[key] = _trace_param_steps(_shapes(module, dtype), name, key[1], device)
                 if key not in steps:
-                    steps[key] = _trace_step(module, name, dtype, gpus, key[1], param_steps.get(key))
+                    steps[key] = _trace_step(module, name, dtype, gpus, key[1], param_steps.get(key), device=device)
             except Exception as err:
                 raise ValueError(f"cannot trace {what}: {_one_line(err)}") from None
             for ckpt in ckpts:
@@ -557,6 +576,14 @@ def plan(
         raise ValueError(f"no configuration to plan: {', '.join(names)} take no rounding= (their pure-bf16 steps round "
                          "to nearest: ask for --roundings nearest)")  # fmt: skip
     return sorted(rows, key=_rank)
+
+
+def _device(device: Any) -> str:
+    """``"cpu"`` or ``"cuda"`` (``"cuda:1"``, ``torch.device("cuda")`` too); else a one-line ValueError."""
+    kind = str(device).split(":")[0] if isinstance(device, (str, torch.device)) else None
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: plan knows 'cpu' and 'cuda'")
+    return kind
 
 
 def recommend(rows: Sequence[PlanRow]) -> PlanRow | None:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -48,7 +49,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 KINDS = ("weights", "gradients", "optimizer_state", "activations", "other")
 
@@ -114,6 +115,13 @@ class LiveStorage(TorchDispatchMode):
         self._peak_released = 0
         self._at_peak_released: list[tuple[_Block, int]] = []
         self.hooks: list[tuple[int, int, list[tuple[_Block, int]]]] = []  # (param index, live bytes, live blocks)
+        # "cuda": the step planned runs on a GPU (the trace is still on fake CPU tensors): every
+        # storage is counted as the CUDA caching allocator counts it (:func:`cuda_block_bytes`),
+        # and the CPU-only hidden copy of a widening norm is not counted.
+        self.device = "cpu"
+
+    def _size(self, nbytes: int) -> int:
+        return cuda_block_bytes(nbytes) if self.device == "cuda" else nbytes
 
     def __enter__(self) -> LiveStorage:  # noqa: PYI034
         if self.distributed and self._orig_resize is None:
@@ -123,9 +131,9 @@ class LiveStorage(TorchDispatchMode):
             def resize_(st: Any, size: int) -> Any:
                 out = orig(st, size)
                 block = tracker._by_storage.get(st)
-                if block is not None and block.nbytes != st.nbytes():
-                    tracker.current += st.nbytes() - block.nbytes
-                    block.nbytes = st.nbytes()
+                if block is not None and block.nbytes != tracker._size(st.nbytes()):
+                    tracker.current += tracker._size(st.nbytes()) - block.nbytes
+                    block.nbytes = tracker._size(st.nbytes())
                     tracker._note()
                 return out
 
@@ -159,7 +167,7 @@ class LiveStorage(TorchDispatchMode):
         st = t.untyped_storage()
         block = self._by_storage.get(st)
         if block is None:
-            block = _Block(st.nbytes(), kind or _PHASE_KIND[self.phase])
+            block = _Block(self._size(st.nbytes()), kind or _PHASE_KIND[self.phase])
             self._by_storage[st] = block
             self._live[id(block)] = block
             weakref.finalize(st, self._free, id(block))
@@ -167,6 +175,14 @@ class LiveStorage(TorchDispatchMode):
             self._note()
         elif kind is not None:
             block.kind = kind
+
+    def untrack(self, t: torch.Tensor) -> None:
+        """``t``'s storage holds no memory of the device planned (a CUDA kernel's host-side
+        output, such as memory-efficient attention's philox seed and offset)."""
+        block = self._by_storage.get(t.untyped_storage())
+        if block is not None and block.nbytes:
+            self.current -= block.nbytes
+            block.nbytes = 0
 
     def kind_of(self, t: torch.Tensor) -> str | None:
         if hasattr(t, "__tensor_flatten__"):
@@ -202,6 +218,7 @@ class LiveStorage(TorchDispatchMode):
 
     def transient(self, nbytes: int) -> None:
         """A buffer of ``nbytes`` that an op allocates and frees inside itself (kind ``other``)."""
+        nbytes = self._size(nbytes)
         block = _Block(nbytes, "other")
         self._live[id(block)] = block
         self.current += nbytes
@@ -244,7 +261,7 @@ class LiveStorage(TorchDispatchMode):
             # A data-dependent scalar: no memory depends on it (see the module docstring).
             t = args[0]
             return True if t.dtype == torch.bool else (1.0 if t.is_floating_point() else 1)
-        upcast = _norm_upcast_bytes(func, args, kwargs)
+        upcast = _norm_upcast_bytes(func, args, kwargs) if self.device == "cpu" else 0
         if upcast:
             self.transient(upcast)
         out = func(*args, **kwargs)
@@ -413,7 +430,7 @@ def track_module(tracker: LiveStorage, module: torch.nn.Module) -> None:
 
 def traced_forward_backward(
     tracker: LiveStorage, model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
-    params: list[torch.nn.Parameter], mixed: bool, name: str, *, released: bool = False,
+    params: list[torch.nn.Parameter], mixed: bool, name: str, *, released: bool = False, device: str = "cpu",
 ) -> torch.Tensor:  # fmt: skip
     """One ``model(input_ids=, labels=).loss.backward()`` under ``tracker``, as a training step
     runs it: the forward under bf16 autocast when ``mixed``, the gradients counted after.
@@ -421,14 +438,18 @@ def traced_forward_backward(
 
     ``released``: also count the same pass under gradient release (``tracker.count_released``):
     a post-accumulate-grad hook on every param, where ``release_gradients`` puts its own, notes
-    what is live when it runs and frees the gradient in the second count."""
+    what is live when it runs and frees the gradient in the second count.
+
+    ``device="cuda"``: the step as a GPU runs it (:func:`cuda_forward`: attention by the fused
+    CUDA kernels, CUDA autocast's fp32 ops), on the same fake CPU tensors."""
     handles = []
     if released:
         tracker.count_released = True
         for index, p in enumerate(params):
             handles.append(p.register_post_accumulate_grad_hook(functools.partial(tracker.released_hook, index)))
     try:
-        return _forward_backward(tracker, model, input_ids, labels, params, mixed, name)
+        with cuda_forward(tracker) if device == "cuda" else contextlib.nullcontext():
+            return _forward_backward(tracker, model, input_ids, labels, params, mixed, name)
     finally:
         for handle in handles:
             handle.remove()
@@ -529,7 +550,7 @@ class ParamSteps:
     kept_other: int
 
 
-def traced_param_steps(shapes: list[tuple[tuple[int, ...], torch.dtype]], optimizer_cls: Any) -> ParamSteps:
+def traced_param_steps(shapes: list[tuple[tuple[int, ...], torch.dtype]], optimizer_cls: Any, device: str = "cpu") -> ParamSteps:
     """The step of one param, alone, for each distinct (shape, dtype) of ``shapes`` (run inside
     the fake mode and :func:`isolated_kernel_caches`; leanopt optimizers).
 
@@ -543,7 +564,9 @@ def traced_param_steps(shapes: list[tuple[tuple[int, ...], torch.dtype]], optimi
     """
     transient: dict[tuple[tuple[int, ...], torch.dtype], int] = {}
     state: dict[tuple[tuple[int, ...], torch.dtype], int] = {}
-    with LiveStorage() as tracker:
+    tracker = LiveStorage()
+    tracker.device = device
+    with tracker:
         for shape, dtype in dict.fromkeys(shapes):
             tracker.phase = "setup"
             p = torch.nn.Parameter(torch.empty(shape, dtype=dtype))
@@ -569,14 +592,242 @@ def traced_param_steps(shapes: list[tuple[tuple[int, ...], torch.dtype]], optimi
     return ParamSteps(transient, state, kept_other)
 
 
-def rounded_step_peak(shapes: list[tuple[tuple[int, ...], torch.dtype]], steps: ParamSteps) -> tuple[Peak, dict[str, int]]:
+def rounded_step_peak(
+    shapes: list[tuple[tuple[int, ...], torch.dtype]], steps: ParamSteps, device: str = "cpu"
+) -> tuple[Peak, dict[str, int]]:
     """The peak of a steady-state ``step()`` that updates ``shapes``' params one after the other
     (rounded bf16 params: ``LeanOptimizer._step_rounded``), with all gradients present, from
     :func:`traced_param_steps`; and what stays between steps other than weights."""
     nbytes = [math.prod(shape) * torch.empty((), dtype=dtype, device="meta").element_size() for shape, dtype in shapes]
+    if device == "cuda":
+        nbytes = [cuda_block_bytes(n) for n in nbytes]
     state = sum(steps.state[key] for key in shapes)
     kept = {"gradients": 0, "optimizer_state": state, "activations": 0, "other": steps.kept_other}
     peak = Peak(0, {"weights": sum(nbytes), "gradients": sum(nbytes), "optimizer_state": state, "activations": 0,
                     "other": steps.kept_other + max((steps.transient[key] for key in shapes), default=0)})  # fmt: skip
     peak.bytes = sum(peak.breakdown.values())
     return peak, kept
+
+
+# ---- CUDA: the same step as a GPU runs it --------------------------------------------------------
+# The trace stays on fake *CPU* tensors: on a CPU-only torch build, fake CUDA tensors abort the
+# process (a C++ ``terminate``, "PyTorch is not linked with support for cuda devices", from the
+# device guard) at the first op autograd records or a composite op runs in C++, and
+# ``torch.autocast("cuda")`` is disabled without a GPU. What a GPU does differently is put in:
+#
+# * the caching allocator's block sizes (:func:`cuda_block_bytes`, in ``LiveStorage``);
+# * attention: ``scaled_dot_product_attention`` runs the fused CUDA kernel torch would pick
+#   (:func:`sdpa_cuda_kernel`): its own aten op, with its meta kernel and autograd formula, so what
+#   it saves for backward (q, k, v, the output and a logsumexp; no seq x seq matrix) is traced;
+# * CUDA autocast's fp32 ops (``pow``, ``softmax``, ``layer_norm``... :data:`CUDA_AUTOCAST_FP32`),
+#   which CPU autocast leaves in bf16;
+# * the optimizers' Triton kernels (:func:`cuda_optimizer_kernels`): their launch code runs, on the
+#   fake tensors, with the launches themselves left out (they update in place and allocate
+#   nothing); torch's own optimizers take their CUDA default (foreach).
+
+CUDA_BLOCK_BYTES = 512  # the caching allocator rounds every block up to a multiple of 512 bytes
+
+
+def cuda_block_bytes(nbytes: int) -> int:
+    """What ``torch.cuda.memory_allocated`` counts for a tensor of ``nbytes``: nothing for an
+    empty one, else ``nbytes`` rounded up to 512 (``kMinBlockSize``; also the smallest block).
+
+    Not modelled: a cached large block reused whole when splitting it would leave <= 1 MiB
+    (the allocator then counts the whole block), and ``PYTORCH_CUDA_ALLOC_CONF`` settings
+    (``roundup_power2_divisions``, expandable segments)."""
+    return 0 if nbytes <= 0 else -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
+
+
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def sdpa_cuda_kernel(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None, enable_gqa: bool = False
+) -> str:
+    """``"flash"``, ``"efficient"`` or ``"math"``: the kernel torch's ``scaled_dot_product_attention``
+    picks on an sm80+ GPU (A100, H100, H200) with the default backends, tried in torch's order.
+
+    Flash: fp16/bf16, no mask, head dim <= 256 and a multiple of 8. Memory-efficient: fp32, fp16
+    or bf16, any mask, head dim a multiple of 16 bytes' worth of elements (4 in fp32, 8 in 16-bit),
+    no grouped-query heads. Otherwise the math path (the seq x seq matrix, as on the CPU)."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or not (q.dtype == k.dtype == v.dtype):
+        return "math"
+    d, dv = q.shape[-1], v.shape[-1]
+    gqa = k.shape[1] != q.shape[1]
+    if gqa and not enable_gqa:
+        return "math"
+    if q.dtype in _LOW and attn_mask is None and d == dv and d <= 256 and d % 8 == 0:
+        return "flash"
+    align = 4 if q.dtype == torch.float32 else 8
+    if q.dtype in (torch.float32, *_LOW) and not gqa and d % align == 0 and dv % align == 0:
+        return "efficient"
+    return "math"
+
+
+def _sdpa_bias(mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+    """The additive bias torch's SDPA gives the memory-efficient kernel: a boolean mask becomes
+    a new tensor of ``q``'s dtype, and a last dim that is not a multiple of 16 is padded."""
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(mask.logical_not(), float("-inf"))
+    size = mask.shape[-1]
+    if size % 16:
+        padded = torch.empty((*mask.shape[:-1], size + 16 - size % 16), dtype=mask.dtype)
+        padded[..., :size] = mask
+        mask = padded[..., :size]
+    return mask
+
+
+def cuda_sdpa(tracker: LiveStorage | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None,
+              dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+              original: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+    """``scaled_dot_product_attention`` by the aten op of the CUDA kernel :func:`sdpa_cuda_kernel`
+    picks (its meta kernel and autograd formula run on the fake tensors)."""
+    kernel = sdpa_cuda_kernel(q, k, v, attn_mask, enable_gqa)
+    if kernel == "flash":
+        out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)
+        return out[0]
+    if kernel == "efficient":
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        bias = _sdpa_bias(attn_mask, q)
+        out = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, grad, dropout_p, is_causal, scale=scale)
+        if tracker is not None:
+            for t in out[2:]:  # philox seed and offset: host tensors on a GPU
+                tracker.untrack(t)
+        return out[0]
+    fn = original or torch.nn.functional.scaled_dot_product_attention
+    kwargs = {"enable_gqa": True} if enable_gqa else {}
+    return fn(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kwargs)
+
+
+# CUDA autocast runs these in fp32 (a bf16 input is cast up; for the reductions and softmaxes the
+# output dtype is set to fp32); CPU autocast does not list them. By the name of the torch
+# function or Tensor method. The losses, in both lists, are left to CPU autocast.
+CUDA_AUTOCAST_FP32 = frozenset({
+    "pow", "__pow__", "__rpow__", "exp", "expm1", "log", "log2", "log10", "log1p", "rsqrt", "reciprocal",
+    "acos", "asin", "cosh", "sinh", "tan", "erfinv", "softplus", "layer_norm", "group_norm", "logsumexp",
+    "cosine_similarity", "dist", "renorm",
+})  # fmt: skip
+CUDA_AUTOCAST_FP32_OUTPUT = frozenset({"softmax", "log_softmax", "sum", "cumsum", "cumprod", "prod"})
+
+
+def _up(x: Any) -> Any:
+    return x.float() if isinstance(x, torch.Tensor) and x.dtype in _LOW else x
+
+
+def _autocast_fp32(fn: Callable[..., Any], set_dtype: bool) -> Callable[..., Any]:
+    """``fn`` as CUDA autocast runs it: bf16/fp16 inputs cast to fp32 (``set_dtype``: the output
+    dtype set to fp32 instead) while autocast is on (the trace's CPU autocast stands for CUDA's)."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if torch.is_autocast_enabled("cpu"):
+            if not set_dtype:
+                args, kwargs = tree_map(_up, args), tree_map(_up, kwargs)
+            elif kwargs.get("dtype") is None and args and isinstance(args[0], torch.Tensor) and args[0].dtype in _LOW:
+                kwargs = {**kwargs, "dtype": torch.float32}
+        return fn(*args, **kwargs)
+
+    return run
+
+
+@contextlib.contextmanager
+def cuda_forward(tracker: LiveStorage | None) -> Iterator[None]:
+    """The forward and backward as a GPU runs them: ``scaled_dot_product_attention`` by the fused
+    CUDA kernel (:func:`cuda_sdpa`) and CUDA autocast's fp32 ops (:data:`CUDA_AUTOCAST_FP32`),
+    patched in ``torch``, ``torch.nn.functional`` and ``torch.Tensor`` for the trace (a
+    ``TorchFunctionMode`` would not be seen by checkpointing's recomputation inside backward)."""
+    functional = torch.nn.functional
+    patched: list[tuple[Any, str, Any, bool]] = []  # (owner, name, original, owned: in its __dict__)
+
+    def patch(owner: Any, name: str, new: Any) -> None:
+        patched.append((owner, name, getattr(owner, name), name in vars(owner)))
+        setattr(owner, name, new)
+
+    sdpa = functional.scaled_dot_product_attention
+
+    def attention(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return cuda_sdpa(tracker, *args, original=sdpa, **kwargs)
+
+    try:
+        patch(functional, "scaled_dot_product_attention", attention)
+        for names, set_dtype in ((CUDA_AUTOCAST_FP32, False), (CUDA_AUTOCAST_FP32_OUTPUT, True)):
+            for name in sorted(names):
+                for owner in (torch, functional, torch.Tensor):
+                    fn = getattr(owner, name, None)
+                    if callable(fn):
+                        patch(owner, name, _autocast_fp32(fn, set_dtype))
+        yield
+    finally:
+        for owner, name, fn, owned in reversed(patched):
+            if owned or owner is not torch.Tensor:
+                setattr(owner, name, fn)
+            else:
+                delattr(owner, name)
+
+
+def _foreach_by_default(params: list[Any], differentiable: bool, use_fused: bool = False) -> tuple[bool, bool]:
+    """torch.optim's default for CUDA params (fake CPU ones here): foreach, fused only if asked."""
+    if torch.jit.is_scripting() or differentiable:
+        return False, False
+    fused = use_fused and all(p is None or torch.is_floating_point(p) for p in params)
+    return fused, not fused
+
+
+@contextlib.contextmanager
+def cuda_optimizer_kernels() -> Iterator[None]:
+    """Optimizer steps as on a GPU, on fake CPU tensors (inside :func:`isolated_kernel_caches`).
+
+    leanopt's kernels are chosen for CUDA (``kernels.resolve_backend``: Triton), and their launch
+    code runs: the chunk, address and scalar tables it makes, Adafactor's scratch, the code books
+    are traced. The Triton launches themselves do nothing here; on a GPU they update params and
+    states in place and allocate nothing. torch's optimizers default to foreach, as on CUDA."""
+    try:
+        from triton.runtime import jit as triton_jit
+
+        from leanopt.kernels import triton_adafactor, triton_elementwise
+    except Exception as err:  # noqa: BLE001 - one line, naming what failed
+        text = str(err).strip().splitlines()
+        raise ValueError(
+            "planning device='cuda' runs leanopt's Triton launch code on fake tensors and needs triton "
+            f"(pip install triton): {type(err).__name__}: {text[0] if text else ''}"
+        ) from None
+    from leanopt import kernels
+    from leanopt.kernels.multi_tensor import TableCache
+
+    resolve = kernels.resolve_backend
+
+    def on_cuda(backend: str, device: torch.device) -> str:
+        kernels.check_backend(backend)
+        if backend == "cpu":
+            raise RuntimeError("backend='cpu' got tensors on cuda")
+        return "triton" if backend in ("auto", "triton") else backend
+
+    def addresses(self: Any, name: str, tensors: Any, device: torch.device) -> torch.Tensor:
+        return torch.zeros(len(tensors), dtype=torch.int64)  # no data pointers on fake tensors
+
+    launch = triton_jit.KernelInterface.__getitem__
+    table_addresses = TableCache.addresses
+    padded = dict(triton_elementwise._PADDED)
+    defaults = {name: mod for name, mod in sys.modules.items()
+                if name.startswith("torch.optim") and hasattr(mod, "_default_to_fused_or_foreach")}  # fmt: skip
+    saved = {name: mod._default_to_fused_or_foreach for name, mod in defaults.items()}
+    triton_elementwise._PADDED.clear()
+    triton_adafactor._layout.cache_clear()
+    kernels.resolve_backend = on_cuda
+    triton_jit.KernelInterface.__getitem__ = lambda self, grid: (lambda *args, **kwargs: None)  # type: ignore[method-assign]
+    TableCache.addresses = addresses  # type: ignore[method-assign]
+    for mod in defaults.values():
+        mod._default_to_fused_or_foreach = _foreach_by_default
+    try:
+        yield
+    finally:
+        kernels.resolve_backend = resolve
+        triton_jit.KernelInterface.__getitem__ = launch  # type: ignore[method-assign]
+        TableCache.addresses = table_addresses  # type: ignore[method-assign]
+        for name, mod in defaults.items():
+            mod._default_to_fused_or_foreach = saved[name]
+        triton_elementwise._PADDED.clear()
+        triton_elementwise._PADDED.update(padded)
+        triton_adafactor._layout.cache_clear()

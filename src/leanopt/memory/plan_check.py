@@ -1,0 +1,296 @@
+"""The planner against a real GPU step: ``plan(..., device="cuda")`` within ±5 % of
+``torch.cuda.max_memory_allocated()`` (issue 12; stage ``plan_check`` of scripts/gpu_check.sh).
+
+    python3 -m leanopt.memory.plan_check [--dry-run] [--out DIR] [--tolerance PCT]
+
+On a CUDA machine, for each configuration of :data:`CONFIGS` (the rows of docs/plan.md: fp32
+AdamW, bf16-mixed AdamW8bit, fp32 Adafactor, fp32 AdamW with checkpointing) on a DistilBERT-cased
+classifier (batch 8, seq 128) and GPT-2 (124M) as a causal LM (batch 4, seq 256), one process:
+
+1. warm-up: two steps of a two-layer model of the same architecture and configuration (the
+   Triton kernels compile, cuBLAS makes its workspace: one-time set-up, left in the baseline);
+2. baseline: ``torch.cuda.memory_allocated()``;
+3. the model is built on the GPU (random weights, train mode), two steps, then
+   ``torch.cuda.reset_peak_memory_stats()``, the third step;
+4. measured = ``torch.cuda.max_memory_allocated()`` − baseline; predicted = the ``peak_bytes`` of
+   ``plan(model, batch=, seq=, device="cuda")`` for the same configuration.
+
+It prints a markdown table (predicted, measured, error), writes ``plan_check.json`` to ``--out``
+(default ``$GPU_CHECK_OUT``, else ``$OUT``, else the current folder), prints a one-line JSON
+summary last, and exits 1 if any row is outside ±``--tolerance`` % (default 5) or failed.
+
+``--dry-run`` (or ``GPU_CHECK_DRY_RUN=1``, as gpu_check.sh sets it): no GPU. The same pipeline at
+tiny sizes on the CPU: the small models of ``tests/test_plan.py`` (two layers), for
+:data:`DRY_CONFIGS`, the CPU plan against the CPU measurement of ``benchmarks/plan_vs_measured.py`` (a fresh process per model,
+resident high-water mark), held to the same tolerance; the CUDA plan of every configuration of
+:data:`CONFIGS` is computed too (the code path, not checked against anything; a failure is a
+row). No figure of a dry run is a GPU figure.
+
+The step and the models are those of ``benchmarks/plan_vs_measured.py`` (imported from the
+repository, which this check needs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import math
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[3]
+BENCHMARK = ROOT / "benchmarks" / "plan_vs_measured.py"
+TOLERANCE_PCT = 5.0
+GPU_CASES = ("distilbert", "gpt2")  # benchmarks/plan_vs_measured.py CASES: full size
+DRY_CASES = ("tiny-distilbert", "tiny-gpt2")  # its SMALL cases: two layers
+# (optimizer, precision, checkpointing)
+CONFIGS = (("adamw", "fp32", False), ("adamw8bit", "bf16-mixed", False), ("adafactor", "fp32", False), ("adamw", "fp32", True))
+# The dry run measures two of them (AdamW8bit and Adafactor compile their CPU updates, a minute
+# more on 2 cores); it still plans every configuration for CUDA, so that code runs.
+DRY_CONFIGS = (CONFIGS[0], CONFIGS[3])
+MiB = 2**20
+
+
+def benchmark() -> Any:
+    """benchmarks/plan_vs_measured.py, imported (its models, step and CPU measurement)."""
+    if not BENCHMARK.exists():
+        raise RuntimeError(f"{BENCHMARK} not found: plan_check runs from a leanopt checkout")
+    spec = importlib.util.spec_from_file_location("plan_vs_measured", BENCHMARK)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def one_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
+
+
+def predict(bench: Any, case: str, optimizer: str, precision: str, checkpointing: bool, device: str) -> int:
+    from leanopt.memory.plan import plan
+
+    _, _, _, batch, seq = bench.model_spec(case)
+    (row,) = plan(bench.build_meta(case), batch=batch, seq=seq, optimizers=[optimizer], precisions=[precision],
+                  checkpointing=[checkpointing], grad_release=[False], device=device)  # fmt: skip
+    return row.peak_bytes
+
+
+# ---- the GPU step --------------------------------------------------------------------------------
+def cuda_step(model: Any, optimizer: Any, precision: str, batch: int, seq: int) -> Callable[[], None]:
+    """One training step on the GPU, as ``plan`` plans it (the benchmark's step, with CUDA autocast)."""
+    import torch
+
+    input_ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")
+    if type(model).__name__.endswith("ForSequenceClassification"):
+        labels = torch.randint(0, model.config.num_labels, (batch,), device="cuda")
+    else:
+        labels = input_ids
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+            loss = model(input_ids=input_ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def measure_cuda(bench: Any, case: str, optimizer: str, precision: str, checkpointing: bool) -> int:
+    """The peak of the third step over the memory allocated before the model was built (bytes)."""
+    import torch
+
+    torch.manual_seed(0)
+    _, _, _, batch, seq = bench.model_spec(case)
+    with torch.device("cuda"):
+        tiny = bench.build(case, tiny=True)
+    opt = bench.prepare(tiny, optimizer, precision, checkpointing)
+    warm = cuda_step(tiny, opt, precision, batch, seq)
+    warm()
+    warm()
+    del tiny, opt, warm
+    gc.collect()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    with torch.device("cuda"):
+        model = bench.build(case)
+    opt = bench.prepare(model, optimizer, precision, checkpointing)
+    step = cuda_step(model, opt, precision, batch, seq)
+    step()
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del model, opt, step
+    gc.collect()
+    torch.cuda.empty_cache()
+    return peak
+
+
+# ---- the rows --------------------------------------------------------------------------------------
+def _row(case: str, config: tuple[str, str, bool], predicted: int | None, measured: int | None, error: str | None,
+         tolerance: float, cuda_plan: int | None = None) -> dict[str, Any]:  # fmt: skip
+    optimizer, precision, ckpt = config
+    err_pct = None
+    if predicted is not None and measured:
+        err_pct = 100.0 * (predicted - measured) / measured
+    ok = error is None and err_pct is not None and math.isfinite(err_pct) and abs(err_pct) <= tolerance
+    row = {"case": case, "optimizer": optimizer, "precision": precision, "checkpointing": ckpt,
+           "predicted_bytes": predicted, "measured_bytes": measured,
+           "error_pct": None if err_pct is None else round(err_pct, 2), "ok": ok, "error": error}  # fmt: skip
+    if cuda_plan is not None:
+        row["cuda_plan_bytes"] = cuda_plan
+    return row
+
+
+def run_gpu(bench: Any, tolerance: float) -> list[dict[str, Any]]:
+    rows = []
+    for case in GPU_CASES:
+        for config in CONFIGS:
+            predicted = measured = None
+            error = None
+            try:
+                what = "plan(device='cuda')"
+                predicted = predict(bench, case, *config, device="cuda")
+                what = "the measured GPU step"
+                measured = measure_cuda(bench, case, *config)
+            except Exception as err:  # noqa: BLE001 - recorded on the row, the next row still runs
+                error = f"{what}: {one_line(err)}"
+            rows.append(_row(case, config, predicted, measured, error, tolerance))
+            _progress(rows[-1])
+    return rows
+
+
+def run_dry(bench: Any, tolerance: float) -> list[dict[str, Any]]:
+    """CPU plan vs CPU measurement on the small models; each model measured in its own fresh
+    process (both at once, while the plans are traced here)."""
+    measured: dict[str, list[int] | str] = {}
+
+    def measure(case: str) -> None:
+        try:
+            measured[case] = bench.measure(case, list(DRY_CONFIGS))
+        except Exception as err:  # noqa: BLE001 - reported on the rows
+            measured[case] = f"the CPU measurement: {one_line(err)}"
+
+    threads = [threading.Thread(target=measure, args=(case,), daemon=True) for case in DRY_CASES]
+    for t in threads:
+        t.start()
+    plans: dict[tuple[str, tuple[str, str, bool]], tuple[int | None, int | None, str | None]] = {}
+    for case in DRY_CASES:
+        for config in CONFIGS:
+            try:
+                cuda = predict(bench, case, *config, device="cuda")
+                cpu = predict(bench, case, *config, device="cpu") if config in DRY_CONFIGS else None
+                plans[case, config] = (cpu, cuda, None)
+            except Exception as err:  # noqa: BLE001
+                plans[case, config] = (None, None, f"plan: {one_line(err)}")
+    for t in threads:
+        t.join()
+    rows = []
+    for case in DRY_CASES:
+        got = measured.get(case, "the CPU measurement: no result")
+        for k, config in enumerate(DRY_CONFIGS):
+            cpu, cuda, error = plans[case, config]
+            real = got[k] if isinstance(got, list) else None
+            if error is None and isinstance(got, str):
+                error = got
+            rows.append(_row(case, config, cpu, real, error, tolerance, cuda_plan=cuda))
+            _progress(rows[-1])
+        for config in CONFIGS:  # planned for CUDA only: a row only if that failed
+            if config not in DRY_CONFIGS and plans[case, config][2] is not None:
+                rows.append(_row(case, config, None, None, plans[case, config][2], tolerance))
+                _progress(rows[-1])
+    return rows
+
+
+def _progress(row: dict[str, Any]) -> None:
+    state = "ok" if row["ok"] else f"FAILED ({row['error']})" if row["error"] else "OUTSIDE TOLERANCE"
+    print(f"plan_check: {row['case']} {row['optimizer']} {row['precision']} ckpt={'on' if row['checkpointing'] else 'off'}: "
+          f"{state}", file=sys.stderr, flush=True)  # fmt: skip
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / MiB:,.1f}"
+
+
+def markdown(rows: list[dict[str, Any]], dry: bool, tolerance: float) -> str:
+    if dry:
+        head = ("DRY RUN (no GPU): CPU plan vs CPU measurement (resident high-water mark) on two-layer models; "
+                "no figure here is a GPU figure. The CUDA plan column is computed, not measured.")  # fmt: skip
+        cols = "| model | optimizer | precision | ckpt | predicted MiB (CPU plan) | measured MiB (CPU) | error | CUDA plan MiB |"
+        sep = "|---|---|---|---|---:|---:|---:|---:|"
+    else:
+        head = "GPU: plan(device='cuda') vs torch.cuda.max_memory_allocated() over the memory allocated before the model."
+        cols = "| model | optimizer | precision | ckpt | predicted MiB | measured MiB | error |"
+        sep = "|---|---|---|---|---:|---:|---:|"
+    lines = [head, "", cols, sep]
+    for r in rows:
+        err = f"{r['error_pct']:+.2f} %" if r["error_pct"] is not None else "-"
+        if r["error"]:
+            err = f"failed: {r['error']}"
+        elif not r["ok"]:
+            err += " ✘"
+        cells = [r["case"], r["optimizer"], r["precision"], "on" if r["checkpointing"] else "off",
+                 _mib(r["predicted_bytes"]), _mib(r["measured_bytes"]), err]  # fmt: skip
+        if dry:
+            cells.append(_mib(r.get("cuda_plan_bytes")))
+        lines.append("| " + " | ".join(cells) + " |")
+    bad = [r for r in rows if not r["ok"]]
+    lines += ["", f"{len(rows) - len(bad)} of {len(rows)} rows within ±{tolerance:g} %" + ("" if not bad else " -- FAILED")]
+    return "\n".join(lines)
+
+
+def gpu() -> str | None:
+    """The GPU's name, None without one."""
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python3 -m leanopt.memory.plan_check", description=__doc__.splitlines()[0])
+    ap.add_argument("--dry-run", action="store_true", help="no GPU: the same pipeline at tiny sizes on the CPU")
+    ap.add_argument("--out", help="folder for plan_check.json (default $GPU_CHECK_OUT, $OUT, else .)")
+    ap.add_argument("--tolerance", type=float, default=TOLERANCE_PCT, help="allowed |error| in percent (default 5)")
+    args = ap.parse_args(argv)
+    dry = args.dry_run or os.environ.get("GPU_CHECK_DRY_RUN") == "1"
+    out = Path(args.out or os.environ.get("GPU_CHECK_OUT") or os.environ.get("OUT") or ".")
+    t0 = time.time()
+    try:
+        bench = benchmark()
+        device = "cpu (dry run)" if dry else gpu()
+        if device is None:
+            raise RuntimeError("no CUDA device visible to torch (use --dry-run on a machine without a GPU)")
+        rows = run_dry(bench, args.tolerance) if dry else run_gpu(bench, args.tolerance)
+    except Exception as err:  # noqa: BLE001 - one line naming what failed
+        print(f"plan_check failed: {one_line(err)}", file=sys.stderr)
+        print(json.dumps({"ok": False, "dry_run": dry, "error": one_line(err)}))
+        return 1
+    ok = all(r["ok"] for r in rows)
+    result = {"ok": ok, "dry_run": dry, "device": device, "tolerance_pct": args.tolerance,
+              "seconds": round(time.time() - t0, 1), "rows": rows}  # fmt: skip
+    print(markdown(rows, dry, args.tolerance), flush=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "plan_check.json").write_text(json.dumps(result, indent=2) + "\n")
+    except OSError as err:
+        print(f"plan_check: could not write {out / 'plan_check.json'}: {one_line(err)}", file=sys.stderr)
+        ok = False
+    summary = {k: v for k, v in result.items() if k != "rows"}
+    summary["rows"] = [[r["case"], r["optimizer"], r["precision"], r["checkpointing"], r["error_pct"]] for r in rows]
+    print(json.dumps(summary), flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
