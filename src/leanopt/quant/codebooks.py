@@ -20,16 +20,18 @@ in a real layer; "hazard": gradients spanning 1e-6..1 in every block, then zero 
 =====================================  =================  =================  =================
 optimizer (codes m | v)                 randn*0.01         heavy              hazard
 =====================================  =================  =================  =================
-leanopt 8-bit, pow3 | pow6              5.5e-4 / 5.3e-5    4.8e-3 / 1.8e-4    1.1e-2 / 1.7e-3
-leanopt 8-bit, dynamic tree (both)      6.4e-4 / 6.7e-5    1.4e-2 / 3.6e-4    5.6e-3 / 1.3e-3
+leanopt 8-bit, pow3 | pow6              5.5e-4 / 5.3e-5    4.8e-3 / 1.8e-4    1.1e-2 / 1.4e-3
+leanopt 8-bit, dynamic tree (both)      6.4e-4 / 6.7e-5    1.4e-2 / 3.6e-4    1.6e-2 / 1.2e-3
 bitsandbytes 8-bit (dynamic tree)       8.0e-4 / 6.7e-5    1.5e-2 / 6.7e-4    1.9e-2 / 6.3e-3
 torchao 8-bit (dynamic tree)            6.8e-4 / 6.7e-5    43 / 1.9e-3        116 / 5.2
 leanopt 4-bit, pow2 | pow3              8.2e-3 / 7.2e-4    1.8e-2 / 2.4e-3    1.9e-2 / 8.4e-3
 torchao 4-bit (dynamic | linear)        1.1e-2 / 9.1e-4    1.7e-2 / 3.3e-3    2.2e-2 / 9.8e-3
 =====================================  =================  =================  =================
 
-(The dynamic tree's better hazard figure is the second-moment floor standing in for the ``v``
-it rounds to 0 -- in this scenario the floor happens to equal fp32's step.)
+(The dynamic tree's lower hazard mean is the second-moment floor standing in for the ``v`` it
+rounds to 0 -- in this scenario the floor happens to equal fp32's step. leanopt's rows are with
+the decay rounding of issue #11; before it the hazard column read 1.1e-2 / 1.7e-3 for pow3 |
+pow6 and 5.6e-3 / 1.3e-3 for the dynamic tree.)
 
 The first moment's error dominates the update's; the dynamic tree spends half its codes on
 ``[0.1, 1]`` of the block maximum and is coarse around ``0.05-0.3`` where most of a block's
@@ -42,12 +44,13 @@ the code at all).
 
 Sparse gradients (issue #11). On the ``sparse`` workload of ``benchmarks/accuracy_vs_peers.py``
 (features active on 2 % of 300 steps; 128x512, seed 0; mean distance from fp32 AdamW / elements
-further than 0.01) no other 4-bit book or block size closes AdamW4bit's gap to torchao 4-bit
-(5.04e-3 / 8,034): as shipped 6.13e-3 / 12,513; first moment on torchao's dynamic 4-bit code
+further than 0.01), measured before the decay rounding, no other 4-bit book or block size
+closed AdamW4bit's gap to torchao 4-bit (5.04e-3 / 8,034): as shipped then 6.13e-3 / 12,513; first moment on torchao's dynamic 4-bit code
 7.40e-3 / 18,673, on ``(k/7)^3`` 6.57e-3 / 14,737; second moment on torchao's linear code
 7.42e-3 / 18,414, on a log code (1e-4..1) 6.13e-3 / 12,636; blocks of 64 5.19e-3 / 7,905 (at
 1.125 B/param), of 256 6.93e-3 / 16,550. The first moment's rounding where the gradient is 0
-is what loses there (docs/quantized.md).
+was what lost there; with the decay rounding (``leanopt.quant.formats``) AdamW4bit is ahead of
+torchao 4-bit on that workload (docs/quantized.md).
 
 Code books are built once per (name, device) and shared by every state: a state stores codes
 and block scales only (:func:`codebook`).
