@@ -121,20 +121,21 @@ def build(case: str, *, tiny: bool = False) -> Any:
     return getattr(transformers, model_class)(config)
 
 
-def step_fn(model: Any, optimizer: Any, precision: str, batch: int, seq: int) -> Any:
-    """One training step, as ``plan`` plans it. Under ``leanopt.release_gradients`` the optimizer
-    steps inside ``backward`` and ``step()``/``zero_grad()`` are no-ops: the same loop runs."""
+def step_fn(model: Any, optimizer: Any, precision: str, batch: int, seq: int, device: str = "cpu") -> Any:
+    """One training step, as ``plan`` plans it, on ``device`` (``"cpu"``, or ``"cuda"`` for
+    ``leanopt.memory.plan_check``). Under ``leanopt.release_gradients`` the optimizer steps
+    inside ``backward`` and ``step()``/``zero_grad()`` are no-ops: the same loop runs."""
     import torch
 
     vocab = model.config.vocab_size
-    input_ids = torch.randint(0, vocab, (batch, seq))
+    input_ids = torch.randint(0, vocab, (batch, seq), device=device)
     if type(model).__name__.endswith("ForSequenceClassification"):
-        labels = torch.randint(0, model.config.num_labels, (batch,))
+        labels = torch.randint(0, model.config.num_labels, (batch,), device=device)
     else:
         labels = input_ids
 
     def step() -> None:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
             loss = model(input_ids=input_ids, labels=labels).loss
         loss.backward()
         optimizer.step()

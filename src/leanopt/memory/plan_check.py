@@ -41,7 +41,6 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,26 +83,6 @@ def predict(bench: Any, case: str, optimizer: str, precision: str, checkpointing
 
 
 # ---- the GPU step --------------------------------------------------------------------------------
-def cuda_step(model: Any, optimizer: Any, precision: str, batch: int, seq: int) -> Callable[[], None]:
-    """One training step on the GPU, as ``plan`` plans it (the benchmark's step, with CUDA autocast)."""
-    import torch
-
-    input_ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")
-    if type(model).__name__.endswith("ForSequenceClassification"):
-        labels = torch.randint(0, model.config.num_labels, (batch,), device="cuda")
-    else:
-        labels = input_ids
-
-    def step() -> None:
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
-            loss = model(input_ids=input_ids, labels=labels).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return step
-
-
 def measure_cuda(bench: Any, case: str, optimizer: str, precision: str, checkpointing: bool) -> int:
     """The peak of the third step over the memory allocated before the model was built (bytes)."""
     import torch
@@ -113,7 +92,7 @@ def measure_cuda(bench: Any, case: str, optimizer: str, precision: str, checkpoi
     with torch.device("cuda"):
         tiny = bench.build(case, tiny=True)
     opt = bench.prepare(tiny, optimizer, precision, checkpointing)
-    warm = cuda_step(tiny, opt, precision, batch, seq)
+    warm = bench.step_fn(tiny, opt, precision, batch, seq, device="cuda")
     warm()
     warm()
     del tiny, opt, warm
@@ -123,7 +102,7 @@ def measure_cuda(bench: Any, case: str, optimizer: str, precision: str, checkpoi
     with torch.device("cuda"):
         model = bench.build(case)
     opt = bench.prepare(model, optimizer, precision, checkpointing)
-    step = cuda_step(model, opt, precision, batch, seq)
+    step = bench.step_fn(model, opt, precision, batch, seq, device="cuda")
     step()
     step()
     torch.cuda.synchronize()
