@@ -129,6 +129,7 @@ def decay_rounded(
     up = (u < frac) & ~((vb * DECAY_PROGRESS > prev_y) & (vb > va * DECAY_GROWTH_RATIO))
     return torch.where(mask & ~progress, torch.where(up, b, a), idx)
 
+
 # Largest block (elements per fp32 scale). The optimizers use 128 and 256; past a few thousand a
 # block's scale is set by its outliers and the codes lose their resolution, so nothing useful
 # is lost, and a checkpoint cannot ask for 2**27-element blocks.
