@@ -71,17 +71,38 @@ def _kwargs(case) -> dict:
 KWARGS = {case.name: _kwargs(case) for case in OPTIMIZERS}
 
 
+class StepGate(torch.nn.Module):
+    """Zeroes its input's units [0, 64) while ``closed`` (every third step, set by ``train``):
+    the next Linear's weight columns for them get exactly-zero gradients, so a low-bit
+    optimizer's momentum there only decays and takes the decay rounding, whose dither is keyed
+    on global indices: a shard must pass its offset to store the one-process codes (issue #11)."""
+
+    closed = False
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.cat([h[:, :64] * 0.0, h[:, 64:]], dim=1) if self.closed else h
+
+
+def set_gates(model: torch.nn.Module, step: int) -> None:
+    for m in model.modules():
+        if isinstance(m, StepGate):
+            m.closed = step % 3 == 2
+
+
 def make_model(seed: int = 0) -> torch.nn.Sequential:
     """Shapes that exercise sharding: a square matrix (Adafactor's row and column statistics
     share a shape); 33 and 3 rows (shards of unequal size on 2 ranks); a 1-row head (one rank's
     shard is empty: Adafactor updates it whole); two 4096+-element matrices (quantized by the
-    low-bit optimizers), one of which (33 x 128) has a 256-block straddling its two shards."""
+    low-bit optimizers), one of which (33 x 128) has a 256-block straddling its two shards;
+    both get exactly-zero gradient columns every third step (:class:`StepGate`)."""
     torch.manual_seed(seed)
     return torch.nn.Sequential(
         torch.nn.Linear(16, 128),
         torch.nn.Tanh(),
+        StepGate(),
         torch.nn.Linear(128, 128),
         torch.nn.Tanh(),
+        StepGate(),
         torch.nn.Linear(128, 33),
         torch.nn.Tanh(),
         torch.nn.Linear(33, 3),
@@ -109,6 +130,7 @@ def train(model, opt, steps: range, rank: int, world: int) -> list[float]:
     for step in steps:
         x, y = rank_batch(step, rank, world)
         opt.zero_grad()
+        set_gates(model, step)
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
         opt.step()
@@ -191,6 +213,7 @@ def reference_run(name: str, micro_batches: int) -> tuple:
     losses = []
     for step in range(STEPS):
         opt.zero_grad()
+        set_gates(model, step)
         total = torch.zeros(())
         for r in range(micro_batches):
             x, y = rank_batch(step, r, micro_batches)
