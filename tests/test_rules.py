@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import leanopt
-from leanopt.kernels import rules
+from leanopt.kernels import cpu_native, rules
 from leanopt.optim.elementwise import ElementwiseOptimizer
 from leanopt.quant import QuantizedState
 from registry import OPTIMIZERS, OptimizerCase
@@ -101,6 +101,20 @@ def _run(case: OptimizerCase, backend: str, dtype: torch.dtype, seed: int, kwarg
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype,kwargs", VARIANTS, ids=lambda v: str(v))
 def test_backend_matches_reference(case: OptimizerCase, backend: str, dtype: torch.dtype, kwargs: dict) -> None:
+    # "cpu" runs fp32 params with quantized states in the native C++ kernel where it builds.
+    _matches_reference(case, backend, dtype, kwargs)
+
+
+@pytest.mark.parametrize("case", [c for c in ELEMENTWISE if hasattr(c.cls, "state_bits")], ids=str)
+@pytest.mark.parametrize("dtype,kwargs", [v for v in VARIANTS if v[0] == torch.float32], ids=lambda v: str(v))
+def test_compiled_cpu_path_matches_reference(case: OptimizerCase, dtype: torch.dtype, kwargs: dict) -> None:
+    # The compiled graph, where the native kernel does not run (or does not build), for the
+    # cases the native kernel takes when it does.
+    with cpu_native.disabled():
+        _matches_reference(case, "cpu", dtype, kwargs)
+
+
+def _matches_reference(case: OptimizerCase, backend: str, dtype: torch.dtype, kwargs: dict) -> None:
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     quantized = hasattr(case.cls, "state_bits")
     # Quantized: the last step only, so that one flipped code is not followed by divergence.

@@ -433,7 +433,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 f"{'on' if best.checkpointing else 'off'}, gradient release {'on' if best.grad_release else 'off'} "
                 f"({_mib(best.peak_bytes)} MB)")  # fmt: skip
     console.print(line, highlight=False)
-    console.print("MB = MiB. Second step's peak (state exists), CPU kernels; not planned yet: CUDA (docs/plan.md); "
+    console.print("MB = MiB. Second step's peak (state exists), CPU kernels (CUDA: Python's plan(device=\"cuda\"), docs/plan.md); "
                   "--gpus N: rank 0's peak under FSDP2 (fp32 and bf16-mixed, no release). bf16 = pure bf16 with the "
                   "optimizer's rounding; release: leanopt.release_gradients (no grad clipping or accumulation).",
                   style="dim", highlight=False)  # fmt: skip

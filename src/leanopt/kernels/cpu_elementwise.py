@@ -4,8 +4,10 @@
   own fused CPU kernel (``aten::_fused_adamw_``), one vectorised pass over a group's tensors.
 * Any other dense case: the rule's elementwise function, compiled once per (rule, flags,
   dtypes) by Inductor with dynamic shapes (no per-shape recompiles).
-* Block-quantized states: dequantize -> rule -> requantize, compiled as one fused loop over
-  whole blocks, for any rule and any number of states. Encoding replaces the code book's
+* Block-quantized states: fp32 params and gradients of the three rules go to the hand-written
+  C++ kernel (:mod:`leanopt.kernels.cpu_native`, one pass per block) when it builds here; any
+  other case: dequantize -> rule -> requantize, compiled as one fused loop over whole blocks,
+  for any rule and any number of states. Encoding replaces the code book's
   binary search with one gather from a 2^16-entry lookup table (:func:`encode_tables`).
 
 Scalars of the schedule reach the compiled graphs as 0-dim fp64 tensors, so a new step or lr
@@ -115,17 +117,26 @@ def encode_tables(book, device: torch.device) -> Tensor | None:
     key = (book.name, device)
     if key not in _ENCODE_TABLES:
         thresholds = book.thresholds.to(device="cpu", dtype=torch.float32)
-        bits = torch.arange(1 << 16, dtype=torch.int64) << 16
-        lo = bits.to(torch.int32).view(torch.float32)
-        hi = (bits | 0xFFFF).to(torch.int32).view(torch.float32)
-        low, high = torch.minimum(lo, hi), torch.maximum(lo, hi)
-        below = torch.searchsorted(thresholds, low)
-        inside = torch.searchsorted(thresholds, high, right=True) - below
-        usable = bool(((inside <= 1) | ~(torch.isfinite(low) & torch.isfinite(high))).all())
+        below, _, usable = midpoints_below_buckets(thresholds)
         padded = torch.cat([thresholds, torch.tensor([float("inf")])])
         packed = (padded[below].view(torch.int32).to(torch.int64) << 32) | below
         _ENCODE_TABLES[key] = packed.to(device) if usable else None
     return _ENCODE_TABLES[key]
+
+
+def midpoints_below_buckets(thresholds: Tensor) -> tuple[Tensor, Tensor, bool]:
+    """For each of the 2^16 buckets named by the top 16 bits of an fp32: the number of the
+    (sorted, fp32, CPU) ``thresholds`` below the bucket (int64), whether the bucket holds finite
+    values only, and whether no finite bucket holds more than one threshold (then the bucket
+    and one comparison give ``torch.searchsorted``'s answer)."""
+    bits = torch.arange(1 << 16, dtype=torch.int64) << 16
+    lo = bits.to(torch.int32).view(torch.float32)
+    hi = (bits | 0xFFFF).to(torch.int32).view(torch.float32)
+    low, high = torch.minimum(lo, hi), torch.maximum(lo, hi)
+    below = torch.searchsorted(thresholds, low)
+    inside = torch.searchsorted(thresholds, high, right=True) - below
+    finite = torch.isfinite(low) & torch.isfinite(high)
+    return below, finite, bool(((inside <= 1) | ~finite).all())
 
 
 def _nearest_code(y: Tensor, table: Tensor) -> Tensor:
@@ -215,10 +226,19 @@ def quantized(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mappi
     """``rule`` in safe mode over CPU params whose states are all :class:`QuantizedState` of
     one bit width and block size (``kernels.select`` checked that); ``offsets[i]``: the flat
     index of param ``i``'s element 0 in its whole tensor (default 0)."""
+    from leanopt.kernels import cpu_native
+
+    offsets = [0] * len(params) if offsets is None else offsets
+    native = [i for i, p in enumerate(params) if p.numel() and cpu_native.takes(rule, p, grads[i], states[i], hp)]
+    if native:
+        pick = lambda seq: [seq[i] for i in native]  # noqa: E731
+        cpu_native.quantized(rule, pick(params), pick(grads), pick(states), pick(steps), hp, pick(offsets))
     flags = rule.flags(hp)
     kinds = tuple(kind.decays for kind in rule.states(hp))
-    offsets = [0] * len(params) if offsets is None else offsets
+    done = set(native)
     for i, p in enumerate(params):
+        if i in done:
+            continue
         n = p.numel()
         if n == 0:
             continue

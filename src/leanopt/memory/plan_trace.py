@@ -20,6 +20,9 @@ What a fake tensor cannot do, or does not show, is answered here:
   stubbed with a function that changes nothing and allocates, for a moment, what the compiled
   kernel allocates: for block-quantized states, :data:`QUANTIZED_TEMP_BYTES` bytes per element
   of the param; for dense states nothing (measured: 0.00 B per element, fp32 and bf16 params).
+  Block-quantized states of fp32 params go to the native C++ kernel where it builds
+  (:mod:`leanopt.kernels.cpu_native`, as a real step does): in place, a block-sized buffer per
+  thread, so nothing of the param's size is counted.
 * A CPU norm with an output dtype wider than its input converts the input first, a copy fake
   tensors do not make: it is counted for a moment (:func:`_norm_upcast_bytes`).
 
@@ -307,12 +310,14 @@ def isolated_kernel_caches() -> Iterator[None]:
     """Empty leanopt's kernel caches for the trace (fake entries get made and counted), restore after;
     stub the compiled CPU kernels (fused, in place: no memory of their own)."""
     from leanopt import kernels
-    from leanopt.kernels import cpu, cpu_adafactor, cpu_elementwise
+    from leanopt.kernels import cpu, cpu_adafactor, cpu_elementwise, cpu_native
     from leanopt.quant import codebooks
 
     saved_dicts = []
+    # cpu_native._TABLES too: tables made under FakeTensorMode are fake, and must not outlive the
+    # trace (the native kernel itself runs nothing on fake tensors: in place, nothing allocated).
     for owner, name in ((codebooks, "_CACHE"), (cpu_elementwise, "_ENCODE_TABLES"), (cpu_elementwise, "_QUANTIZED"),
-                        (cpu_elementwise, "_DENSE")):  # fmt: skip
+                        (cpu_elementwise, "_DENSE"), (cpu_native, "_TABLES")):  # fmt: skip
         d = getattr(owner, name, None)
         if isinstance(d, dict):
             saved_dicts.append((d, dict(d)))
