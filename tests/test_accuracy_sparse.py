@@ -8,21 +8,15 @@ table's 256x1024 (measured, seed 0: leanopt 4-bit mean 6.13e-3 and 12,513 elemen
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import leanopt
+import repo_modules
 
-_spec = importlib.util.spec_from_file_location(
-    "accuracy_vs_peers", Path(__file__).resolve().parents[1] / "benchmarks" / "accuracy_vs_peers.py"
-)
-bench = sys.modules.setdefault("accuracy_vs_peers", importlib.util.module_from_spec(_spec))
-_spec.loader.exec_module(bench)  # type: ignore[union-attr]
+bench = repo_modules.benchmark("accuracy_vs_peers")
 
 LOW_BIT = [leanopt.AdamW8bit, leanopt.AdamW4bit]
 low_bit = pytest.mark.parametrize("cls", LOW_BIT, ids=["8bit", "4bit"])

@@ -17,17 +17,23 @@ from registry import OPTIMIZERS
 CASES = {case.name: case for case in OPTIMIZERS}
 
 
-def saved_adamw(tmp_path):
+def _trained_and_saved(tmp_path, make, steps: int):
+    """A small model (8192-element first weight: quantized by the low-bit optimizers), ``steps``
+    steps of ``make(params)``, its state saved to tmp_path/optimizer.pt."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 4))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for _ in range(3):
+    opt = make(model.parameters())
+    for _ in range(steps):
         opt.zero_grad()
         model(torch.randn(16, 64)).square().mean().backward()
         opt.step()
     path = tmp_path / "optimizer.pt"
     torch.save(opt.state_dict(), path)
     return model, path
+
+
+def saved_adamw(tmp_path):
+    return _trained_and_saved(tmp_path, lambda ps: torch.optim.AdamW(ps, lr=1e-3), 3)
 
 
 def test_convert_to_8bit_shrinks_and_loads(tmp_path, capsys) -> None:
@@ -66,17 +72,8 @@ def test_convert_refuses_to_overwrite_and_bad_input(tmp_path, capsys) -> None:
 
 def saved(tmp_path, name: str):
     """A small model and ``name``'s state after 2 steps, saved to tmp_path/optimizer.pt."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 4))  # 8192 elements: quantized
     case = CASES[name]
-    opt = case.cls(model.parameters(), **{**case.kwargs, "backend": "reference"})
-    for _ in range(2):
-        opt.zero_grad()
-        model(torch.randn(16, 64)).square().mean().backward()
-        opt.step()
-    path = tmp_path / "optimizer.pt"
-    torch.save(opt.state_dict(), path)
-    return model, path
+    return _trained_and_saved(tmp_path, lambda ps: case.cls(ps, **{**case.kwargs, "backend": "reference"}), 2)
 
 
 def test_to_takes_every_registered_name() -> None:

@@ -9,10 +9,8 @@ reference). Skipped where the extension cannot be built."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import zlib
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +18,7 @@ import torch
 from leanopt.kernels import cpu_native, reference
 from leanopt.kernels.rules import ADAMW, ADEMAMIX, LION
 from leanopt.quant import BlockFormat
+import repo_modules
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -30,12 +29,7 @@ def _needs_extension() -> None:
 
 # The code books per (rule, bits): the benchmark's, which are the optimizers' (AdamW8bit's
 # pow3-s8 | pow6-u8, ...), plus a 4-bit AdEMAMix the kernel also takes.
-_spec = importlib.util.spec_from_file_location(
-    "cpu_native_speed", Path(__file__).resolve().parents[1] / "benchmarks" / "cpu_native_speed.py"
-)
-_bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_bench)
-_CODES = _bench.CODES
+_CODES = repo_modules.benchmark("cpu_native_speed").CODES
 _RULES = {"adamw": ADAMW, "lion": LION, "ademamix": ADEMAMIX}
 
 

@@ -7,11 +7,8 @@ which prints the same comparison as a table.
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,12 +18,9 @@ from leanopt.kernels import rules
 from leanopt.optim.adamw_lowbit import LowBitAdamW
 from leanopt.quant import BlockFormat, QuantizedState, codebook, format_by_name
 from leanopt.quant.codebooks import code_names, dynamic_tree_values
+import repo_modules
 
-_spec = importlib.util.spec_from_file_location(
-    "accuracy_vs_peers", Path(__file__).resolve().parents[1] / "benchmarks" / "accuracy_vs_peers.py"
-)
-bench = sys.modules.setdefault("accuracy_vs_peers", importlib.util.module_from_spec(_spec))
-_spec.loader.exec_module(bench)  # type: ignore[union-attr]
+bench = repo_modules.benchmark("accuracy_vs_peers")
 
 LOW_BIT = [leanopt.AdamW8bit, leanopt.AdamW4bit]
 low_bit = pytest.mark.parametrize("cls", LOW_BIT, ids=["8bit", "4bit"])
@@ -401,27 +395,8 @@ def test_non_finite_gradient_element_is_skipped_and_isolated(cls: type, bad: flo
 
 # ---- a short real training run -------------------------------------------------------------------
 def _digits_held_out_loss(make, steps: int = 300, seed: int = 0) -> float:
-    from sklearn.datasets import load_digits
-
-    x, y = load_digits(return_X_y=True)
-    x = torch.tensor(x, dtype=torch.float32) / 16
-    y = torch.tensor(y)
-    x_train, y_train, x_test, y_test = x[:1400], y[:1400], x[1400:], y[1400:]
-    torch.manual_seed(seed)
-    # 64*128 and 128*128 weights are quantized; the 1280-element head and biases keep fp32.
-    model = torch.nn.Sequential(
-        torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)
-    )
-    opt = make(model.parameters())
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        idx = torch.randint(0, len(x_train), (64,), generator=g)
-        loss = torch.nn.functional.cross_entropy(model(x_train[idx]), y_train[idx])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    with torch.no_grad():
-        return torch.nn.functional.cross_entropy(model(x_test), y_test).item()
+    # benchmarks/accuracy_vs_peers.py's run (the MLP and data of its training table).
+    return bench.digits_run(make, seed, steps)[0]
 
 
 def test_training_run_on_digits_matches_fp32_adamw() -> None:
@@ -431,9 +406,8 @@ def test_training_run_on_digits_matches_fp32_adamw() -> None:
     q8 = _digits_held_out_loss(lambda ps: leanopt.AdamW8bit(ps, lr=1e-3, backend="reference"))
     q4 = _digits_held_out_loss(lambda ps: leanopt.AdamW4bit(ps, lr=1e-3, backend="reference"))
     assert abs(q8 / fp32 - 1) <= 0.01, (fp32, q8)
-    # 4-bit: no worse than 3%. Measured over seeds 0-2 at 300 steps it ends 3.7-5.6% *lower*
-    # than fp32 (coarse codes change the dynamics: momentum of elements whose gradient is
-    # exactly 0 for a batch drops a whole level), so a two-sided 3% would not hold.
+    # 4-bit: no worse than 3%. It ends lower than fp32 (seeds 0-4: 1.1-6.0 % with the decay
+    # rounding of issue #11, docs/quantized.md), so a two-sided 3% would not hold.
     assert q4 / fp32 - 1 <= 0.03, (fp32, q4)
 
 

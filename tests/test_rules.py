@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,10 +28,9 @@ from leanopt.kernels import cpu_native, rules
 from leanopt.optim.elementwise import ElementwiseOptimizer
 from leanopt.quant import QuantizedState
 from registry import OPTIMIZERS, OptimizerCase
+import repo_modules
 
-_spec = importlib.util.spec_from_file_location("lowbit_vs_bnb", Path(__file__).resolve().parents[1] / "benchmarks" / "lowbit_vs_bnb.py")
-drift = sys.modules.setdefault("lowbit_vs_bnb", importlib.util.module_from_spec(_spec))
-_spec.loader.exec_module(drift)  # type: ignore[union-attr]
+drift = repo_modules.benchmark("lowbit_vs_bnb")
 
 ELEMENTWISE = [c for c in OPTIMIZERS if issubclass(c.cls, ElementwiseOptimizer)]
 BACKENDS = ["cpu"] + (["triton"] if importlib.util.find_spec("triton") else [])
