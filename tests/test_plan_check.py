@@ -133,6 +133,28 @@ def test_cuda_rows_and_their_differences_from_the_cpu():
     assert plan(tiny_gpt2(), device=torch.device("cuda", 1), **kw)[0].peak_bytes == cuda[0].peak_bytes
 
 
+def test_cli_plans_the_gpu_with_device_cuda(tmp_path, capsys):
+    from leanopt import cli
+
+    transformers.GPT2Config(**TINY_GPT2).to_json_file(tmp_path / "config.json")
+    base = ["plan", str(tmp_path), "--batch", "4", "--seq", "32", "--optimizers", "adamw,adamw8bit", "--precisions", "fp32",
+            "--grad-release", "off", "--json"]  # fmt: skip
+    rows = {}
+    for device in ("cpu", "cuda"):
+        assert cli.main([*base, "--device", device]) == 0
+        rows[device] = json.loads(capsys.readouterr().out)
+        python = plan(str(tmp_path), batch=4, seq=32, optimizers=["adamw", "adamw8bit"], precisions=["fp32"],
+                      grad_release=[False], device=device)  # fmt: skip
+        assert [r["peak_bytes"] for r in rows[device]] == [r.peak_bytes for r in python]
+    # the flag reaches the planner: fp32 without checkpointing saves no attention matrices on the GPU
+    assert rows["cuda"][0]["breakdown"]["activations"] < rows["cpu"][0]["breakdown"]["activations"]
+    assert cli.main([*base[:-1], "--device", "cuda"]) == 0
+    assert "torch.cuda.max_memory_allocated" in capsys.readouterr().out
+    assert cli.main([*base, "--device", "tpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--device" in err[0]
+
+
 # ---- the check itself -------------------------------------------------------------------------
 def test_the_check_pipeline_table_and_json(tmp_path, monkeypatch, capsys):
     """The dry run's pipeline in this process, the CPU measurement stood in for (1 % above the

@@ -108,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
                     f"known: {', '.join(ROUNDINGS)}")  # fmt: skip
     pl.add_argument("--grad-release", choices=("off", "on", "both"), default="both",
                     help="rows with leanopt.release_gradients (optimizer step inside backward; leanopt's optimizers, one process)")  # fmt: skip
+    pl.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="whose memory: cpu (the process's resident bytes) or cuda (torch.cuda.max_memory_allocated "
+                    "on one GPU: the caching allocator's blocks, fused attention, CUDA autocast, the Triton kernels; "
+                    "planned on the CPU, no GPU needed)")  # fmt: skip
     pl.add_argument("--json", action="store_true", help="print the rows as JSON")
     pl.set_defaults(run=cmd_plan)
 
@@ -399,6 +403,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         precisions=_split(args.precisions, "precisions"),
         roundings=_split(args.roundings, "roundings"),
         grad_release={"off": [False], "on": [True], "both": [False, True]}[args.grad_release],
+        device=args.device,
     )
     if args.json:
         print(_json([r.as_dict() for r in rows]))
@@ -408,8 +413,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     console = Console()
     console = console if console.is_terminal else Console(width=140)
-    console.print(f"[bold]{args.model}[/bold]: one training step at batch {args.batch}, seq {args.seq}, peak per setup "
-                  "(MB = MiB)", highlight=False)  # fmt: skip
+    whose = "one GPU's torch.cuda.max_memory_allocated" if args.device == "cuda" else "the process's resident memory"
+    console.print(f"[bold]{args.model}[/bold]: one training step at batch {args.batch}, seq {args.seq}, peak of {whose} "
+                  "per setup (MB = MiB)", highlight=False)  # fmt: skip
     table = Table(show_edge=False, header_style="bold")
     left = ("optimizer", "precision", "ckpt", "release")
     for title in (*left, "peak MB", *(k.replace("_", " ") for k in KINDS)):
@@ -433,7 +439,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 f"{'on' if best.checkpointing else 'off'}, gradient release {'on' if best.grad_release else 'off'} "
                 f"({_mib(best.peak_bytes)} MB)")  # fmt: skip
     console.print(line, highlight=False)
-    console.print("MB = MiB. Second step's peak (state exists), CPU kernels (CUDA: Python's plan(device=\"cuda\"), docs/plan.md); "
+    kernels = "CUDA kernels (--device cuda)" if args.device == "cuda" else "CPU kernels (GPU memory: --device cuda)"
+    console.print(f"MB = MiB. Second step's peak (state exists), {kernels}, docs/plan.md; "
                   "--gpus N: rank 0's peak under FSDP2 (fp32 and bf16-mixed, no release). bf16 = pure bf16 with the "
                   "optimizer's rounding; release: leanopt.release_gradients (no grad clipping or accumulation).",
                   style="dim", highlight=False)  # fmt: skip
