@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install leanopt (editable) into the current Python, with transformers (the model presets of
 # `leanopt estimate` build models from their configs), accelerate (transformers' Trainer needs
-# it) and matplotlib (`leanopt compare` draws its plots): everything the README's examples use.
+# it), matplotlib (`leanopt compare` draws its plots) and ninja (the native CPU kernel is built
+# with it on first use): everything the README's examples use.
 # With --test, also the test extras.
 #
 # torch: if none is installed and a CPU wheel of torch lies on this machine's disk (some
@@ -11,7 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-extras="[transformers]"
+extras="[transformers,native]"
 if [[ "${1:-}" == "--test" ]]; then extras="[test]"; fi
 
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
