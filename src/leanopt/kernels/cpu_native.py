@@ -175,20 +175,38 @@ inline void nearest(const float* __restrict x, float scale, const Book& bk, int3
   }
 }
 
-// leanopt.quant.formats.decay_rounded on one element.
-inline int32_t decay_round(int32_t idx, float y, float prev_y, float u, const Book& bk, const Consts& k) {
-  const float* values = bk.values;
+// leanopt.quant.formats.decay_rounded on one element, without branches (the block's loop over
+// it vectorises: every lane computes, the selects keep the reference's choice bit for bit).
+inline int32_t decay_round(int32_t idx, float y, float prev_y, float u, const float* __restrict values, int32_t zero,
+                           int32_t last, float progress, float growth) {
   float near = std::fabs(values[idx]);
-  if (near < prev_y * k.progress) return idx;
-  bool over = (near > std::fabs(y)) && (idx != bk.zero);
-  int32_t a = over ? idx - ((idx > bk.zero) - (idx < bk.zero)) : idx;
+  bool keep = near < prev_y * progress;
+  bool over = (near > std::fabs(y)) & (idx != zero);
+  int32_t toward = (idx > zero) - (idx < zero);
+  int32_t a = over ? idx - toward : idx;
   int32_t b = a + (y < 0.0f ? -1 : 1);
-  b = b < 0 ? 0 : (b > bk.last ? bk.last : b);
+  b = b < 0 ? 0 : (b > last ? last : b);
   float va = std::fabs(values[a]), vb = std::fabs(values[b]);
   float gap = vb - va;
-  float frac = gap > 0.0f ? (std::fabs(y) - va) / gap : 0.0f;
-  bool up = (u < frac) && !((vb * k.progress > prev_y) && (vb > va * k.growth));
-  return up ? b : a;
+  float frac = gap > 0.0f ? (std::fabs(y) - va) / (gap > 0.0f ? gap : 1.0f) : 0.0f;
+  bool up = (u < frac) & !((vb * progress > prev_y) & (vb > va * growth));
+  int32_t r = up ? b : a;
+  return keep ? idx : r;
+}
+
+// The decay rounding over one block, where the gradient is exactly 0.
+inline void decay_block(int32_t* __restrict idx, const float* __restrict y, const float* __restrict old,
+                        const float* __restrict gbuf, float safe, int64_t base, const Book& bk, const Consts& k, int bs) {
+  const float* __restrict values = bk.values;
+  const int32_t zero = bk.zero, last = bk.last;
+  const float progress = k.progress, growth = k.growth;
+  const uint32_t step_term = k.step_term;
+#pragma omp simd
+  for (int i = 0; i < bs; ++i) {
+    float prev_y = std::fabs(old[i]) / safe;
+    int32_t r = decay_round(idx[i], y[i], prev_y, dither(base + i, step_term), values, zero, last, progress, growth);
+    idx[i] = gbuf[i] == 0.0f ? r : idx[i];
+  }
 }
 
 template <int BITS>
@@ -277,15 +295,7 @@ void run(float* p, const float* g, Book* books, int64_t nblocks, int bs, bool ma
         float scale = bitsf(mx[s]);
         float safe = scale > 0.0f ? scale : 1.0f;
         nearest(nw[s], safe, bk, idx, y, bs);
-        if (bk.decays && zeros) {
-          int64_t base = k.offset + blk * bs;
-          for (int i = 0; i < bs; ++i) {
-            if (gbuf[i] == 0.0f) {
-              float prev_y = std::fabs(old[s][i]) / safe;
-              idx[i] = decay_round(idx[i], y[i], prev_y, dither(base + i, k.step_term), bk, k);
-            }
-          }
-        }
+        if (bk.decays && zeros) decay_block(idx, y, old[s], gbuf, safe, k.offset + blk * bs, bk, k, bs);
         pack<BITS>(idx, bk.codes + blk * cb, bs);
         bk.absmax[blk] = scale;
       }
