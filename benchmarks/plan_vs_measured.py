@@ -270,35 +270,43 @@ def dist_worker(case: str, configs: list[str]) -> None:
     os._exit(0)
 
 
-def measure_dist(case: str, configs: list[tuple[str, str, bool]], gpus: int, timeout: float = 1800) -> list[list[int]]:
-    """Each rank's measured peak of ``configs`` on ``case`` under FSDP2 over ``gpus`` gloo ranks (one launch)."""
+def torchrun(script: str, args: list[str], nproc: int, env: dict[str, str], timeout: float, what: str) -> str:
+    """The stdout of ``torchrun --nproc_per_node nproc script *args`` on a free local port.
+
+    The launch has its own session, so that a timeout ends torchrun's workers too. One retry,
+    on a fresh port, when a rank was aborted or crashed by a signal (gloo's rare abort is the
+    launcher's failure, not the run's); a deterministic failure fails twice. A timeout or a
+    failure is a RuntimeError naming ``what``, with the stderr tails."""
     import signal
     import socket
 
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    # One retry when a rank was aborted or crashed by a signal (gloo's rare abort is the launcher's
-    # failure, not the measurement's); a deterministic failure fails twice, reported with both tails.
     failures: list[str] = []
     for _ in range(2):
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(gpus), "--master_addr", "127.0.0.1",
-               "--master_port", str(port), __file__, "--dist-worker", case, *map(_encode, configs)]  # fmt: skip
-        # Its own session, so that a timeout ends torchrun's workers too.
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
+               "--master_port", str(port), script, *args]  # fmt: skip
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             stdout, stderr = proc.communicate()
-            raise RuntimeError(f"torchrun {case} {configs} timed out after {timeout} s:\n{stderr[-2000:]}") from None
+            raise RuntimeError(f"torchrun {what} timed out after {timeout} s:\n{stderr[-2000:]}") from None
         if proc.returncode == 0:
-            return json.loads(stdout.strip().splitlines()[-1])
-        failures.append(stderr[-3000:])
+            return stdout
+        failures.append(f"exit {proc.returncode}:\n{stderr[-3000:]}")
         if not re.search(r"Signal (6|11) \(", stderr):  # a Python error in a rank: no retry
             break
-    raise RuntimeError(f"torchrun {case} {configs} failed:\n" + "\n--- the retry ---\n".join(failures))
+    raise RuntimeError(f"torchrun {what} failed:\n" + "\n--- the retry ---\n".join(failures))
+
+
+def measure_dist(case: str, configs: list[tuple[str, str, bool]], gpus: int, timeout: float = 1800) -> list[list[int]]:
+    """Each rank's measured peak of ``configs`` on ``case`` under FSDP2 over ``gpus`` gloo ranks (one launch)."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    stdout = torchrun(__file__, ["--dist-worker", case, *map(_encode, configs)], gpus, env, timeout, f"{case} {configs}")
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 def measure(case: str, configs: list[tuple[str, str, bool]]) -> list[int]:

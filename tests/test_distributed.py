@@ -13,13 +13,11 @@ import json
 import os
 import pathlib
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import warnings
 
 import pytest
+import repo_modules
 import torch
 
 import leanopt
@@ -49,33 +47,17 @@ NAMES = list(parity.KWARGS)  # every optimizer of tests/registry.py
 names = pytest.mark.parametrize("name", NAMES)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed is not available in this build")
     out = tmp_path_factory.mktemp("dist")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LEANOPT_DIST_TIMEOUT": "120"}
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-        str(SCRIPTS / "parity.py"), str(out), *NAMES,
-    ]  # fmt: skip
-    # Its own session, so that a timeout ends torchrun's workers too, not only torchrun.
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        _, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, stderr = proc.communicate()
-        pytest.fail(f"torchrun timed out after {LAUNCH_TIMEOUT_S} s:\n{stderr[-4000:]}")
-    if proc.returncode != 0:
-        pytest.fail(f"torchrun failed ({proc.returncode}):\n{stderr[-6000:]}")
+        repo_modules.benchmark("plan_vs_measured").torchrun(str(SCRIPTS / "parity.py"), [str(out), *NAMES], 2, env,
+                                                            LAUNCH_TIMEOUT_S, "parity.py")  # fmt: skip
+    except RuntimeError as err:
+        pytest.fail(str(err))
     data = json.loads((out / "results.json").read_text())
     assert data["world_size"] == 2
     yield data
