@@ -188,7 +188,7 @@ inline int32_t decay_round(int32_t idx, float y, float prev_y, float u, const fl
   b = b < 0 ? 0 : (b > last ? last : b);
   float va = std::fabs(values[a]), vb = std::fabs(values[b]);
   float gap = vb - va;
-  float frac = gap > 0.0f ? (std::fabs(y) - va) / (gap > 0.0f ? gap : 1.0f) : 0.0f;
+  float frac = gap > 0.0f ? (std::fabs(y) - va) / gap : 0.0f;  // a lane's 0/0 is selected away
   bool up = (u < frac) & !((vb * progress > prev_y) & (vb > va * growth));
   int32_t r = up ? b : a;
   return keep ? idx : r;
