@@ -267,11 +267,17 @@ def quantized(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mappi
             key = [torch.tensor(steps[i], dtype=torch.int64), torch.tensor(offsets[i], dtype=torch.int64)]
             graph(p2, g2, *tensors, *key, *_as_tensors(rule.scalars(hp, steps[i], True)))
         if full < n:
-            # The last, partial block is independent of the others: the reference on views.
-            start, first = fmt.code_bytes(full), full // bs
-            tail = [QuantizedState(q.codes[start:], q.absmax[first:], q.format, (n - full,)) for q in qs]
-            reference.rule_step_(rule, p.view(-1)[full:], grads[i].reshape(-1)[full:], tail, steps[i], hp, safe=True,
-                                 offset=offsets[i] + full)  # fmt: skip
+            partial_block(rule, p.view(-1), grads[i].reshape(-1), qs, steps[i], hp, offsets[i], full)
+
+
+def partial_block(rule: Rule, p: Tensor, g: Tensor, states: Sequence[QuantizedState], step: int,
+                  hp: Mapping[str, Any], offset: int, full: int) -> None:  # fmt: skip
+    """Elements ``full:`` of the flat ``p``/``g`` (the last, partial block, independent of the
+    others) by the reference, on views of the states; ``offset``: the flat index of element 0."""
+    fmt = states[0].format
+    start, first = fmt.code_bytes(full), full // fmt.block_size
+    tail = [QuantizedState(q.codes[start:], q.absmax[first:], q.format, (p.numel() - full,)) for q in states]
+    reference.rule_step_(rule, p[full:], g[full:], tail, step, hp, safe=True, offset=offset + full)
 
 
 def quantized_takes(states: Sequence[Any], device: torch.device) -> bool:

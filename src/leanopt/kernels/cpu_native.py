@@ -521,8 +521,7 @@ def quantized(rule: Any, params, grads, states, steps: Sequence[int], hp: Mappin
               offsets: Sequence[int] | None = None) -> None:  # fmt: skip
     """Drop-in for :func:`leanopt.kernels.cpu_elementwise.quantized` on params :func:`takes`
     accepts: whole blocks natively, the last partial block by the reference."""
-    from leanopt.kernels import reference
-    from leanopt.quant import QuantizedState
+    from leanopt.kernels.cpu_elementwise import partial_block
 
     offsets = [0] * len(params) if offsets is None else offsets
     for i, p in enumerate(params):
@@ -537,7 +536,4 @@ def quantized(rule: Any, params, grads, states, steps: Sequence[int], hp: Mappin
         if full and not (is_fake(p) or p.device.type == "meta"):  # a trace: in place, nothing allocated
             step_blocks(rule, flat_p, flat_g, qs, steps[i], hp, offsets[i], full)
         if full * bs < n:
-            start = fmt.code_bytes(full * bs)
-            tail = [QuantizedState(q.codes[start:], q.absmax[full:], q.format, (n - full * bs,)) for q in qs]
-            reference.rule_step_(rule, flat_p[full * bs :], flat_g[full * bs :], tail, steps[i], hp, safe=True,
-                                 offset=offsets[i] + full * bs)  # fmt: skip
+            partial_block(rule, flat_p, flat_g, qs, steps[i], hp, offsets[i], full * bs)
