@@ -227,14 +227,16 @@ def _moved_ratio(cls: type, backend: str, lead_g: float, burst_scale: float, war
 # (optimizer, lead gradient, burst scale, warm-up steps, lowest ratio allowed). Measured with
 # the reference (the CPU and Triton paths give the same ratios to 3 digits), rounding toward
 # zero before issue #11 in brackets: AdamW8bit 0.97 [0.74] and 0.95 [0.71], seeds 0-3;
-# AdamW4bit 0.54-0.60 [0.16-0.17], seeds 0-7. A 4-bit momentum that lands at the bottom of its
+# AdamW4bit 0.54-0.60 [0.16-0.17], seeds 0-7, and 0.43-0.70 (median 0.57, 1 % below 0.47)
+# over 231 seeds: its floor of 0.5 failed on about one seed in twenty (CI draws a fresh seed
+# per run), so it is 0.35, still twice the old rounding's. A 4-bit momentum that lands at the bottom of its
 # code (below ~8 % of its block's scale, where codes are 4x apart) still dies early: 0.12 with
 # lead 1, burst 1 (0.11 before). Triton's parity on this is the codes test above (the
 # interpreter takes 35 s here).
 MOVING = [
     (leanopt.AdamW8bit, 1.0, 0.3, 0, 0.9),
     (leanopt.AdamW8bit, 1.0, 1.0, 50, 0.9),
-    (leanopt.AdamW4bit, 0.1, 0.3, 50, 0.5),
+    (leanopt.AdamW4bit, 0.1, 0.3, 50, 0.35),
 ]
 
 
