@@ -1,5 +1,7 @@
 """ns/element of one quantized CPU step: the native C++ kernel (kernels.cpu_native) against the
-compiled Inductor path (kernels.cpu_elementwise.quantized) and torch's fused fp32 AdamW.
+compiled Inductor path (kernels.cpu_elementwise.quantized) and torch's fused fp32 AdamW. Where
+the kernel has its AVX-512 loops, a "native portable" row times its portable loops too (what a
+CPU without AVX-512 runs, as compiled for this one).
 
     python benchmarks/cpu_native_speed.py                      # 16000x256, 1 and 2 threads
     python benchmarks/cpu_native_speed.py --zeros 0.3          # 30 % exact-zero gradients
@@ -61,8 +63,10 @@ def contenders(rule_name: str, shape: tuple[int, ...], zeros: float) -> dict:
     out["torch fused AdamW fp32"] = fused
     for bits in (8, 4):
         bs = 256 if bits == 8 else 128
-        for label, impl in (("compiled", cpu_elementwise.quantized), ("native", cpu_native.quantized)):
-            if label == "native" and not cpu_native.available():
+        labels = ["compiled", "native"] + (["native portable"] if cpu_native.vectorized() else [])
+        for label in labels:
+            impl = cpu_elementwise.quantized if label == "compiled" else cpu_native.quantized
+            if label.startswith("native") and not cpu_native.available():
                 continue
             p = p0.clone()
             states = [BlockFormat(code, bs).zeros(shape, "cpu") for code in CODES[(rule_name, bits)]]
@@ -71,7 +75,8 @@ def contenders(rule_name: str, shape: tuple[int, ...], zeros: float) -> dict:
             def run(p=p, states=states, count=count, impl=impl, label=label) -> None:
                 count[0] += 1
                 # cpu_elementwise.quantized sends the params the native kernel takes there: off for the compiled row
-                with cpu_native.disabled() if label == "compiled" else contextlib.nullcontext():
+                off = {"compiled": cpu_native.disabled, "native portable": cpu_native.portable}.get(label)
+                with off() if off else contextlib.nullcontext():
                     impl(rule, [p], [g], [states], [count[0]], hp)
 
             out[f"{rule_name} {bits}-bit {label}"] = run
@@ -112,7 +117,7 @@ def main() -> None:
     start = time.perf_counter()
     ok = cpu_native.available()
     print(f"native extension: {'available' if ok else 'UNAVAILABLE: ' + str(cpu_native.build_error())}, "
-          f"first load {time.perf_counter() - start:.1f} s")  # fmt: skip
+          f"first load {time.perf_counter() - start:.1f} s, AVX-512 loops: {cpu_native.vectorized()}")  # fmt: skip
     shape = (args.rows, args.cols)
     n = args.rows * args.cols
     print(f"param {args.rows}x{args.cols} ({n / 1e6:.2f}M), rule {args.rule}, zero gradients {args.zeros:.0%}, "

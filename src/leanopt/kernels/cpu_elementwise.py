@@ -2,6 +2,9 @@
 
 * AdamW whose states have the param's dtype (fp32, fp64 params), outside safe mode: torch's
   own fused CPU kernel (``aten::_fused_adamw_``), one vectorised pass over a group's tensors.
+* Other fp32 params with fp32 states of the three rules (a low-bit optimizer's small params,
+  safe AdamW, Lion, AdEMAMix): the hand-written C++ kernel's dense loop
+  (:func:`leanopt.kernels.cpu_native.dense`), where it builds: no compile on the first step.
 * Any other dense case: the rule's elementwise function, compiled once per (rule, flags,
   dtypes) by Inductor with dynamic shapes (no per-shape recompiles).
 * Block-quantized states: fp32 params and gradients of the three rules go to the hand-written
@@ -23,7 +26,7 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
-from leanopt.kernels import reference
+from leanopt.kernels import cpu_native, reference
 from leanopt.kernels.cpu import compiled, compiled_per_dtypes, own_code
 from leanopt.kernels.rules import ADAMW, Rule, skipped_elements
 from leanopt.quant import QuantizedState
@@ -84,6 +87,9 @@ def dense(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mapping[s
             continue
         if _fusable(rule, safe, p, grads[i], states[i]):
             fused.setdefault(p.dtype, []).append(i)
+            continue
+        if cpu_native.takes_dense(rule, p, grads[i], states[i], hp):
+            cpu_native.dense(rule, p, grads[i], states[i], steps[i], hp, safe)
             continue
         graph = _dense_graph(rule, flags, safe, hp["maximize"], len(states[i]))
         graph(p, grads[i], list(states[i]), _as_tensors(rule.scalars(hp, steps[i], safe)))
@@ -226,8 +232,6 @@ def quantized(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mappi
     """``rule`` in safe mode over CPU params whose states are all :class:`QuantizedState` of
     one bit width and block size (``kernels.select`` checked that); ``offsets[i]``: the flat
     index of param ``i``'s element 0 in its whole tensor (default 0)."""
-    from leanopt.kernels import cpu_native
-
     offsets = [0] * len(params) if offsets is None else offsets
     native = [i for i, p in enumerate(params) if p.numel() and cpu_native.takes(rule, p, grads[i], states[i], hp)]
     if native:

@@ -4,10 +4,17 @@ One pass per block, all of a param's blocks spread over torch's intra-op threads
 (``at::parallel_for``): decode each state's codes through its code book's value table, run the
 rule (AdamW with or without AMSGrad, Lion, AdEMAMix; safe mode always: second-moment floors and
 :func:`~leanopt.kernels.rules.skipped_elements`), keep the new states in block-sized local
-buffers while their block maximum is reduced, then encode (nearest code by a 2^16-entry bucket
-table plus one comparison, the decay rounding of
-:meth:`~leanopt.quant.formats.BlockFormat.code_indices` where the gradient is exactly 0) and
-pack. The maths is fp32 with every schedule scalar rounded to fp32 and no contraction into FMAs
+buffers while their block maximum is reduced, then encode (the nearest code by the
+:class:`Tables`, the decay rounding of :meth:`~leanopt.quant.formats.BlockFormat.code_indices`
+where the gradient is exactly 0) and pack.
+
+Where the CPU has AVX-512 (``-march=native``), decode, encode and the decay rounding run 16
+lanes at a time with intrinsics: a table of 16 values is one register (``vpermps``), one of 256
+is eight two-register permutes and a blend (a vector gather loads lane by lane and cost ~1
+cycle per element here); the nearest 4-bit code is four permute steps down a binary tree of
+the midpoints, the nearest 8-bit code one gather from an L1-sized bucket table. These loops
+compute the same fp32 operations as the portable ones, which run elsewhere (and the last
+``block % 16`` elements of each block): the two agree bit for bit (:func:`portable`, tests). The maths is fp32 with every schedule scalar rounded to fp32 and no contraction into FMAs
 except where torch's own kernel uses one (``lerp``), so it follows
 :func:`~leanopt.kernels.reference.rule_step_` operation by operation -- except ``sqrt``: torch's
 CPU ``sqrt`` goes through MKL's VML and is one ulp off the correctly rounded root on ~20 % of
@@ -21,7 +28,11 @@ importing this module never builds and never fails.
 
 :func:`leanopt.kernels.cpu_elementwise.quantized` runs the params :func:`takes` accepts here
 (fp32 params and gradients, any rule of the three) and the others in its compiled graph; a
-failed build falls back to that graph with one warning. ``LEANOPT_NO_NATIVE=1`` (read at the
+failed build falls back to that graph with one warning. The same rules over dense fp32 states
+(a low-bit optimizer's params below ``min_quant_size``; Lion, AdEMAMix and safe-mode AdamW in
+fp32) run in :func:`dense` (:func:`leanopt.kernels.cpu_elementwise.dense` sends them): the
+element loop in chunks of 256, so no Inductor compile on the first step (AdamW8bit's first
+step was 2.2 s, all of it compiling the dense graph for its small params). ``LEANOPT_NO_NATIVE=1`` (read at the
 first build) or :func:`disabled` (tests) turns the kernel off. Under ``FakeTensorMode`` (memory
 planning) a native update is in place and allocates nothing of the param's size, so nothing
 runs for the whole blocks.
@@ -36,11 +47,12 @@ import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
+from torch.utils._python_dispatch import _disable_current_modes
 
 from leanopt.quant.codebooks import _build
 from leanopt.quant.formats import DECAY_GROWTH_RATIO, DECAY_PROGRESS
@@ -54,6 +66,10 @@ _SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 #include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define LEANOPT_AVX512 1
+#endif
 
 namespace {
 
@@ -64,7 +80,9 @@ struct Book {
   float* absmax;           // one scale per block
   const float* values;     // 2^bits decode values
   const float* thr;        // midpoints, padded with +inf to >= last + 1 entries
-  const int32_t* bucket;   // 2^16: midpoints below each bucket of the top 16 bits
+  const float* eyt;        // midpoints as a complete binary search tree (Eytzinger order, from 1)
+  const uint8_t* bucket;   // midpoints below each bucket (bucket_key), + 3 bytes of padding
+  int lo, rows;            // bucket_key's exponent rows: lo .. lo + rows - 1
   int zero, last;
   bool decays;
 };
@@ -74,11 +92,14 @@ struct Consts {
   float progress, growth;
   uint32_t step_term;
   int64_t offset;
+  bool vec;                // the AVX-512 loops where compiled in (false: the portable loops, tests)
 };
 
 inline uint32_t fbits(float x) { uint32_t b; std::memcpy(&b, &x, 4); return b; }
 inline float bitsf(uint32_t b) { float x; std::memcpy(&x, &b, 4); return x; }
 inline bool finite(float x) { return (fbits(x) & 0x7F800000u) != 0x7F800000u; }
+
+inline uint32_t step_term(int64_t step) { return (uint32_t)((uint64_t)step * 0x85EBCA77ull); }
 
 // leanopt.quant.formats.dither, bit for bit.
 inline float dither(int64_t index, uint32_t step_term) {
@@ -149,13 +170,105 @@ template <> struct R<3> {
 };
 
 // ---- per-block pieces -----------------------------------------------------------------------
+#ifdef LEANOPT_AVX512
+// table[ix] for 16 lanes of indices 0..255 without a gather (a gather loads lane by lane):
+// eight two-register permutes, each covering 32 entries, and a three-level blend on bits 5-7.
+inline __m512 lookup256(__m512i ix, const float* __restrict table) {
+  __m512 r[8];
+  for (int j = 0; j < 8; ++j)
+    r[j] = _mm512_permutex2var_ps(_mm512_loadu_ps(table + 32 * j), ix, _mm512_loadu_ps(table + 32 * j + 16));
+  const __mmask16 b5 = _mm512_test_epi32_mask(ix, _mm512_set1_epi32(32));
+  const __mmask16 b6 = _mm512_test_epi32_mask(ix, _mm512_set1_epi32(64));
+  const __mmask16 b7 = _mm512_test_epi32_mask(ix, _mm512_set1_epi32(128));
+  __m512 a = _mm512_mask_blend_ps(b6, _mm512_mask_blend_ps(b5, r[0], r[1]), _mm512_mask_blend_ps(b5, r[2], r[3]));
+  __m512 b = _mm512_mask_blend_ps(b6, _mm512_mask_blend_ps(b5, r[4], r[5]), _mm512_mask_blend_ps(b5, r[6], r[7]));
+  return _mm512_mask_blend_ps(b7, a, b);
+}
+
+// The number of midpoints below each of 16 y (torch.searchsorted), by a branch-free descent of
+// the 2^BITS - 1 midpoints laid out as a complete binary tree (node j's children 2j, 2j + 1):
+// each level's nodes fit one or a few registers, so every step is a permute, not a load.
+template <int BITS>
+inline __m512i search(__m512 yv, const float* __restrict eyt) {
+  const __m512i one = _mm512_set1_epi32(1);
+  __m512i j = one;
+  auto down = [&](__m512 node) {
+    __m512i twice = _mm512_add_epi32(j, j);
+    j = _mm512_mask_add_epi32(twice, _mm512_cmp_ps_mask(node, yv, _CMP_LT_OQ), twice, one);
+  };
+  const __m512 top = _mm512_loadu_ps(eyt);  // nodes 1..15
+  for (int d = 0; d < 4; ++d) down(_mm512_permutexvar_ps(j, top));
+  if (BITS == 8) {
+    down(_mm512_permutexvar_ps(j, _mm512_loadu_ps(eyt + 16)));
+    down(_mm512_permutex2var_ps(_mm512_loadu_ps(eyt + 32), j, _mm512_loadu_ps(eyt + 48)));
+    const __mmask16 b5 = _mm512_test_epi32_mask(j, _mm512_set1_epi32(32));
+    down(_mm512_mask_blend_ps(b5, _mm512_permutex2var_ps(_mm512_loadu_ps(eyt + 64), j, _mm512_loadu_ps(eyt + 80)),
+                              _mm512_permutex2var_ps(_mm512_loadu_ps(eyt + 96), j, _mm512_loadu_ps(eyt + 112))));
+    __m512 r[4];
+    for (int q = 0; q < 4; ++q)
+      r[q] = _mm512_permutex2var_ps(_mm512_loadu_ps(eyt + 128 + 32 * q), j, _mm512_loadu_ps(eyt + 144 + 32 * q));
+    const __mmask16 c5 = _mm512_test_epi32_mask(j, _mm512_set1_epi32(32));
+    const __mmask16 c6 = _mm512_test_epi32_mask(j, _mm512_set1_epi32(64));
+    down(_mm512_mask_blend_ps(c6, _mm512_mask_blend_ps(c5, r[0], r[1]), _mm512_mask_blend_ps(c5, r[2], r[3])));
+  }
+  return _mm512_sub_epi32(j, _mm512_set1_epi32(1 << BITS));
+}
+
+// A code book's value (or midpoint) table at 16 indices: one permute for 4-bit codes.
+template <int BITS>
+inline __m512 lookup(__m512i ix, const float* __restrict table) {
+  return BITS == 4 ? _mm512_permutexvar_ps(ix, _mm512_loadu_ps(table)) : lookup256(ix, table);
+}
+
+inline __m512 vabs(__m512 x) { return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7FFFFFFF))); }
+
+// dither() of the 16 indices index .. index + 15.
+inline __m512 dither16(int64_t index, uint32_t step_term) {
+  const uint32_t lo0 = (uint32_t)((uint64_t)index & 0xFFFFFFFFu), hi0 = (uint32_t)((uint64_t)index >> 32);
+  const __m512i base = _mm512_set1_epi32((int)lo0);
+  __m512i lo = _mm512_add_epi32(base, _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  __m512i hi = _mm512_set1_epi32((int)hi0);
+  hi = _mm512_mask_add_epi32(hi, _mm512_cmplt_epu32_mask(lo, base), hi, _mm512_set1_epi32(1));  // carry
+  __m512i h = _mm512_xor_si512(lo, _mm512_mullo_epi32(hi, _mm512_set1_epi32((int)0x9E3779B9u)));
+  h = _mm512_add_epi32(_mm512_mullo_epi32(h, _mm512_set1_epi32((int)0x9E3779B1u)), _mm512_set1_epi32((int)step_term));
+  h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+  h = _mm512_mullo_epi32(h, _mm512_set1_epi32((int)0x7FEB352Du));
+  h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 15));
+  h = _mm512_mullo_epi32(h, _mm512_set1_epi32((int)0x846CA68Bu));
+  h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(h, 8)), _mm512_set1_ps(1.0f / 16777216.0f));
+}
+#endif
+
+// Each has an AVX-512 loop over 16 lanes (when compiled in and k.vec) and the portable loop for
+// the rest; both compute the same fp32 operations, so they agree bit for bit (tests).
 template <int BITS>
 inline void decode(const uint8_t* __restrict codes, const float* __restrict values, float scale,
-                   float* __restrict out, int bs) {
+                   float* __restrict out, int bs, bool vec) {
+  int i = 0;
+#ifdef LEANOPT_AVX512
+  if (vec) {
+    const __m512 s = _mm512_set1_ps(scale);
+    if (BITS == 8) {
+      for (; i + 16 <= bs; i += 16) {
+        __m512i ix = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(codes + i)));
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(lookup<8>(ix, values), s));
+      }
+    } else {
+      const __m128i nib = _mm_set1_epi8(15);
+      for (; i + 16 <= bs; i += 16) {
+        __m128i b = _mm_loadl_epi64((const __m128i*)(codes + i / 2));
+        __m128i pairs = _mm_unpacklo_epi8(_mm_and_si128(b, nib), _mm_and_si128(_mm_srli_epi16(b, 4), nib));
+        __m512i ix = _mm512_cvtepu8_epi32(pairs);
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(lookup<4>(ix, values), s));
+      }
+    }
+  }
+#endif
   if (BITS == 8) {
-    for (int i = 0; i < bs; ++i) out[i] = values[codes[i]] * scale;
+    for (; i < bs; ++i) out[i] = values[codes[i]] * scale;
   } else {
-    for (int j = 0; j < bs / 2; ++j) {
+    for (int j = i / 2; j < bs / 2; ++j) {
       uint8_t b = codes[j];
       out[2 * j] = values[b & 15] * scale;
       out[2 * j + 1] = values[b >> 4] * scale;
@@ -163,15 +276,55 @@ inline void decode(const uint8_t* __restrict codes, const float* __restrict valu
   }
 }
 
+// The bucket of a finite y with |y| <= 1: sign, exponent clamped to the table's rows, top 7
+// mantissa bits. Exponents below the rows all share the bottom row's answer (cpu_native.tables).
+inline int32_t bucket_key(uint32_t b, int32_t lo, int32_t rows) {
+  int32_t e = (int32_t)((b >> 23) & 0xFFu);
+  e = e < lo ? lo : (e > lo + rows - 1 ? lo + rows - 1 : e);
+  return (int32_t)(b >> 31) * (rows << 7) + ((e - lo) << 7) + (int32_t)((b >> 16) & 0x7Fu);
+}
+
+template <int BITS>
 inline void nearest(const float* __restrict x, float scale, const Book& bk, int32_t* __restrict idx,
-                    float* __restrict y, int bs) {
-  const int32_t* __restrict bucket = bk.bucket;
+                    float* __restrict y, int bs, bool vec) {
+  const uint8_t* __restrict bucket = bk.bucket;
   const float* __restrict thr = bk.thr;
-  for (int i = 0; i < bs; ++i) {
-    float yi = x[i] / scale;
-    y[i] = yi;
-    int32_t k = bucket[fbits(yi) >> 16];
-    idx[i] = k + (thr[k] < yi ? 1 : 0);
+  int i = 0;
+#ifdef LEANOPT_AVX512
+  if (vec) {
+    // 4-bit: four permute steps down the tree. 8-bit: the eight steps take longer than one
+    // gather from the bucket table (in L1) and one permuted read of the midpoint above.
+    const __m512 s = _mm512_set1_ps(scale);
+    const __m512i lo = _mm512_set1_epi32(bk.lo), hi = _mm512_set1_epi32(bk.lo + bk.rows - 1);
+    const __m512i ff = _mm512_set1_epi32(0xFF), m7 = _mm512_set1_epi32(0x7F), one = _mm512_set1_epi32(1);
+    const __m512i half = _mm512_set1_epi32(bk.rows << 7), zero = _mm512_setzero_si512();
+    for (; i + 16 <= bs; i += 16) {
+      __m512 yv = _mm512_div_ps(_mm512_loadu_ps(x + i), s);
+      _mm512_storeu_ps(y + i, yv);
+      if (BITS == 4) {
+        _mm512_storeu_si512((void*)(idx + i), search<BITS>(yv, bk.eyt));
+        continue;
+      }
+      __m512i b = _mm512_castps_si512(yv);
+      __m512i e = _mm512_min_epi32(_mm512_max_epi32(_mm512_and_si512(_mm512_srli_epi32(b, 23), ff), lo), hi);
+      __m512i key = _mm512_add_epi32(_mm512_slli_epi32(_mm512_sub_epi32(e, lo), 7),
+                                     _mm512_and_si512(_mm512_srli_epi32(b, 16), m7));
+      key = _mm512_mask_add_epi32(key, _mm512_cmplt_epi32_mask(b, zero), key, half);
+      __m512i k = _mm512_and_si512(_mm512_i32gather_epi32(key, (const void*)bucket, 1), ff);
+      __mmask16 up = _mm512_cmp_ps_mask(lookup<BITS>(k, thr), yv, _CMP_LT_OQ);
+      _mm512_storeu_si512((void*)(idx + i), _mm512_mask_add_epi32(k, up, k, one));
+    }
+  }
+#endif
+  // Two loops: the first vectorises (the byte loads of the second would keep it scalar).
+  const int32_t lo = bk.lo, rows = bk.rows;
+  for (int j = i; j < bs; ++j) {
+    y[j] = x[j] / scale;
+    idx[j] = bucket_key(fbits(y[j]), lo, rows);
+  }
+  for (; i < bs; ++i) {
+    int32_t k = bucket[idx[i]];
+    idx[i] = k + (thr[k] < y[i] ? 1 : 0);
   }
 }
 
@@ -194,17 +347,60 @@ inline int32_t decay_round(int32_t idx, float y, float prev_y, float u, const fl
   return keep ? idx : r;
 }
 
-// The decay rounding over one block, where the gradient is exactly 0.
+// The dither of one block's elements (base .. base + bs - 1): the same for every state.
+inline void dither_block(float* __restrict u, int64_t base, uint32_t step_term, int bs, bool vec) {
+  int i0 = 0;
+#ifdef LEANOPT_AVX512
+  if (vec)
+    for (; i0 + 16 <= bs; i0 += 16) _mm512_storeu_ps(u + i0, dither16(base + i0, step_term));
+#endif
+#pragma omp simd
+  for (int i = i0; i < bs; ++i) u[i] = dither(base + i, step_term);
+}
+
+// The decay rounding over one block, where the gradient is exactly 0 (u: dither_block).
+template <int BITS>
 inline void decay_block(int32_t* __restrict idx, const float* __restrict y, const float* __restrict old,
-                        const float* __restrict gbuf, float safe, int64_t base, const Book& bk, const Consts& k, int bs) {
+                        const float* __restrict gbuf, const float* __restrict u, float safe, const Book& bk,
+                        const Consts& k, int bs) {
   const float* __restrict values = bk.values;
   const int32_t zero = bk.zero, last = bk.last;
   const float progress = k.progress, growth = k.growth;
-  const uint32_t step_term = k.step_term;
+  int i0 = 0;
+#ifdef LEANOPT_AVX512
+  if (k.vec) {  // decay_round on 16 lanes, its three table reads by permutes
+    const __m512i vzero = _mm512_set1_epi32(zero), one = _mm512_set1_epi32(1);
+    const __m512i vlast = _mm512_set1_epi32(last), nil = _mm512_setzero_si512();
+    const __m512 vsafe = _mm512_set1_ps(safe), vprog = _mm512_set1_ps(progress), vgrow = _mm512_set1_ps(growth);
+    const __m512 fzero = _mm512_setzero_ps();
+    for (; i0 + 16 <= bs; i0 += 16) {
+      const __mmask16 z = _mm512_cmp_ps_mask(_mm512_loadu_ps(gbuf + i0), fzero, _CMP_EQ_OQ);
+      if (!z) continue;
+      const __m512i ix = _mm512_loadu_si512((const void*)(idx + i0));
+      const __m512 yv = _mm512_loadu_ps(y + i0), ay = vabs(yv);
+      const __m512 prev = _mm512_div_ps(vabs(_mm512_loadu_ps(old + i0)), vsafe);
+      const __m512 near = vabs(lookup<BITS>(ix, values));
+      const __mmask16 keep = _mm512_cmp_ps_mask(near, _mm512_mul_ps(prev, vprog), _CMP_LT_OQ);
+      const __mmask16 over = _mm512_cmp_ps_mask(near, ay, _CMP_GT_OQ) & _mm512_cmpneq_epi32_mask(ix, vzero);
+      __m512i a = _mm512_mask_sub_epi32(ix, over & _mm512_cmpgt_epi32_mask(ix, vzero), ix, one);
+      a = _mm512_mask_add_epi32(a, over & _mm512_cmplt_epi32_mask(ix, vzero), a, one);
+      __m512i b = _mm512_mask_sub_epi32(_mm512_add_epi32(a, one), _mm512_cmp_ps_mask(yv, fzero, _CMP_LT_OQ), a, one);
+      b = _mm512_min_epi32(_mm512_max_epi32(b, nil), vlast);
+      const __m512 va = vabs(lookup<BITS>(a, values)), vb = vabs(lookup<BITS>(b, values));
+      const __m512 gap = _mm512_sub_ps(vb, va);
+      const __m512 frac = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(gap, fzero, _CMP_GT_OQ), _mm512_sub_ps(ay, va), gap);
+      const __mmask16 held = _mm512_cmp_ps_mask(_mm512_mul_ps(vb, vprog), prev, _CMP_GT_OQ) &
+                             _mm512_cmp_ps_mask(vb, _mm512_mul_ps(va, vgrow), _CMP_GT_OQ);
+      const __mmask16 up = _mm512_cmp_ps_mask(_mm512_loadu_ps(u + i0), frac, _CMP_LT_OQ) & (__mmask16)~held;
+      const __m512i r = _mm512_mask_blend_epi32(keep, _mm512_mask_blend_epi32(up, a, b), ix);
+      _mm512_storeu_si512((void*)(idx + i0), _mm512_mask_blend_epi32(z, ix, r));
+    }
+  }
+#endif
 #pragma omp simd
-  for (int i = 0; i < bs; ++i) {
+  for (int i = i0; i < bs; ++i) {
     float prev_y = std::fabs(old[i]) / safe;
-    int32_t r = decay_round(idx[i], y[i], prev_y, dither(base + i, step_term), values, zero, last, progress, growth);
+    int32_t r = decay_round(idx[i], y[i], prev_y, u[i], values, zero, last, progress, growth);
     idx[i] = gbuf[i] == 0.0f ? r : idx[i];
   }
 }
@@ -221,7 +417,8 @@ inline void pack(const int32_t* __restrict idx, uint8_t* __restrict codes, int b
 // The rule over one block: params in place, new states (0 where skipped) into nw, their
 // largest magnitude (as fp32 bits: non-negative floats order as integers) into mx, the
 // gradient (negated under maximize) into gbuf; returns how many gradients are exactly 0.
-template <int RULE>
+// SAFE false (dense states outside safe mode): nothing is skipped.
+template <int RULE, bool SAFE = true>
 inline int element_loop(float* __restrict P, const float* __restrict G, float* const* old, float* const* nw,
                         float* __restrict gbuf, int bs, float gsign, const float* cin, uint32_t* mx_out) {
   constexpr int NS = R<RULE>::NS;
@@ -244,6 +441,7 @@ inline int element_loop(float* __restrict P, const float* __restrict G, float* c
     bool ok = finite(gi * gi) & finite(x0);
     if (NS > 1) ok = ok & finite(x1);
     if (NS > 2) ok = ok & finite(x2);
+    if (!SAFE) ok = true;
     P[i] = ok ? pn : pi;
     float a0 = ok ? x0 : 0.0f;
     n0[i] = a0;
@@ -274,12 +472,13 @@ void run(float* p, const float* g, Book* books, int64_t nblocks, int bs, bool ma
   const int cb = BITS == 8 ? bs : bs / 2;
   int64_t grain = std::max<int64_t>(1, 16384 / bs);
   at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
-    std::vector<float> buf((2 * NS + 2) * bs + 64);
+    std::vector<float> buf((2 * NS + 3) * bs + 64);
     std::vector<int32_t> ibuf(bs + 16);
     float* old[MAXS]; float* nw[MAXS];
     for (int s = 0; s < NS; ++s) { old[s] = buf.data() + s * bs; nw[s] = buf.data() + (NS + s) * bs; }
     float* gbuf = buf.data() + 2 * NS * bs;
     float* y = gbuf + bs;
+    float* u = y + bs;
     int32_t* idx = ibuf.data();
     float c[16];
     for (int i = 0; i < 16; ++i) c[i] = k.c[i];
@@ -287,15 +486,20 @@ void run(float* p, const float* g, Book* books, int64_t nblocks, int bs, bool ma
       float* __restrict P = p + blk * bs;
       const float* __restrict G = g + blk * bs;
       for (int s = 0; s < NS; ++s)
-        decode<BITS>(books[s].codes + blk * cb, books[s].values, books[s].absmax[blk], old[s], bs);
+        decode<BITS>(books[s].codes + blk * cb, books[s].values, books[s].absmax[blk], old[s], bs, k.vec);
       uint32_t mx[MAXS] = {0, 0, 0};
       int zeros = element_loop<RULE>(P, G, old, nw, gbuf, bs, maximize ? -1.0f : 1.0f, c, mx);
+      bool dithered = false;
       for (int s = 0; s < NS; ++s) {
         const Book& bk = books[s];
         float scale = bitsf(mx[s]);
         float safe = scale > 0.0f ? scale : 1.0f;
-        nearest(nw[s], safe, bk, idx, y, bs);
-        if (bk.decays && zeros) decay_block(idx, y, old[s], gbuf, safe, k.offset + blk * bs, bk, k, bs);
+        nearest<BITS>(nw[s], safe, bk, idx, y, bs, k.vec);
+        if (bk.decays && zeros) {
+          if (!dithered) dither_block(u, k.offset + blk * bs, k.step_term, bs, k.vec);
+          dithered = true;
+          decay_block<BITS>(idx, y, old[s], gbuf, u, safe, bk, k, bs);
+        }
         pack<BITS>(idx, bk.codes + blk * cb, bs);
         bk.absmax[blk] = scale;
       }
@@ -303,13 +507,66 @@ void run(float* p, const float* g, Book* books, int64_t nblocks, int bs, bool ma
   });
 }
 
+// ---- dense fp32 states ------------------------------------------------------------------------
+// The same rules over fp32 states stored as they are (a low-bit optimizer's small params; Lion
+// and AdEMAMix in fp32): chunks of 256 elements, the new states through a local buffer (the
+// element loop reads old and writes new states through distinct pointers), then copied back.
+template <int RULE, bool SAFE>
+void run_dense(float* p, const float* g, float* const* st, int64_t n, bool maximize, const Consts& k) {
+  constexpr int NS = R<RULE>::NS;
+  constexpr int CH = 256;
+  const int64_t chunks = (n + CH - 1) / CH;
+  at::parallel_for(0, chunks, std::max<int64_t>(1, 16384 / CH), [&](int64_t c0, int64_t c1) {
+    alignas(64) float nbuf[MAXS][CH];
+    alignas(64) float gbuf[CH];
+    float* nw[MAXS] = {nbuf[0], nbuf[1], nbuf[2]};
+    float c[16];
+    for (int i = 0; i < 16; ++i) c[i] = k.c[i];
+    for (int64_t ch = c0; ch < c1; ++ch) {
+      const int64_t off = ch * CH;
+      const int len = (int)std::min<int64_t>(CH, n - off);
+      float* old[MAXS];
+      for (int s = 0; s < NS; ++s) old[s] = st[s] + off;
+      uint32_t mx[MAXS];
+      element_loop<RULE, SAFE>(p + off, g + off, old, nw, gbuf, len, maximize ? -1.0f : 1.0f, c, mx);
+      for (int s = 0; s < NS; ++s) std::memcpy(st[s] + off, nw[s], sizeof(float) * len);
+    }
+  });
+}
+
 }  // namespace
+
+void step_dense(int64_t rule, bool maximize, bool safe, at::Tensor p, at::Tensor g, std::vector<at::Tensor> states,
+                std::vector<double> scalars) {
+  TORCH_CHECK(p.scalar_type() == at::kFloat && g.scalar_type() == at::kFloat, "fp32 param and grad only");
+  TORCH_CHECK(p.is_contiguous() && g.is_contiguous() && g.numel() == p.numel(), "contiguous param and grad");
+  TORCH_CHECK(scalars.size() <= 16, "too many scalars");
+  const int want = rule == 2 ? 1 : (rule == 0 ? 2 : 3);
+  TORCH_CHECK((int)states.size() == want, "wrong number of states for the rule");
+  float* st[MAXS] = {nullptr, nullptr, nullptr};
+  for (size_t s = 0; s < states.size(); ++s) {
+    TORCH_CHECK(states[s].scalar_type() == at::kFloat && states[s].is_contiguous() && states[s].numel() == p.numel(),
+                "contiguous fp32 states of the param's size");
+    st[s] = states[s].data_ptr<float>();
+  }
+  Consts k{};
+  for (int i = 0; i < 16; ++i) k.c[i] = i < (int)scalars.size() ? (float)scalars[i] : 0.0f;
+  float* pp = p.data_ptr<float>();
+  const float* gp = g.data_ptr<float>();
+  const int64_t n = p.numel();
+#define LEANOPT_DENSE(RL) (safe ? run_dense<RL, true>(pp, gp, st, n, maximize, k) : run_dense<RL, false>(pp, gp, st, n, maximize, k))
+  switch (rule) { case 0: LEANOPT_DENSE(0); break; case 1: LEANOPT_DENSE(1); break;
+                  case 2: LEANOPT_DENSE(2); break; case 3: LEANOPT_DENSE(3); break;
+                  default: TORCH_CHECK(false, "unknown rule"); }
+#undef LEANOPT_DENSE
+}
 
 void step_blocks(int64_t rule, int64_t bits, int64_t block, bool maximize, at::Tensor p, at::Tensor g,
                  std::vector<at::Tensor> codes, std::vector<at::Tensor> absmax, std::vector<at::Tensor> values,
-                 std::vector<at::Tensor> thresholds, std::vector<at::Tensor> buckets, std::vector<int64_t> zeros,
-                 std::vector<int64_t> lasts, std::vector<int64_t> decays, int64_t step, int64_t offset,
-                 std::vector<double> scalars, double progress, double growth) {
+                 std::vector<at::Tensor> thresholds, std::vector<at::Tensor> trees, std::vector<at::Tensor> buckets,
+                 std::vector<int64_t> lows,
+                 std::vector<int64_t> zeros, std::vector<int64_t> lasts, std::vector<int64_t> decays, int64_t step,
+                 int64_t offset, std::vector<double> scalars, double progress, double growth, bool vec) {
   TORCH_CHECK(p.scalar_type() == at::kFloat && g.scalar_type() == at::kFloat, "fp32 param and grad only");
   TORCH_CHECK(p.is_contiguous() && g.is_contiguous(), "contiguous param and grad only");
   TORCH_CHECK(bits == 8 || (bits == 4 && block % 2 == 0), "8-bit, or 4-bit with an even block size");
@@ -325,18 +582,23 @@ void step_blocks(int64_t rule, int64_t bits, int64_t block, bool maximize, at::T
     TORCH_CHECK(codes[s].numel() >= (bits == 8 ? n : n / 2), "codes too short");
     TORCH_CHECK(absmax[s].scalar_type() == at::kFloat && absmax[s].is_contiguous() && absmax[s].numel() >= nblocks,
                 "fp32 block scales");
-    TORCH_CHECK(values[s].numel() == (1 << bits) && buckets[s].numel() == 65536 &&
-                thresholds[s].numel() >= lasts[s] + 1, "tables");
+    int64_t rows = (buckets[s].numel() - 4) / 256;
+    TORCH_CHECK(values[s].numel() == (1 << bits) && values[s].is_contiguous() && thresholds[s].is_contiguous() &&
+                thresholds[s].numel() >= 256 && buckets[s].scalar_type() == at::kByte && buckets[s].is_contiguous() &&
+                rows >= 1 && buckets[s].numel() == rows * 256 + 4 && lows[s] >= 0 && lows[s] + rows == 128 &&
+                trees[s].scalar_type() == at::kFloat && trees[s].is_contiguous() && trees[s].numel() == (1 << bits) &&
+                lasts[s] < (1 << bits), "tables");
     books[s] = Book{codes[s].data_ptr<uint8_t>(), absmax[s].data_ptr<float>(), values[s].data_ptr<float>(),
-                    thresholds[s].data_ptr<float>(), buckets[s].data_ptr<int32_t>(), (int)zeros[s], (int)lasts[s],
-                    decays[s] != 0};
+                    thresholds[s].data_ptr<float>(), trees[s].data_ptr<float>(), buckets[s].data_ptr<uint8_t>(), (int)lows[s], (int)rows,
+                    (int)zeros[s], (int)lasts[s], decays[s] != 0};
   }
   Consts k;
   for (int i = 0; i < 16; ++i) k.c[i] = i < (int)scalars.size() ? (float)scalars[i] : 0.0f;
   k.progress = (float)progress;
   k.growth = (float)growth;
-  k.step_term = (uint32_t)((uint64_t)step * 0x85EBCA77ull);
+  k.step_term = step_term(step);
   k.offset = offset;
+  k.vec = vec;
   float* pp = p.data_ptr<float>();
   const float* gp = g.data_ptr<float>();
   int bs = (int)block;
@@ -354,6 +616,21 @@ void step_blocks(int64_t rule, int64_t bits, int64_t block, bool maximize, at::T
   }
 #undef LEANOPT_RUN
 }
+
+// dither_block's numbers for elements base .. base + n - 1 at a step (tests).
+at::Tensor dither_values(int64_t base, int64_t n, int64_t step, bool vec) {
+  at::Tensor out = at::empty({n}, at::kFloat);
+  dither_block(out.data_ptr<float>(), base, step_term(step), (int)n, vec);
+  return out;
+}
+
+bool avx512() {
+#ifdef LEANOPT_AVX512
+  return true;
+#else
+  return false;
+#endif
+}
 """
 
 _CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"]
@@ -364,6 +641,7 @@ _LDFLAGS = ["-fopenmp"]
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
 _off: list[bool] = []
+_portable: list[bool] = []
 
 
 @contextlib.contextmanager
@@ -374,6 +652,31 @@ def disabled():
         yield
     finally:
         _off.pop()
+
+
+@contextlib.contextmanager
+def portable():
+    """Within it, the kernel runs its portable loops even where its AVX-512 loops are compiled
+    in (tests: the two agree bit for bit)."""
+    _portable.append(True)
+    try:
+        yield
+    finally:
+        _portable.pop()
+
+
+def vectorized() -> bool:
+    """Whether the built kernel has its AVX-512 loops (``-march=native`` on an AVX-512 CPU)."""
+    module = _module()
+    return bool(module is not None and module.avx512())
+
+
+def dither(base: int, n: int, step: int) -> Tensor:
+    """The kernel's dither for elements ``base .. base + n - 1`` (its AVX-512 loop where compiled
+    in, unless within :func:`portable`): :func:`leanopt.quant.formats.dither`'s numbers (tests)."""
+    module = _module()
+    assert module is not None, build_error()
+    return module.dither_values(int(base), int(n), int(step), not _portable)
 
 
 def _name() -> str:
@@ -408,7 +711,7 @@ def _module() -> Any | None:
                 from torch.utils.cpp_extension import load_inline
 
                 module = load_inline(
-                    name=_name(), cpp_sources=[_SOURCE], functions=["step_blocks"],
+                    name=_name(), cpp_sources=[_SOURCE], functions=["step_blocks", "step_dense", "dither_values", "avx512"],
                     extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS, verbose=False,
                 )  # fmt: skip
                 _state["build_seconds"] = time.perf_counter() - start
@@ -436,33 +739,86 @@ def build_seconds() -> float | None:
 
 
 # ---- tables -------------------------------------------------------------------------------------
-_TABLES: dict[str, tuple[Tensor, Tensor, Tensor, int, int] | None] = {}
+class Tables(NamedTuple):
+    """A code book as the kernel reads it. The nearest code of a finite ``y`` with ``|y| <= 1``
+    is ``torch.searchsorted(midpoints, y)``: the kernel finds it
+
+    * for 4-bit codes, by descending ``tree`` (:func:`eytzinger`) four levels;
+    * for 8-bit codes (and in the portable loops), as ``k + (thresholds[k] < y)`` where
+      ``k = buckets[key]`` is the number of midpoints below ``y``'s bucket. ``key``
+      (``bucket_key`` in the kernel) is the fp32's sign, its exponent clamped to ``low .. 127``
+      and its top 7 mantissa bits: ``2 * (128 - low) * 128`` uint8 entries, 6-12 KB for the
+      shipped codes, which stay in L1 where the 2^16 int32 entries of every top-16-bit prefix
+      (256 KB) did not. Exponents below ``low`` answer as ``low``'s row, which :func:`_tables`
+      makes sure is one constant per sign."""
+
+    values: Tensor  # fp32, 2^bits decode values
+    thresholds: Tensor  # fp32 midpoints, padded with +inf to >= 256 entries
+    tree: Tensor  # the midpoints (+inf-padded to 2^bits - 1) as a binary tree from index 1 (see eytzinger)
+    buckets: Tensor  # uint8, plus 4 bytes of padding (32-bit gathers)
+    low: int
+    zero: int  # the code of 0
+    last: int  # the number of midpoints
 
 
-def tables(book: Any) -> tuple[Tensor, Tensor, Tensor, int, int] | None:
-    """``(values, thresholds, buckets, zero_index, last)`` for the kernel, or None when the code
-    book's midpoints are too close for the bucket table (two in one bucket of the top 16 bits
-    of an fp32; none of the shipped codes). ``buckets[top16(y)]``: midpoints below the bucket;
-    the nearest code of ``y`` is that plus ``thresholds[it] < y`` (``torch.searchsorted``)."""
+_TABLES: dict[str, Tables | None] = {}
+
+
+def tables(book: Any) -> Tables | None:
+    """The kernel's :class:`Tables` for a code book, or None when its midpoints are too close
+    for them (two in one bucket, or more than 255 below one; none of the shipped codes)."""
     if book.name not in _TABLES:
         # Real tensors even when first asked inside a FakeTensorMode trace (leanopt.plan): a
-        # fake table must not be cached for the real steps after it.
-        with unset_fake_temporarily():
+        # fake table must not be cached for the real steps after it; and real values, with no
+        # dispatch mode in the way (the plan's storage tracker answers every data-dependent
+        # scalar with 1 or True).
+        with unset_fake_temporarily(), _disable_current_modes():
             _TABLES[book.name] = _tables(_build(book.name, torch.device("cpu")))
     return _TABLES[book.name]
 
 
-def _tables(book: Any) -> tuple[Tensor, Tensor, Tensor, int, int] | None:
+def _tables(book: Any) -> Tables | None:
     from leanopt.kernels.cpu_elementwise import midpoints_below_buckets
 
     thresholds = book.thresholds.to(device="cpu", dtype=torch.float32)
     below, finite, usable = midpoints_below_buckets(thresholds)
+    # Every top-16-bit prefix as (sign, exponent, 7 mantissa bits); |y| <= 1: exponents <= 127.
+    full = below.view(2, 256, 128)[:, :128]
+    assert bool(finite.view(2, 256, 128)[:, :128].all())
+    # The lowest exponent row, per sign, holding an answer other than that of +-0: every row
+    # below the table's bottom row (and that row) gives the same answer, so clamping is exact.
+    differs = (full != full[:, :1, :1]).any(dim=2)
+    first = min(int(row.nonzero()[0]) if bool(row.any()) else 127 for row in differs)
+    low = max(first - 1, 0)
+    kept = full[:, low:]
+    if not usable or int(kept.max()) > 255:
+        return None
     last = thresholds.numel()
-    padded = torch.cat([thresholds, torch.full((max(16, 256 - last),), float("inf"))])
+    padded = torch.cat([thresholds, torch.full((max(16, 256 - last),), float("inf"))]).contiguous()
     values = book.values.to(device="cpu", dtype=torch.float32).contiguous()
-    # NaN buckets: any in-range index (y is always finite here).
-    buckets = torch.where(finite, below, 0).to(torch.int32).contiguous()
-    return (values, padded.contiguous(), buckets, int(book.zero_index), last) if usable else None
+    buckets = torch.cat([kept.reshape(-1).to(torch.uint8), torch.zeros(4, dtype=torch.uint8)])
+    bits = int(values.numel()).bit_length() - 1
+    tree = eytzinger(torch.cat([thresholds, torch.full(((1 << bits) - 1 - last,), float("inf"))]))
+    return Tables(values, padded, tree, buckets, low, int(book.zero_index), last)
+
+
+def eytzinger(ordered: Tensor) -> Tensor:
+    """The ``2^L - 1`` sorted keys as a complete binary search tree in one array: node ``j``
+    (from 1; entry 0 is +inf, unused) has children ``2j`` and ``2j + 1``. Descending from node
+    1, right where the node is ``< y``, ends at leaf ``2^L + `` the number of keys below ``y``."""
+    n = ordered.numel()
+    assert (n + 1) & n == 0, "2^L - 1 keys"
+    out = torch.full((n + 1,), float("inf"), dtype=ordered.dtype)
+    keys = iter(ordered.tolist())
+
+    def fill(j: int) -> None:  # in-order: left subtree, node, right subtree
+        if j <= n:
+            fill(2 * j)
+            out[j] = next(keys)
+            fill(2 * j + 1)
+
+    fill(1)
+    return out
 
 
 _RULE_IDS = {"adamw": 0, "lion": 2, "ademamix": 3}
@@ -495,6 +851,28 @@ def takes(rule: Any, p: Tensor, g: Tensor, states: Sequence[Any], hp: Mapping[st
     return available()
 
 
+def takes_dense(rule: Any, p: Tensor, g: Tensor, states: Sequence[Tensor], hp: Mapping[str, Any]) -> bool:
+    """Whether :func:`dense` runs this param: a known rule, real (not fake) contiguous fp32 CPU
+    param, gradient and states of the param's size, and the extension available."""
+    if _off or _rule_id(rule, hp) is None:
+        return False
+    for t in (p, g, *states):
+        if not isinstance(t, Tensor) or t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous():
+            return False
+        if t.numel() != p.numel() or is_fake(t):
+            return False
+    return available()
+
+
+def dense(rule: Any, p: Tensor, g: Tensor, states: Sequence[Tensor], step: int, hp: Mapping[str, Any], safe: bool) -> None:
+    """One param's step with dense fp32 states, in place (:func:`takes_dense` params): the
+    rule of :func:`leanopt.kernels.reference.rule_step_`, skipping elements in safe mode."""
+    module = _module()
+    assert module is not None, build_error()
+    module.step_dense(_rule_id(rule, hp), bool(hp["maximize"]), bool(safe), p, g, list(states),
+                      [float(c) for c in rule.scalars(hp, step, safe)])  # fmt: skip
+
+
 def step_blocks(rule: Any, p: Tensor, g: Tensor, states: Sequence[Any], step: int, hp: Mapping[str, Any],
                 offset: int, blocks: int) -> None:  # fmt: skip
     """The first ``blocks`` whole blocks of one param (flat, contiguous fp32 ``p``/``g``) and
@@ -510,10 +888,10 @@ def step_blocks(rule: Any, p: Tensor, g: Tensor, states: Sequence[Any], step: in
     module.step_blocks(
         _rule_id(rule, hp), fmt.bits, bs, bool(hp["maximize"]), p[:n], g[:n],
         [q.codes[:cb] for q in states], [q.absmax[:blocks] for q in states],
-        [t[0] for t in tabs], [t[1] for t in tabs], [t[2] for t in tabs],
-        [t[3] for t in tabs], [t[4] for t in tabs], [int(k.decays) for k in kinds],
+        [t.values for t in tabs], [t.thresholds for t in tabs], [t.tree for t in tabs], [t.buckets for t in tabs],
+        [t.low for t in tabs], [t.zero for t in tabs], [t.last for t in tabs], [int(k.decays) for k in kinds],
         int(step), int(offset), [float(c) for c in rule.scalars(hp, step, True)],
-        float(DECAY_PROGRESS), float(DECAY_GROWTH_RATIO),
+        float(DECAY_PROGRESS), float(DECAY_GROWTH_RATIO), not _portable,
     )  # fmt: skip
 
 
