@@ -301,3 +301,20 @@ def test_dense_not_taken_for_other_layouts() -> None:
         assert not cpu_native.takes_dense(rule, fp, mode.from_tensor(g), [torch.zeros_like(fp)] * 2, hp)
     with cpu_native.disabled():
         assert not cpu_native.takes_dense(rule, p, g, [torch.zeros(8, 8), torch.zeros(8, 8)], hp)
+
+
+def test_the_kernel_refuses_tensors_it_cannot_address() -> None:
+    """The kernel takes addresses: a short, strided or mistyped tensor is a ValueError naming
+    it, and nothing is written."""
+    rule, hp = ADAMW, _hp("adamw", False)
+    p, g = torch.randn(512), torch.randn(512)
+    before = p.clone()
+    with pytest.raises(ValueError, match="state must be a contiguous CPU torch.float32 tensor of >= 512"):
+        cpu_native.dense(rule, p, g, [torch.zeros(512), torch.zeros(511)], 1, hp, True)
+    with pytest.raises(ValueError, match="grad must be"):
+        cpu_native.dense(rule, p, torch.randn(512, 2)[:, 0], [torch.zeros(512), torch.zeros(512)], 1, hp, True)
+    states = [BlockFormat(c, 256).zeros((512,), "cpu") for c in _CODES[("adamw", 8)]]
+    states[1].absmax = states[1].absmax[:1]
+    with pytest.raises(ValueError, match="absmax must be"):
+        cpu_native.step_blocks(rule, p, g, states, 1, hp, 0, 2)
+    assert torch.equal(p, before)
