@@ -905,7 +905,7 @@ def takes_dense(rule: Any, p: Tensor, g: Tensor, states: Sequence[Tensor], hp: M
 def _addr(t: Tensor, dtype: torch.dtype, numel: int, what: str) -> int:
     """``t.data_ptr()`` once ``t`` is a contiguous CPU tensor of ``dtype`` with at least
     ``numel`` elements: the kernel takes addresses, so nothing else may reach it."""
-    if t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous() or t.numel() < numel:
+    if not t.is_cpu or t.dtype != dtype or not t.is_contiguous() or t.numel() < numel:
         raise ValueError(f"native kernel: {what} must be a contiguous CPU {dtype} tensor of >= {numel} elements, "
                          f"got {t.dtype} {tuple(t.shape)} on {t.device}{'' if t.is_contiguous() else ', strided'}")  # fmt: skip
     return t.data_ptr()
@@ -929,22 +929,39 @@ def step_blocks(rule: Any, p: Tensor, g: Tensor, states: Sequence[Any], step: in
     its quantized ``states``, in place."""
     module = _module()
     assert module is not None, build_error()
-    fmt = states[0].format
-    bs = fmt.block_size
+    rid = _rule_id(rule, hp)
+    fixed = _fixed_args(rule, rid, hp, tuple(q.format for q in states))
+    bits, bs, cb_per_block = fixed[1], fixed[2], fixed[3]
     n = blocks * bs
-    kinds = rule.states(hp)
-    tabs = [tables(q.format.book("cpu")) for q in states]
-    if any(q.format.bits != fmt.bits or q.format.block_size != bs for q in states) or any(t is None for t in tabs):
-        raise ValueError("native kernel: the states must share one bit width and block size, with tables")
-    cb, f32, u8 = fmt.code_bytes(n), torch.float32, torch.uint8
+    f32, u8 = torch.float32, torch.uint8
     module.step_blocks(
-        _rule_id(rule, hp), fmt.bits, bs, bool(hp["maximize"]), _addr(p, f32, n, "param"), _addr(g, f32, n, "grad"),
-        blocks, [_addr(q.codes, u8, cb, "codes") for q in states], [_addr(q.absmax, f32, blocks, "absmax") for q in states],
-        [t.values.data_ptr() for t in tabs], [t.thresholds.data_ptr() for t in tabs], [t.tree.data_ptr() for t in tabs],
-        [t.buckets.data_ptr() for t in tabs], [t.low for t in tabs], [t.zero for t in tabs], [t.last for t in tabs],
-        [int(k.decays) for k in kinds], int(step), int(offset), [float(c) for c in rule.scalars(hp, step, True)],
+        rid, bits, bs, bool(hp["maximize"]), _addr(p, f32, n, "param"), _addr(g, f32, n, "grad"), blocks,
+        [_addr(q.codes, u8, blocks * cb_per_block, "codes") for q in states],
+        [_addr(q.absmax, f32, blocks, "absmax") for q in states], *fixed[4:],
+        int(step), int(offset), [float(c) for c in rule.scalars(hp, step, True)],
         float(DECAY_PROGRESS), float(DECAY_GROWTH_RATIO), not _portable,
     )  # fmt: skip
+
+
+# What step_blocks passes that depends only on the rule and the states' formats, per
+# (rule, rule id, formats): the tables' addresses and numbers. Each entry holds its Tables,
+# so the addresses stay valid even if the tables cache is emptied (leanopt.plan's trace does).
+_FIXED: dict[tuple, tuple] = {}
+
+
+def _fixed_args(rule: Any, rid: int | None, hp: Mapping[str, Any], formats: tuple) -> tuple:
+    key = (rule.name, rid, formats)
+    fixed = _FIXED.get(key)
+    if fixed is None:
+        fmt = formats[0]
+        tabs = [tables(f.book("cpu")) for f in formats]
+        if any(f.bits != fmt.bits or f.block_size != fmt.block_size for f in formats) or any(t is None for t in tabs):
+            raise ValueError("native kernel: the states must share one bit width and block size, with tables")
+        ptrs = [[getattr(t, name).data_ptr() for t in tabs] for name in ("values", "thresholds", "tree", "buckets")]
+        numbers = [[t.low for t in tabs], [t.zero for t in tabs], [t.last for t in tabs]]
+        decays = [int(k.decays) for k in rule.states(hp)]
+        fixed = _FIXED[key] = (tabs, fmt.bits, fmt.block_size, fmt.code_bytes(fmt.block_size), *ptrs, *numbers, decays)
+    return fixed
 
 
 def quantized(rule: Any, params, grads, states, steps: Sequence[int], hp: Mapping[str, Any],
