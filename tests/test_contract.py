@@ -842,3 +842,20 @@ def test_compiled_training_step_matches_eager_every_step(case: OptimizerCase, kw
         (eager(mlp_batch(step)) * target).sum().backward()
         eager_opt.step()
         _assert_same_as_eager(case, f"{kwargs} compiled forward+backward+step", step, model, eager)
+
+
+@every_backend_and_torch
+def test_step_is_an_in_place_update_autograd_sees(case: OptimizerCase, backend: str | None) -> None:
+    # torch's optimizers update params with in-place ops, which bump their version counters, so
+    # a backward through a graph that saved a param the step has changed raises instead of
+    # using the new values. Kernels that write a param's memory directly (the native CPU
+    # kernel, Triton) must bump the counter themselves.
+    params = weights(3)
+    loss = sum((p * p).sum() for p in params)  # saves every param for backward
+    loss.backward(retain_graph=True)
+    versions = [p._version for p in params]
+    make(case, params, backend).step()
+    moved = [i for i, (p, v) in enumerate(zip(params, versions)) if p._version == v]
+    assert not moved, f"{case.name} backend={backend}: params {moved} changed without a version bump"
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

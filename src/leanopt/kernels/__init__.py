@@ -176,6 +176,7 @@ def step(backend: str, rule, tables, key: str, params, grads, states, steps: Seq
     offsets = [0] * len(params) if offsets is None else list(offsets)
     n = max((len(s) for s in states), default=0)
     columns = [[s[j] for s in states] for j in range(n)]
+    updated = list(params)
     with row_major([params, grads, *columns], read_only=(1,)) as lists:
         params, grads, columns = lists[0], lists[1], lists[2:]
         states = [[c[i] for c in columns] for i in range(len(params))]
@@ -205,6 +206,18 @@ def step(backend: str, rule, tables, key: str, params, grads, states, steps: Seq
                 else:
                     triton_elementwise.quantized(rule, tables, key, pick(params), pick(grads), pick(states), pick(steps), hp,
                                                  pick(offsets))  # fmt: skip
+    bump_versions(updated)
+
+
+def bump_versions(params: Sequence[Any]) -> None:
+    """Mark ``params`` as modified in place, as a torch in-place op would: their autograd
+    version counters go up, so a backward through a graph that saved one of them (its old
+    value) raises instead of silently using the new one. The native CPU kernel and the Triton
+    kernels write a param's memory directly, which bumps nothing; bumping twice (after a
+    ``copy_``) is harmless. Inference tensors have no counter and are left alone."""
+    tensors = [p for p in params if isinstance(p, torch.Tensor) and not p.is_inference()]
+    if tensors:
+        torch._C._increment_version(tensors)
 
 
 def adafactor(
@@ -217,6 +230,7 @@ def adafactor(
     """
     with row_major([params, grads, exp_avgs, exp_avg_sq_rows, exp_avg_sq_cols, exp_avg_sqs], read_only=(1,)) as lists:
         _adafactor(backend, tables, key, *lists, steps, **hp)
+    bump_versions(params)
 
 
 def _adafactor(
