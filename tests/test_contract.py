@@ -5,7 +5,8 @@ driven by ``OptimizerInfo`` entries in ``torch/testing/_internal/common_optimize
 are our own equivalents of its checks that ``test_generic.py`` does not already make:
 non-contiguous params, complex params, ``torch.compile``, validation of loaded groups and
 states, tensor learning rates, check-before-change on bad gradients, non-param keys in
-``optimizer.state``, old state dicts, and the hook / state_dict / param-group contract.
+``optimizer.state``, old state dicts, the hook / state_dict / param-group contract, and a step
+that autograd sees as an in-place update (version counters).
 
 Where a check applies to ``torch.optim.AdamW`` as well, the same test also runs it (id
 ``torch_adamw_sanity``): it must pass there, which shows the harness itself is right.
