@@ -22,7 +22,7 @@ inputs here, the kernel's is correctly rounded (as Inductor's is), so an update 
 an ulp (tests/test_cpu_native.py).
 
 Built on first use with :func:`torch.utils.cpp_extension.load` (``-O3 -march=native``; the
-source includes pybind11 and ``ATen/Parallel.h`` only, so a cold build takes ~5 s) and cached
+source includes pybind11 and ``ATen/Parallel.h`` only, so a cold build takes ~8 s) and cached
 by torch under a name keyed on the source and the host's CPU flags. If anything
 fails (no compiler, no headers), :func:`available` is False and :func:`build_error` says why:
 importing this module never builds and never fails.
@@ -559,7 +559,7 @@ void run_dense(float* p, const float* g, float* const* st, int64_t n, bool maxim
 // ---- entry points --------------------------------------------------------------------------
 // Tensors arrive as addresses (Tensor.data_ptr()); leanopt.kernels.cpu_native checks their
 // dtype, layout and size before calling. Only pybind11 and ATen/Parallel.h are included, not
-// torch/extension.h: the cold build takes ~5 s instead of ~18 s.
+// torch/extension.h: the cold build takes ~8 s instead of ~18 s.
 #define LEANOPT_CHECK(cond, msg) do { if (!(cond)) throw std::invalid_argument(msg); } while (0)
 
 template <typename T> inline T* at_addr(int64_t a) { return reinterpret_cast<T*>(static_cast<uintptr_t>(a)); }
