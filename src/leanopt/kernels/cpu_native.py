@@ -192,33 +192,19 @@ inline __m512 lookup256(__m512i ix, const float* __restrict table) {
   return _mm512_mask_blend_ps(b7, a, b);
 }
 
-// The number of midpoints below each of 16 y (torch.searchsorted), by a branch-free descent of
-// the 2^BITS - 1 midpoints laid out as a complete binary tree (node j's children 2j, 2j + 1):
-// each level's nodes fit one or a few registers, so every step is a permute, not a load.
-template <int BITS>
-inline __m512i search(__m512 yv, const float* __restrict eyt) {
+// The number of midpoints below each of 16 y (torch.searchsorted) for a 4-bit code: a
+// branch-free descent of its 15 midpoints laid out as a complete binary tree (node j's
+// children 2j, 2j + 1), all in one register, so every step is a permute, not a load. (For
+// 8-bit codes the eight steps, 12 permutes, measured slower than the bucket table.)
+inline __m512i search4(__m512 yv, const float* __restrict tree) {
   const __m512i one = _mm512_set1_epi32(1);
+  const __m512 nodes = _mm512_loadu_ps(tree);  // entry 0 unused
   __m512i j = one;
-  auto down = [&](__m512 node) {
+  for (int d = 0; d < 4; ++d) {
     __m512i twice = _mm512_add_epi32(j, j);
-    j = _mm512_mask_add_epi32(twice, _mm512_cmp_ps_mask(node, yv, _CMP_LT_OQ), twice, one);
-  };
-  const __m512 top = _mm512_loadu_ps(eyt);  // nodes 1..15
-  for (int d = 0; d < 4; ++d) down(_mm512_permutexvar_ps(j, top));
-  if (BITS == 8) {
-    down(_mm512_permutexvar_ps(j, _mm512_loadu_ps(eyt + 16)));
-    down(_mm512_permutex2var_ps(_mm512_loadu_ps(eyt + 32), j, _mm512_loadu_ps(eyt + 48)));
-    const __mmask16 b5 = _mm512_test_epi32_mask(j, _mm512_set1_epi32(32));
-    down(_mm512_mask_blend_ps(b5, _mm512_permutex2var_ps(_mm512_loadu_ps(eyt + 64), j, _mm512_loadu_ps(eyt + 80)),
-                              _mm512_permutex2var_ps(_mm512_loadu_ps(eyt + 96), j, _mm512_loadu_ps(eyt + 112))));
-    __m512 r[4];
-    for (int q = 0; q < 4; ++q)
-      r[q] = _mm512_permutex2var_ps(_mm512_loadu_ps(eyt + 128 + 32 * q), j, _mm512_loadu_ps(eyt + 144 + 32 * q));
-    const __mmask16 c5 = _mm512_test_epi32_mask(j, _mm512_set1_epi32(32));
-    const __mmask16 c6 = _mm512_test_epi32_mask(j, _mm512_set1_epi32(64));
-    down(_mm512_mask_blend_ps(c6, _mm512_mask_blend_ps(c5, r[0], r[1]), _mm512_mask_blend_ps(c5, r[2], r[3])));
+    j = _mm512_mask_add_epi32(twice, _mm512_cmp_ps_mask(_mm512_permutexvar_ps(j, nodes), yv, _CMP_LT_OQ), twice, one);
   }
-  return _mm512_sub_epi32(j, _mm512_set1_epi32(1 << BITS));
+  return _mm512_sub_epi32(j, _mm512_set1_epi32(16));
 }
 
 // A code book's value (or midpoint) table at 16 indices: one permute for 4-bit codes.
@@ -309,7 +295,7 @@ inline void nearest(const float* __restrict x, float scale, const Book& bk, int3
       __m512 yv = _mm512_div_ps(_mm512_loadu_ps(x + i), s);
       _mm512_storeu_ps(y + i, yv);
       if (BITS == 4) {
-        _mm512_storeu_si512((void*)(idx + i), search<BITS>(yv, bk.eyt));
+        _mm512_storeu_si512((void*)(idx + i), search4(yv, bk.eyt));
         continue;
       }
       __m512i b = _mm512_castps_si512(yv);
@@ -792,7 +778,7 @@ class Tables(NamedTuple):
 
     values: Tensor  # fp32, 2^bits decode values
     thresholds: Tensor  # fp32 midpoints, padded with +inf to >= 256 entries
-    tree: Tensor  # the midpoints (+inf-padded to 2^bits - 1) as a binary tree from index 1 (see eytzinger)
+    tree: Tensor  # the midpoints (+inf-padded to 2^bits - 1) as a binary tree from index 1 (eytzinger); read for 4-bit codes
     buckets: Tensor  # uint8, plus 4 bytes of padding (32-bit gathers)
     low: int
     zero: int  # the code of 0
