@@ -14,7 +14,9 @@ is eight two-register permutes and a blend (a vector gather loads lane by lane a
 cycle per element here); the nearest 4-bit code is four permute steps down a binary tree of
 the midpoints, the nearest 8-bit code one gather from an L1-sized bucket table. These loops
 compute the same fp32 operations as the portable ones, which run elsewhere (and the last
-``block % 16`` elements of each block): the two agree bit for bit (:func:`portable`, tests). The maths is fp32 with every schedule scalar rounded to fp32 and no contraction into FMAs
+``block % 16`` elements of each block): the two agree bit for bit (:func:`portable`, tests).
+
+The maths is fp32 with every schedule scalar rounded to fp32 and no contraction into FMAs
 except where torch's own kernel uses one (``lerp``), so it follows
 :func:`~leanopt.kernels.reference.rule_step_` operation by operation -- except ``sqrt``: torch's
 CPU ``sqrt`` goes through MKL's VML and is one ulp off the correctly rounded root on ~20 % of
@@ -33,8 +35,9 @@ failed build falls back to that graph with one warning. The same rules over dens
 (a low-bit optimizer's params below ``min_quant_size``; Lion, AdEMAMix and safe-mode AdamW in
 fp32) run in :func:`dense` (:func:`leanopt.kernels.cpu_elementwise.dense` sends them): the
 element loop in chunks of 256, so no Inductor compile on the first step (AdamW8bit's first
-step was 2.2 s, all of it compiling the dense graph for its small params). ``LEANOPT_NO_NATIVE=1`` (read at the
-first build) or :func:`disabled` (tests) turns the kernel off. Under ``FakeTensorMode`` (memory
+step was 2.2 s, all of it compiling the dense graph for its small params).
+``LEANOPT_NO_NATIVE=1`` (read at the first build) or :func:`disabled` (tests) turns the kernel
+off. Under ``FakeTensorMode`` (memory
 planning) a native update is in place and allocates nothing of the param's size, so nothing
 runs for the whole blocks.
 """
@@ -86,7 +89,7 @@ struct Book {
   uint8_t* codes;          // this param's codes (whole blocks)
   float* absmax;           // one scale per block
   const float* values;     // 2^bits decode values
-  const float* thr;        // midpoints, padded with +inf to >= last + 1 entries
+  const float* thr;        // midpoints, padded with +inf to >= 256 entries
   const float* eyt;        // midpoints as a complete binary search tree (Eytzinger order, from 1)
   const uint8_t* bucket;   // midpoints below each bucket (bucket_key), + 3 bytes of padding
   int lo, rows;            // bucket_key's exponent rows: lo .. lo + rows - 1
@@ -99,7 +102,7 @@ struct Consts {
   float progress, growth;
   uint32_t step_term;
   int64_t offset;
-  bool vec;                // the AVX-512 loops where compiled in (false: the portable loops, tests)
+  bool vec;                // run the AVX-512 loops (false where not compiled in, and in tests' portable())
 };
 
 inline uint32_t fbits(float x) { uint32_t b; std::memcpy(&b, &x, 4); return b; }
@@ -284,9 +287,14 @@ inline void nearest(const float* __restrict x, float scale, const Book& bk, int3
   const float* __restrict thr = bk.thr;
   int i = 0;
 #ifdef LEANOPT_AVX512
-  if (vec) {
-    // 4-bit: four permute steps down the tree. 8-bit: the eight steps take longer than one
-    // gather from the bucket table (in L1) and one permuted read of the midpoint above.
+  if (vec && BITS == 4) {  // four permute steps down the midpoint tree
+    const __m512 s = _mm512_set1_ps(scale);
+    for (; i + 16 <= bs; i += 16) {
+      __m512 yv = _mm512_div_ps(_mm512_loadu_ps(x + i), s);
+      _mm512_storeu_ps(y + i, yv);
+      _mm512_storeu_si512((void*)(idx + i), search4(yv, bk.eyt));
+    }
+  } else if (vec) {  // one gather from the bucket table (in L1), one permuted read of the midpoint above
     const __m512 s = _mm512_set1_ps(scale);
     const __m512i lo = _mm512_set1_epi32(bk.lo), hi = _mm512_set1_epi32(bk.lo + bk.rows - 1);
     const __m512i ff = _mm512_set1_epi32(0xFF), m7 = _mm512_set1_epi32(0x7F), one = _mm512_set1_epi32(1);
@@ -294,10 +302,6 @@ inline void nearest(const float* __restrict x, float scale, const Book& bk, int3
     for (; i + 16 <= bs; i += 16) {
       __m512 yv = _mm512_div_ps(_mm512_loadu_ps(x + i), s);
       _mm512_storeu_ps(y + i, yv);
-      if (BITS == 4) {
-        _mm512_storeu_si512((void*)(idx + i), search4(yv, bk.eyt));
-        continue;
-      }
       __m512i b = _mm512_castps_si512(yv);
       __m512i e = _mm512_min_epi32(_mm512_max_epi32(_mm512_and_si512(_mm512_srli_epi32(b, 23), ff), lo), hi);
       __m512i key = _mm512_add_epi32(_mm512_slli_epi32(_mm512_sub_epi32(e, lo), 7),
@@ -502,7 +506,7 @@ void run(float* p, const float* g, Book* books, int64_t nblocks, int bs, bool ma
         float safe = scale > 0.0f ? scale : 1.0f;
         nearest<BITS>(nw[s], safe, bk, idx, y, bs, k.vec);
         if (bk.decays && zeros) {
-          if (!dithered && kAvx512 && k.vec) dither_block(u, k.offset + blk * bs, k.step_term, bs, true);
+          if (!dithered && k.vec) dither_block(u, k.offset + blk * bs, k.step_term, bs, true);
           dithered = true;
           decay_block<BITS>(idx, y, old[s], gbuf, u, safe, k.offset + blk * bs, bk, k, bs);
         }
@@ -597,7 +601,7 @@ void step_blocks(int64_t rule, int64_t bits, int64_t block, bool maximize, int64
   k.growth = (float)growth;
   k.step_term = step_term(step);
   k.offset = offset;
-  k.vec = vec;
+  k.vec = vec && kAvx512;
   float* pp = at_addr<float>(p);
   const float* gp = at_addr<const float>(g);
   int bs = (int)block;
@@ -615,16 +619,10 @@ void step_blocks(int64_t rule, int64_t bits, int64_t block, bool maximize, int64
 // dither_block's numbers for elements base .. base + n - 1 at a step, into out (tests).
 void dither_values(int64_t out, int64_t base, int64_t n, int64_t step, bool vec) {
   LEANOPT_CHECK(n >= 0 && n < (1 << 30), "bad size");
-  dither_block(at_addr<float>(out), base, step_term(step), (int)n, vec);
+  dither_block(at_addr<float>(out), base, step_term(step), (int)n, vec && kAvx512);
 }
 
-bool avx512() {
-#ifdef LEANOPT_AVX512
-  return true;
-#else
-  return false;
-#endif
-}
+bool avx512() { return kAvx512; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
@@ -767,8 +765,10 @@ class Tables(NamedTuple):
     """A code book as the kernel reads it. The nearest code of a finite ``y`` with ``|y| <= 1``
     is ``torch.searchsorted(midpoints, y)``: the kernel finds it
 
-    * for 4-bit codes, by descending ``tree`` (:func:`eytzinger`) four levels;
-    * for 8-bit codes (and in the portable loops), as ``k + (thresholds[k] < y)`` where
+    * for 4-bit codes, by descending ``tree`` (:func:`eytzinger`) four levels in the AVX-512
+      loops, by counting the 15 midpoints below ``y`` in the portable ones (``buckets`` is
+      unused for them);
+    * for 8-bit codes, as ``k + (thresholds[k] < y)`` where
       ``k = buckets[key]`` is the number of midpoints below ``y``'s bucket. ``key``
       (``bucket_key`` in the kernel) is the fp32's sign, its exponent clamped to ``low .. 127``
       and its top 7 mantissa bits: ``2 * (128 - low) * 128`` uint8 entries, 6-12 KB for the
