@@ -136,11 +136,11 @@ def test_tables_first_made_in_a_memory_trace_are_real(monkeypatch) -> None:
     # native kernel's tables, cached for the real steps after, must still be real tensors.
     from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 
-    from leanopt.memory.plan_trace import isolated_kernel_caches
+    from leanopt.memory.plan_trace import traced_kernels
 
     monkeypatch.setattr(cpu_native, "_TABLES", {})
     fmt = BlockFormat("pow3-s8", 256)
-    with isolated_kernel_caches(), FakeTensorMode():
+    with traced_kernels(), FakeTensorMode():
         book = fmt.book("cpu")
         assert is_fake(book.values)
         inside = cpu_native.tables(book)

@@ -172,12 +172,13 @@ def _released_direct(model, optimizer, precision, rounding, ckpt, batch, seq) ->
     optimizer stepping inside backward (its state made by a first, plain step)."""
     import leanopt
     from leanopt.memory import plan as P
-    from leanopt.memory.plan_trace import LiveStorage, isolated_kernel_caches, state_tensors, track_module, traced_forward_backward
+    from leanopt.memory.plan_trace import LiveStorage, state_tensors, track_module, traced_forward_backward, traced_kernels
 
     fake_mode, tracker = P._fake_mode(), LiveStorage()
-    with P._fake_weights(model, fake_mode, P._PARAM_DTYPE[precision]) as params, P._checkpointing(model, ckpt):
+    model, params = P._fake_copy(model, fake_mode, P._PARAM_DTYPE[precision])
+    with P._checkpointing(model, ckpt):
         model.train()
-        with isolated_kernel_caches(), fake_mode, tracker:
+        with traced_kernels(), fake_mode, tracker:
             track_module(tracker, model)
             opt = P._optimizer_factory(optimizer, rounding)(params)
             for p in params:

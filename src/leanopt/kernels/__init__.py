@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from leanopt import tracing
+
 BACKENDS = ("auto", "reference", "cpu", "triton")
 
 
@@ -34,7 +36,14 @@ def check_backend(backend: str) -> str:
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """The backend that runs for tensors on ``device`` when ``backend`` was asked for."""
+    """The backend that runs for tensors on ``device`` when ``backend`` was asked for (inside a
+    trace of a GPU step, :mod:`leanopt.tracing`: the one a GPU would run)."""
+    trace = tracing.active()
+    if trace is not None and trace.device == "cuda":
+        check_backend(backend)
+        if backend == "cpu":
+            raise RuntimeError("backend='cpu' got tensors on cuda")
+        return "triton" if backend in ("auto", "triton") else backend
     if backend == "auto":
         # Under TRITON_INTERPRET=1 (how the tests run kernels on the CPU) Triton's interpreter
         # would read CUDA addresses on the host: CUDA tensors take the reference instead.
@@ -127,10 +136,13 @@ def select(backend: str, rule: str, p: torch.Tensor, g: torch.Tensor, states: Se
     (``"adafactor"`` or a name of :data:`leanopt.kernels.rules.RULES`) when ``backend`` was
     asked for. ``p``, ``g`` and ``states`` are the local, row-major tensors the kernels see
     (``None`` for a state the param lacks). The only place a backend is chosen: anything a fast
-    path does not take runs the reference.
+    path does not take runs the reference. Inside a trace (:mod:`leanopt.tracing`)
+    it decides for fake tensors what it decides for plain ones of their shapes and dtypes.
     """
     from leanopt.quant import QuantizedState
 
+    if tracing.active() is not None:
+        p, g, states = tracing.as_if_real(p), tracing.as_if_real(g), [tracing.as_if_real(s) for s in states]
     resolved = resolve_backend(backend, p.device)
     plain = type(p) in (torch.Tensor, torch.nn.Parameter) and type(g) is torch.Tensor
     if resolved == "reference" or not plain or p.numel() == 0 or g.shape != p.shape:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
 import types
 from collections.abc import Callable
@@ -19,6 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from leanopt import tracing
+from leanopt.environment import flag
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +27,14 @@ log = logging.getLogger(__name__)
 COMPILE_ERROR: str | None = None
 
 
-def _compile_disabled() -> bool:
-    return os.environ.get("LEANOPT_NO_COMPILE", "") not in ("", "0")
+def compile_disabled() -> bool:
+    """Whether ``LEANOPT_NO_COMPILE`` (a boolean: :func:`leanopt.environment.flag`) asks the
+    rules to run eagerly; a value that is not a boolean is a ``ValueError``."""
+    return flag("LEANOPT_NO_COMPILE")
+
+
+# Set once the eager fallback has been announced: one line per process, not one per rule.
+_told_eager: list[bool] = []
 
 
 def compiled(fn: Callable[..., Any], dynamic: bool | None = True) -> Callable[..., Any]:
@@ -41,8 +48,13 @@ def compiled(fn: Callable[..., Any], dynamic: bool | None = True) -> Callable[..
         impl = state.get("impl")
         if impl is None:
             impl = fn
-            if not _compile_disabled():
+            if not compile_disabled():
                 impl = torch.compile(fn, dynamic=dynamic, fullgraph=True)
+            elif not _told_eager:
+                _told_eager.append(True)
+                # Silence here once cost a 5-7x slower low-bit step nobody could see (issue 20).
+                log.warning("leanopt: LEANOPT_NO_COMPILE is set: the CPU update rules run eagerly, "
+                            "several times slower than compiled (unset it, or set it to 0, to compile them)")
             state["impl"] = impl
         if impl is fn:
             return fn(*args, **kwargs)
@@ -102,14 +114,14 @@ def compiled_per_dtypes(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 # Scratch buffers of the CPU paths, reused step after step (no page faults from fresh
-# allocations); memory planning empties the pool around its trace.
+# allocations); a memory trace has a pool of its own (leanopt.tracing).
 _workspaces = threading.local()
 
 
 def workspace(slot: int, numel: int, dtype: torch.dtype) -> Tensor:
     """A reused flat buffer of at least ``numel`` elements (one per thread, slot and dtype)."""
     key = (slot, dtype)
-    pool = _workspaces.__dict__.setdefault("pool", {})
+    pool = tracing.cache(_workspaces.__dict__.setdefault("pool", {}))
     buf = pool.get(key)
     if buf is None or buf.numel() < numel:
         buf = pool[key] = torch.empty(numel, dtype=dtype)

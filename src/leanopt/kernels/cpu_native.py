@@ -25,9 +25,13 @@ an ulp (tests/test_cpu_native.py).
 
 Built on first use with :func:`torch.utils.cpp_extension.load` (``-O3 -march=native``; the
 source includes pybind11 and ``ATen/Parallel.h`` only, so a cold build takes ~8 s) and cached
-by torch under a name keyed on the source and the host's CPU flags. If anything
-fails (no compiler, no headers), :func:`available` is False and :func:`build_error` says why:
-importing this module never builds and never fails.
+under a name keyed on the source and what the compiler makes of ``-march=native`` here
+(:func:`_name`). The build survives its own failures (issue 20): a build killed mid-way never
+blocks the next process (:func:`_build_lock`), a damaged cached library is rebuilt, not loaded
+(its size and hash are recorded at build time), and no process waits more than
+``_BUILD_WAIT_S`` for another's build. If anything fails (no compiler, no headers, that wait),
+:func:`available` is False and :func:`build_error` says why: importing this module never builds
+and never fails.
 
 :func:`leanopt.kernels.cpu_elementwise.quantized` runs the params :func:`takes` accepts here
 (fp32 params and gradients, any rule of the three) and the others in its compiled graph; a
@@ -36,8 +40,8 @@ failed build falls back to that graph with one warning. The same rules over dens
 fp32) run in :func:`dense` (:func:`leanopt.kernels.cpu_elementwise.dense` sends them): the
 element loop in chunks of 256, so no Inductor compile on the first step (AdamW8bit's first
 step was 2.2 s, all of it compiling the dense graph for its small params).
-``LEANOPT_NO_NATIVE=1`` (read at the first build) or :func:`disabled` (tests) turns the kernel
-off. Under ``FakeTensorMode`` (memory
+``LEANOPT_NO_NATIVE`` (a boolean, read at the first build, with one warning when on:
+docs/environment.md) or :func:`disabled` (tests) turns the kernel off. Under ``FakeTensorMode`` (memory
 planning) a native update is in place and allocates nothing of the param's size, so nothing
 runs for the whole blocks.
 """
@@ -45,19 +49,34 @@ runs for the whole blocks.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+import json
 import logging
 import os
+import platform
+import shlex
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; torch's baton is then waited for, boundedly
+    fcntl = None  # type: ignore[assignment]
 
 import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from torch.utils._python_dispatch import _disable_current_modes
 
+from leanopt import tracing
+from leanopt.environment import flag
+from leanopt.kernels import reference
+from leanopt.quant import codebooks
 from leanopt.quant.codebooks import _build
 from leanopt.quant.formats import DECAY_GROWTH_RATIO, DECAY_PROGRESS
 
@@ -681,21 +700,88 @@ def dither(base: int, n: int, step: int) -> Tensor:
     return out
 
 
-def _name() -> str:
-    """Extension name keyed on the source, the flags and the host's CPU flags (``-march=native``
-    code must not be loaded on another CPU sharing the same cache directory)."""
-    cpu = ""
+# ---- build, cache and load ----------------------------------------------------------------------
+# leanopt's own lock in the build folder, taken before torch's: the kernel frees a flock when
+# its holder dies, so a killed builder never leaves this one behind. Torch's baton (``lock``, a
+# file that exists while a build runs and holds no pid) is only ever created under ours, so
+# finding it while holding ours means its builder died mid-build: it is removed, where torch
+# would wait for it forever (issue 20).
+_LOCK_NAME = "leanopt.lock"
+_BATON_NAME = "lock"
+# The size and SHA-256 of the library the last good build produced, checked before every load:
+# ninja takes a truncated library (an interrupted copy of the cache, a full disk) for up to
+# date, and loading one is a SIGBUS.
+_MANIFEST_NAME = "leanopt_build.json"
+# How long to wait for another process's build (a cold one takes ~8 s) before running without
+# the kernel.
+_BUILD_WAIT_S = 120.0
+# /proc/cpuinfo fields that differ between reads, cores or boots, none of which changes the code
+# the compiler makes: left out of the fallback cache key.
+_VARYING = {"processor", "cpu mhz", "bogomips", "core id", "apicid", "initial apicid", "siblings", "cpu cores",
+            "physical id", "cpu number", "microcode", "bugs", "power management"}  # fmt: skip
+
+
+def _compiler() -> tuple[str, ...]:
+    """The C++ compiler ``load`` builds with (``$CXX``, else ``c++``), as a command."""
+    from torch.utils.cpp_extension import get_cxx_compiler
+
+    return tuple(shlex.split(get_cxx_compiler()))
+
+
+@functools.cache
+def _compiler_target(compiler: tuple[str, ...]) -> str | None:
+    """What ``-march=native`` stands for to ``compiler``: its driver's ``-###`` answer, where gcc
+    and clang spell out the target CPU and every ISA extension they enable for it, on any
+    architecture (x86's cpuinfo ``flags``, aarch64's ``Features``, POWER, z). None if the probe
+    fails. Once per process and compiler (one compiler call)."""
+    try:
+        # In "/" and the C locale: clang prints the working directory, gcc translates its text.
+        probe = subprocess.run([*compiler, "-march=native", "-###", "-E", "-x", "c++", "-"], stdin=subprocess.DEVNULL,
+                               capture_output=True, text=True, timeout=60, cwd="/", env={**os.environ, "LC_ALL": "C"},
+                               check=False)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    answer = (probe.stdout + probe.stderr).strip()
+    return answer if probe.returncode == 0 and answer else None
+
+
+@functools.cache
+def _cpu_description() -> str:
+    """The machine and every /proc/cpuinfo line that names what the CPU is and can do (not its
+    clock or core numbers): the cache key where the compiler cannot be asked."""
+    lines = {platform.machine()}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith(("flags", "model name")):
-                    cpu += line
-                if line.startswith("flags"):
-                    break
+                key, colon, _ = line.partition(":")
+                if colon and key.strip().lower() not in _VARYING:
+                    lines.add(" ".join(line.split()))
     except OSError:
         pass
-    digest = hashlib.sha256((_SOURCE + " ".join(_CFLAGS + _LDFLAGS) + cpu + torch.__version__).encode()).hexdigest()[:12]
-    return f"leanopt_cpu_native_{digest}"
+    return "\n".join(sorted(lines))
+
+
+def _target_key() -> str:
+    """What the ``-march=native`` build depends on: the compiler's expansion of it, or, where
+    that probe fails, the CPU's description."""
+    target = _compiler_target(_compiler())
+    return _cpu_description() if target is None else target
+
+
+def _name() -> str:
+    """Extension name keyed on the source, the flags, what ``-march=native`` means here
+    (:func:`_target_key`: its code must not be loaded on another CPU sharing the cache
+    directory, an NFS home or a docker volume), torch and the Python ABI."""
+    key = "\0".join([_SOURCE, " ".join(_CFLAGS + _LDFLAGS), _target_key(), torch.__version__, sys.implementation.cache_tag])
+    return f"leanopt_cpu_native_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def _build_folder() -> str:
+    """Where the extension is built and cached: ``$TORCH_EXTENSIONS_DIR`` (else torch's default
+    root) / :func:`_name`."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root(), _name())
 
 
 def _module() -> Any | None:
@@ -705,44 +791,135 @@ def _module() -> Any | None:
         if "module" in _state:
             return _state["module"]
         module = None
-        if os.environ.get("LEANOPT_NO_NATIVE", "") not in ("", "0"):
+        if flag("LEANOPT_NO_NATIVE"):
             _state["error"] = "disabled by LEANOPT_NO_NATIVE"
+            log.warning("leanopt: LEANOPT_NO_NATIVE is set: the native CPU kernel is off and low-bit CPU steps run "
+                        "the compiled path, several times slower (unset it, or set it to 0, to use the kernel)")  # fmt: skip
         else:
             start = time.perf_counter()
             try:
                 module = _build_extension()
                 _state["build_seconds"] = time.perf_counter() - start
-            except Exception as err:  # no compiler, no headers, a broken toolchain...
+            except Exception as err:  # no compiler, no headers, a broken toolchain, a build lock held too long...
                 text = str(err).strip().splitlines()
                 _state["error"] = f"{type(err).__name__}: {text[-1] if text else ''}"
-                log.warning("leanopt: building the native CPU kernel failed (%s)", _state["error"])
+                log.warning("leanopt: the native CPU kernel is unavailable, low-bit CPU steps run the slower compiled "
+                            "path (%s)", _state["error"])  # fmt: skip
         _state["module"] = module
         return module
 
 
 def _build_extension() -> Any:
-    """Build (or load the cached build of) the extension. ``load`` with the source written to
-    the build folder rather than ``load_inline``, which would include ``torch/extension.h``
-    (three quarters of the build time): the source includes pybind11 and ATen/Parallel.h only.
-    The file is rewritten only when it differs, so ninja rebuilds only when the source does."""
-    from torch.utils.cpp_extension import get_default_build_root, load
+    """Build (or load the cached build of) the extension, under :func:`_build_lock`; a cached
+    library that does not match what its build recorded is rebuilt from scratch. ``load`` with
+    the source written to the build folder rather than ``load_inline``, which would include
+    ``torch/extension.h`` (three quarters of the build time): the source includes pybind11 and
+    ATen/Parallel.h only. The file is rewritten only when it differs, so ninja rebuilds only
+    when the source does."""
+    from torch.utils.cpp_extension import LIB_EXT, load
 
-    name = _name()
-    folder = os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root(), name)
+    folder = _build_folder()
+    name = os.path.basename(folder)
+    library = os.path.join(folder, name + LIB_EXT)
     os.makedirs(folder, exist_ok=True)
-    source = os.path.join(folder, "cpu_native.cpp")
+    with _build_lock(folder):
+        if not _verified(folder, library):
+            _remove_build(folder, library)
+        source = os.path.join(folder, "cpu_native.cpp")
+        try:
+            with open(source) as f:
+                same = f.read() == _SOURCE
+        except OSError:
+            same = False
+        if not same:
+            _write_atomically(source, _SOURCE)  # a concurrent reader never sees half a file
+        module = load(name=name, sources=[source], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
+                      build_directory=folder, verbose=False)  # fmt: skip
+        _write_atomically(os.path.join(folder, _MANIFEST_NAME), json.dumps(_digest(library)))
+    return module
+
+
+@contextlib.contextmanager
+def _build_lock(folder: str) -> Iterator[None]:
+    """Held around a build and load in ``folder``: leanopt's ``flock``, waited for at most
+    ``_BUILD_WAIT_S``; holding it, a torch baton found in the folder is stale and removed.
+    Where ``flock`` is unsupported (some network file systems) a stale baton cannot be told
+    from a live one: it is waited for at most ``_BUILD_WAIT_S`` too. ``TimeoutError`` past it."""
+    baton = os.path.join(folder, _BATON_NAME)
+    fd = os.open(os.path.join(folder, _LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o666)
     try:
-        with open(source) as f:
-            same = f.read() == _SOURCE
+        if _flock(fd, folder):
+            if os.path.exists(baton):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(baton)
+                log.info("leanopt: removed %s, left by a native-kernel build that was killed", baton)
+        else:
+            deadline = time.monotonic() + _BUILD_WAIT_S
+            while os.path.exists(baton):
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"{baton} has been there for {_BUILD_WAIT_S:g} s: a build killed mid-way "
+                                       "leaves it; delete it if no process is building the kernel")  # fmt: skip
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)  # frees the flock
+
+
+def _flock(fd: int, folder: str) -> bool:
+    """Take ``flock`` on ``fd``, waiting at most ``_BUILD_WAIT_S``; False where file locks are
+    unsupported."""
+    if fcntl is None:
+        return False
+    deadline = time.monotonic() + _BUILD_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"another process has held the build lock of {folder} for {_BUILD_WAIT_S:g} s "
+                                   "(building the kernel, or stuck)") from None  # fmt: skip
+            time.sleep(0.05)
+        except OSError:  # ENOLCK, EINVAL: no file locks on this file system
+            return False
+
+
+def _digest(library: str) -> dict[str, Any] | None:
+    try:
+        with open(library, "rb") as f:
+            data = f.read()
     except OSError:
-        same = False
-    if not same:
-        tmp = f"{source}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            f.write(_SOURCE)
-        os.replace(tmp, source)  # atomic: a concurrent build never reads half a file
-    return load(name=name, sources=[source], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS, build_directory=folder,
-                verbose=False)  # fmt: skip
+        return None
+    return {"library": os.path.basename(library), "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _verified(folder: str, library: str) -> bool:
+    """Whether ``library`` is what the last good build in ``folder`` recorded."""
+    try:
+        with open(os.path.join(folder, _MANIFEST_NAME)) as f:
+            recorded = json.load(f)
+    except (OSError, ValueError):
+        return False
+    digest = _digest(library)
+    return digest is not None and recorded == digest
+
+
+def _remove_build(folder: str, library: str) -> None:
+    """Remove the library, the object files and ninja's records of them, so that the next build
+    starts from the source: a build killed mid-compile can leave a partial object file that
+    ninja would take for up to date."""
+    doomed = [library, os.path.join(folder, ".ninja_log"), os.path.join(folder, ".ninja_deps")]
+    doomed += [os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".o")]
+    for path in doomed:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+
+
+def _write_atomically(path: str, text: str) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def available() -> bool:
@@ -791,21 +968,20 @@ _TABLES: dict[str, Tables | None] = {}
 def tables(book: Any) -> Tables | None:
     """The kernel's :class:`Tables` for a code book, or None when its midpoints are too close
     for them (two in one bucket, or more than 255 below one; none of the shipped codes)."""
-    if book.name not in _TABLES:
-        # Real tensors even when first asked inside a FakeTensorMode trace (leanopt.plan): a
-        # fake table must not be cached for the real steps after it; and real values, with no
-        # dispatch mode in the way (the plan's storage tracker answers every data-dependent
+    cached = tracing.cache(_TABLES)
+    if book.name not in cached:
+        # Real tensors even when first asked inside a FakeTensorMode trace (leanopt.plan): the
+        # kernel's tables are host memory the step reads, never a fake; and real values, with
+        # no dispatch mode in the way (the plan's storage tracker answers every data-dependent
         # scalar with 1 or True).
         with unset_fake_temporarily(), _disable_current_modes():
-            _TABLES[book.name] = _tables(_build(book.name, torch.device("cpu")))
-    return _TABLES[book.name]
+            cached[book.name] = _tables(_build(book.name, torch.device("cpu")))
+    return cached[book.name]
 
 
 def _tables(book: Any) -> Tables | None:
-    from leanopt.kernels.cpu_elementwise import midpoints_below_buckets
-
     thresholds = book.thresholds.to(device="cpu", dtype=torch.float32)
-    below, finite, usable = midpoints_below_buckets(thresholds)
+    below, finite, usable = codebooks.midpoints_below_buckets(thresholds)
     # Every top-16-bit prefix as (sign, exponent, 7 mantissa bits); |y| <= 1: exponents <= 127.
     full = below.view(2, 256, 128)[:, :128]
     assert bool(finite.view(2, 256, 128)[:, :128].all())
@@ -954,8 +1130,6 @@ def quantized(rule: Any, params, grads, states, steps: Sequence[int], hp: Mappin
               offsets: Sequence[int] | None = None) -> None:  # fmt: skip
     """Drop-in for :func:`leanopt.kernels.cpu_elementwise.quantized` on params :func:`takes`
     accepts: whole blocks natively, the last partial block by the reference."""
-    from leanopt.kernels.cpu_elementwise import partial_block
-
     offsets = [0] * len(params) if offsets is None else offsets
     for i, p in enumerate(params):
         n = p.numel()
@@ -969,4 +1143,4 @@ def quantized(rule: Any, params, grads, states, steps: Sequence[int], hp: Mappin
         if full and not (is_fake(p) or p.device.type == "meta"):  # a trace: in place, nothing allocated
             step_blocks(rule, flat_p, flat_g, qs, steps[i], hp, offsets[i], full)
         if full * bs < n:
-            partial_block(rule, flat_p, flat_g, qs, steps[i], hp, offsets[i], full * bs)
+            reference.partial_block(rule, flat_p, flat_g, qs, steps[i], hp, offsets[i], full * bs)

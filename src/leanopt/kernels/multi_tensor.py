@@ -19,6 +19,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from leanopt import tracing
+
 
 def _to_device(t: Tensor, device: torch.device) -> Tensor:
     if device.type == "cpu":
@@ -60,6 +62,8 @@ class TableCache:
         return table
 
     def addresses(self, name: str, tensors: Sequence[Tensor | None], device: torch.device) -> Tensor:
+        if tracing.active() is not None:  # fake tensors have no data pointers; a traced launch reads none
+            return torch.zeros(len(tensors), dtype=torch.int64)
         ptrs = tuple(0 if t is None else t.data_ptr() for t in tensors)
         cached = self._addresses.get((name, device))
         if cached is not None and cached[0] == ptrs:

@@ -191,3 +191,14 @@ def rule_step_(
         else:
             state.copy_(value)
 
+
+def partial_block(rule: Rule, p: Tensor, g: Tensor, states: Sequence["QuantizedState"], step: int,
+                  hp: Mapping[str, Any], offset: int, full: int) -> None:  # fmt: skip
+    """Elements ``full:`` of the flat ``p``/``g`` (the last, partial block, independent of the
+    others) by the reference, on views of the states; ``offset``: the flat index of element 0."""
+    from leanopt.quant import QuantizedState
+
+    fmt = states[0].format
+    start, first = fmt.code_bytes(full), full // fmt.block_size
+    tail = [QuantizedState(q.codes[start:], q.absmax[first:], q.format, (p.numel() - full,)) for q in states]
+    rule_step_(rule, p[full:], g[full:], tail, step, hp, safe=True, offset=offset + full)

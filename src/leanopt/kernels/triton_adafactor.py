@@ -46,12 +46,14 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from leanopt import tracing
 from leanopt.kernels.multi_tensor import ChunkTable, TableCache, _to_device
 from leanopt.kernels.triton_common import TL_DTYPE, to_param_dtype
 
@@ -368,6 +370,20 @@ def _shape3(p: Tensor) -> tuple[int, int, int]:
     return (p.numel() // (n * m), n, m)
 
 
+def _cached_layout(*key: Any) -> _Layout:
+    """:func:`_layout`, kept as a real step keeps it (on the device, between steps); inside a
+    memory trace in the trace's own cache, since its tables are fake there."""
+    if tracing.active() is None:
+        return _layout(*key)
+    layouts = tracing.cache(_TRACED_LAYOUTS)
+    if key not in layouts:
+        layouts[key] = _layout.__wrapped__(*key)
+    return layouts[key]
+
+
+_TRACED_LAYOUTS: dict[tuple, _Layout] = {}  # only ever stands for the trace's own (tracing.cache)
+
+
 @functools.lru_cache(maxsize=64)
 def _layout(device: torch.device, factored: tuple, unfactored: tuple, tiles: tuple) -> _Layout:
     tr, tc, fr, fc, chunk, _ = tiles
@@ -443,7 +459,7 @@ def adafactor(
         order = factored + unfactored
         device = params[idx[0]].device
         tiles = (TILE_ROWS, TILE_COLS, FIN_ROWS, FIN_COLS, CHUNK, SUB_ROWS)
-        layout = _layout(
+        layout = _cached_layout(
             device,
             tuple(_shape3(params[i]) for i in factored),
             tuple(params[i].numel() for i in unfactored),
@@ -466,7 +482,7 @@ def adafactor(
             f_p, f_g = addresses("fp", params, factored), addresses("fg", grads, factored)
             f_row, f_col = addresses("frow", exp_avg_sq_rows, factored), addresses("fcol", exp_avg_sq_cols, factored)
             grid = (layout.num_tiles,)
-            _factored_stats[grid](
+            tracing.launch(_factored_stats, grid)(
                 f_g, f_p, layout.tile_tensor, layout.meta, rowp, colp, psq, eps1,
                 G_DTYPE=G, P_DTYPE=P, SCALE_PARAMETER=scale_parameter, **consts,
             )  # fmt: skip
@@ -475,20 +491,20 @@ def adafactor(
             assert ch is not None
             u_p, u_g = addresses("up", params, unfactored), addresses("ug", grads, unfactored)
             u_v = addresses("uv", exp_avg_sqs, unfactored)
-            _unfactored_stats[(ch.num_chunks,)](
+            tracing.launch(_unfactored_stats, (ch.num_chunks,))(
                 u_p, u_g, u_v, ch.chunk_tensor, ch.chunk_start, ch.numel, hp_table, psq, usq,
                 layout.num_tiles, len(factored), eps1,
                 P_DTYPE=P, G_DTYPE=G, SCALE_PARAMETER=scale_parameter, CHUNK=CHUNK, HP=HP_WIDTH,
             )  # fmt: skip
         if factored:
-            _factored_finalize[(layout.num_fin,)](
+            tracing.launch(_factored_finalize, (layout.num_fin,))(
                 f_row, f_col, layout.fin_tensor, layout.meta, hp_table, rowp, colp, rsum,
                 FR=FIN_ROWS, FC=FIN_COLS, META=META_WIDTH, HP=HP_WIDTH,
             )  # fmt: skip
-            _factored_update_sq[grid](
+            tracing.launch(_factored_update_sq, grid)(
                 f_g, f_row, f_col, layout.tile_tensor, layout.meta, rsum, usq, G_DTYPE=G, RB=REDUCE_BLOCK, **consts
             )
-        _scalars[(len(order),)](
+        tracing.launch(_scalars, (len(order),))(
             layout.part_off, psq, usq, hp_table, out, clip_threshold,
             SCALE_PARAMETER=scale_parameter, RB=REDUCE_BLOCK, HP=HP_WIDTH,
         )  # fmt: skip
@@ -497,13 +513,13 @@ def adafactor(
         if factored:
             # Without beta1 the exp_avg table holds zeros and the kernel never reads it.
             f_m = addresses("fm", exp_avgs, factored)
-            _factored_apply[grid](
+            tracing.launch(_factored_apply, grid)(
                 f_p, f_g, f_m, f_row, f_col, layout.tile_tensor, layout.meta, rsum, out, *scalars,
                 P_DTYPE=P, G_DTYPE=G, RB=REDUCE_BLOCK, **flags, **consts,
             )  # fmt: skip
         if unfactored:
             u_m = addresses("um", exp_avgs, unfactored)
-            _unfactored_apply[(ch.num_chunks,)](
+            tracing.launch(_unfactored_apply, (ch.num_chunks,))(
                 u_p, u_g, u_m, u_v, ch.chunk_tensor, ch.chunk_start, ch.numel, out, len(factored), *scalars,
                 P_DTYPE=P, G_DTYPE=G, CHUNK=CHUNK, **flags,
             )  # fmt: skip

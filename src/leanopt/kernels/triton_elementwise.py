@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from leanopt import tracing
 from leanopt.kernels.multi_tensor import TableCache
 from leanopt.kernels.rules import Rule
 from leanopt.kernels.triton_common import TL_DTYPE, to_param_dtype
@@ -109,7 +110,7 @@ def dense(rule: Rule, cache: TableCache, key: str, params, grads, states, steps:
         scalars, width = _scalar_table(cache, rule, hp, [steps[i] for i in idx], safe, device)
         k = f"{key}/{rule.name}/{dtype}"
         state_tables = [cache.addresses(f"{k}/s{j}", [states[i][min(j, n - 1)] for i in idx], device) for j in range(3)]
-        _dense_kernel[(table.num_chunks,)](
+        tracing.launch(_dense_kernel, (table.num_chunks,))(
             cache.addresses(k + "/p", ps, device), cache.addresses(k + "/g", [grads[i] for i in idx], device),
             *state_tables, table.chunk_tensor, table.chunk_start, table.numel, scalars,
             K=width, P_DTYPE=TL_DTYPE[dtype], RULE=rule.triton_id, N_STATES=n, FLAG=_flag(rule, hp), SAFE=safe,
@@ -286,13 +287,14 @@ _PADDED: dict[tuple[str, torch.device], tuple[Tensor, Tensor, int]] = {}
 def _padded_book(book, device: torch.device) -> tuple[Tensor, Tensor, int]:
     """(values, midpoints padded with +inf to a power of two, log2 of that length)."""
     key = (book.name, device)
-    if key not in _PADDED:
+    books = tracing.cache(_PADDED)
+    if key not in books:
         thr = book.thresholds.to(device=device, dtype=torch.float32)
         log2 = max(1, (thr.numel()).bit_length())
         padded = torch.full((1 << log2,), float("inf"), dtype=torch.float32, device=device)
         padded[: thr.numel()] = thr
-        _PADDED[key] = (book.values.to(device=device, dtype=torch.float32), padded, log2)
-    return _PADDED[key]
+        books[key] = (book.values.to(device=device, dtype=torch.float32), padded, log2)
+    return books[key]
 
 
 def quantized(rule: Rule, cache: TableCache, key: str, params, grads, states, steps: Sequence[int],
@@ -325,7 +327,7 @@ def quantized(rule: Rule, cache: TableCache, key: str, params, grads, states, st
             consts.update({f"LOG2_{j}": log2, f"ZERO_{j}": book.zero_index, f"LAST_{j}": book.thresholds.numel(),
                            f"DECAYS_{j}": kinds[s].decays})  # fmt: skip
         fmt = formats[0]
-        _quantized_kernel[(table.num_chunks,)](
+        tracing.launch(_quantized_kernel, (table.num_chunks,))(
             cache.addresses(k + "/p", ps, device), cache.addresses(k + "/g", [grads[i] for i in idx], device),
             *pointers, table.chunk_tensor, table.chunk_start, table.numel, scalars, keys, *books,
             K=width, P_DTYPE=TL_DTYPE[dtype], RULE=rule.triton_id, N_STATES=n, FLAG=_flag(rule, hp),

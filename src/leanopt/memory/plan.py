@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import re
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
@@ -66,11 +67,11 @@ from leanopt.memory.plan_trace import (
     LiveStorage,
     ParamSteps,
     Peak,
-    cuda_optimizer_kernels,
-    isolated_kernel_caches,
     rounded_step_peak,
+    swapped_copy,
     track_module,
     traced_forward_backward,
+    traced_kernels,
     traced_param_steps,
     traced_steps,
 )
@@ -204,38 +205,23 @@ def _check_positions(model: torch.nn.Module, seq: int) -> None:
         raise ValueError(f"cannot trace {type(model).__name__} at seq {seq}: it has learned positions for {positions} tokens")
 
 
-@contextlib.contextmanager
-def _fake_weights(model: torch.nn.Module, fake_mode: Any, dtype: torch.dtype) -> Iterator[list[torch.nn.Parameter]]:
-    """``model`` with every parameter and buffer swapped for a fake CPU tensor (floating ones of
-    ``dtype``), tied weights kept tied; the originals are put back after. Yields the unique
-    trainable parameters."""
-    swapped: list[tuple[dict[str, Any], str, Any]] = []
-    memo: dict[int, torch.Tensor] = {}
+def _fake_copy(model: torch.nn.Module, fake_mode: Any, dtype: torch.dtype) -> tuple[torch.nn.Module, list[torch.nn.Parameter]]:
+    """A copy of ``model`` with every parameter and buffer a fake CPU tensor (floating ones of
+    ``dtype``), tied weights kept tied, and its unique trainable parameters. ``model`` is not
+    touched (another thread may be training it)."""
     trainable: list[torch.nn.Parameter] = []
-    try:
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
         with fake_mode:
-            for mod in model.modules():
-                for table in (mod._parameters, mod._buffers):
-                    for name, t in list(table.items()):
-                        if t is None:
-                            continue
-                        new = memo.get(id(t))
-                        if new is None:
-                            dt = dtype if t.is_floating_point() else t.dtype
-                            data = torch.empty(tuple(t.shape), dtype=dt, device="cpu")
-                            if isinstance(t, torch.nn.Parameter):
-                                new = torch.nn.Parameter(data, requires_grad=t.requires_grad)
-                                if t.requires_grad:
-                                    trainable.append(new)
-                            else:
-                                new = data
-                            memo[id(t)] = new
-                        swapped.append((table, name, t))
-                        table[name] = new
-        yield trainable
-    finally:
-        for table, name, t in reversed(swapped):
-            table[name] = t
+            data = torch.empty(tuple(t.shape), dtype=dtype if t.is_floating_point() else t.dtype, device="cpu")
+            if not isinstance(t, torch.nn.Parameter):
+                return data
+            new = torch.nn.Parameter(data, requires_grad=t.requires_grad)
+        if t.requires_grad:
+            trainable.append(new)
+        return new
+
+    return swapped_copy(model, fake), trainable
 
 
 @contextlib.contextmanager
@@ -297,30 +283,27 @@ def _trace_forward_backward(
     mixed = precision == "bf16-mixed"
     vocab = _vocab_size(model)
     num_labels = _num_labels(model)
-    was_training = model.training
-    with _fake_weights(model, fake_mode, _PARAM_DTYPE[precision]) as params, _checkpointing(model, checkpointing):
+    model, params = _fake_copy(model, fake_mode, _PARAM_DTYPE[precision])
+    with _checkpointing(model, checkpointing):
         model.train()
-        try:
-            with fake_mode, tracker:
-                track_module(tracker, model)
-                input_ids = torch.randint(0, vocab, (batch, seq))
-                labels = torch.randint(0, num_labels, (batch,)) if task == "classification" else input_ids
-                tracker.track(input_ids)
-                tracker.track(labels)
-                loss = traced_forward_backward(
-                    tracker, model, input_ids, labels, params, mixed, type(model).__name__, released=released, device=device
-                )
-                peak = tracker.peak()
-                live = tracker.live_by_kind()
-                left = {k: v for k, v in live.items() if k not in ("weights", "gradients")}
-                out = _ForwardBackward(peak, left)
-                if released:
-                    out.released = tracker.peak_released()
-                    out.hooks = tracker.hook_moments()
-                    out.shapes = [(tuple(p.shape), p.dtype) for p in params]
-                del loss, input_ids, labels
-        finally:
-            model.train(was_training)
+        with fake_mode, tracker:
+            track_module(tracker, model)
+            input_ids = torch.randint(0, vocab, (batch, seq))
+            labels = torch.randint(0, num_labels, (batch,)) if task == "classification" else input_ids
+            tracker.track(input_ids)
+            tracker.track(labels)
+            loss = traced_forward_backward(
+                tracker, model, input_ids, labels, params, mixed, type(model).__name__, released=released, device=device
+            )
+            peak = tracker.peak()
+            live = tracker.live_by_kind()
+            left = {k: v for k, v in live.items() if k not in ("weights", "gradients")}
+            out = _ForwardBackward(peak, left)
+            if released:
+                out.released = tracker.peak_released()
+                out.hooks = tracker.hook_moments()
+                out.shapes = [(tuple(p.shape), p.dtype) for p in params]
+            del loss, input_ids, labels
     return out
 
 
@@ -329,18 +312,20 @@ def _trace_forward_backward_fsdp(model: torch.nn.Module, task: str, batch: int, 
 
     peak, left = plan_fsdp.trace_forward_backward(
         model, task, batch, seq, precision, checkpointing, gpus,
-        fake_mode=_fake_mode(), fake_weights=_fake_weights, checkpointing_cm=_checkpointing,
+        fake_mode=_fake_mode(), fake_copy=_fake_copy, checkpointing_cm=_checkpointing,
         vocab=_vocab_size(model), num_labels=_num_labels(model),
         dtype=_PARAM_DTYPE[precision],
     )  # fmt: skip
     return _ForwardBackward(peak, left)
 
 
-def _optimizer_factory(optimizer: str, rounding: str | None) -> Any:
+def _optimizer_factory(optimizer: str, rounding: str | None, device: str = "cpu") -> Any:
     cls = resolve_optimizer(optimizer)
-    if rounding is None or not issubclass(cls, LeanOptimizer):
-        return cls
-    return functools.partial(cls, rounding=rounding)
+    if not issubclass(cls, LeanOptimizer):
+        # torch's optimizers take foreach by default for CUDA params (the fake ones are CPU tensors)
+        takes_foreach = device == "cuda" and "foreach" in inspect.signature(cls).parameters
+        return functools.partial(cls, foreach=True) if takes_foreach else cls
+    return cls if rounding is None else functools.partial(cls, rounding=rounding)
 
 
 def _shapes(model: torch.nn.Module, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
@@ -360,7 +345,7 @@ def _trace_step(
     """The steady-state ``optimizer.step()`` of ``model``'s params in ``dtype``. A rounded step
     (:func:`_rounded`) is put together from the step of one param of each shape
     (``param_steps``, traced here if not given) unless ``fast`` is False."""
-    cls = _optimizer_factory(optimizer, rounding)
+    cls = _optimizer_factory(optimizer, rounding, device)
     fake_mode = _fake_mode()
     shapes = _shapes(model, dtype)
     if gpus > 1:
@@ -372,21 +357,17 @@ def _trace_step(
         return _Step(*rounded_step_peak(shapes, steps, device))
     tracker = LiveStorage()
     tracker.device = device
-    with isolated_kernel_caches(), _device_kernels(device), fake_mode, tracker:
+    with traced_kernels(device), fake_mode, tracker:
         peak, kept = traced_steps(tracker, [torch.nn.Parameter(torch.empty(s, dtype=dt)) for s, dt in shapes], cls, fast=fast)
     return _Step(peak, kept)
-
-
-def _device_kernels(device: str) -> contextlib.AbstractContextManager[None]:
-    return cuda_optimizer_kernels() if device == "cuda" else contextlib.nullcontext()
 
 
 def _trace_param_steps(
     shapes: list[tuple[tuple[int, ...], torch.dtype]], optimizer: str, rounding: str | None, device: str = "cpu"
 ) -> ParamSteps:
     """The step of one param of each shape, alone (:func:`~leanopt.memory.plan_trace.traced_param_steps`)."""
-    with isolated_kernel_caches(), _device_kernels(device), _fake_mode():
-        return traced_param_steps(shapes, _optimizer_factory(optimizer, rounding), device)
+    with traced_kernels(device), _fake_mode():
+        return traced_param_steps(shapes, _optimizer_factory(optimizer, rounding, device), device)
 
 
 def _trainable(model: torch.nn.Module) -> Iterable[torch.nn.Parameter]:

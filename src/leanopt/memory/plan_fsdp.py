@@ -22,7 +22,6 @@ shard to the same size), so its peak is every rank's peak.
 from __future__ import annotations
 
 import contextlib
-import copy
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,7 +30,7 @@ import torch
 from leanopt.memory.plan_trace import (
     LiveStorage,
     Peak,
-    isolated_kernel_caches,
+    traced_kernels,
     track_module,
     traced_forward_backward,
     traced_steps,
@@ -93,29 +92,6 @@ def fake_process_group(world_size: int) -> Iterator[None]:
         sys.excepthook = hook
 
 
-def _meta_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``model`` with every parameter and buffer on ``meta`` (ties kept); ``model`` unchanged."""
-    swapped: list[tuple[dict[str, Any], str, Any]] = []
-    memo: dict[int, torch.Tensor] = {}
-    try:
-        for mod in model.modules():
-            for table in (mod._parameters, mod._buffers):
-                for name, t in list(table.items()):
-                    if t is None:
-                        continue
-                    new = memo.get(id(t))
-                    if new is None:
-                        data = torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
-                        new = torch.nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else data
-                        memo[id(t)] = new
-                    swapped.append((table, name, t))
-                    table[name] = new
-        return copy.deepcopy(model)
-    finally:
-        for table, name, t in reversed(swapped):
-            table[name] = t
-
-
 def default_mesh() -> Any:
     """The 1-D mesh over every rank that ``fully_shard`` defaults to (made outside FakeTensorMode)."""
     import torch.distributed as dist
@@ -135,7 +111,7 @@ def shard_blocks(model: torch.nn.Module, mesh: Any = None) -> None:
 
 def trace_forward_backward(
     model: torch.nn.Module, task: str, batch: int, seq: int, precision: str, checkpointing: bool, gpus: int,
-    *, fake_mode: Any, fake_weights: Any, checkpointing_cm: Any, vocab: int, num_labels: int, dtype: torch.dtype,
+    *, fake_mode: Any, fake_copy: Any, checkpointing_cm: Any, vocab: int, num_labels: int, dtype: torch.dtype,
 ) -> tuple[Peak, dict[str, int]]:  # fmt: skip
     """Peak of rank 0's forward + backward under FSDP2, and what is left after it other than
     weights and gradients. Two steps are traced: the first makes FSDP2's lazy state, the
@@ -143,8 +119,8 @@ def trace_forward_backward(
     tracker = LiveStorage()
     tracker.distributed = True
     mixed = precision == "bf16-mixed"
-    work = _meta_copy(model)
-    with fake_process_group(gpus), fake_weights(work, fake_mode, dtype), checkpointing_cm(work, checkpointing):
+    work, _ = fake_copy(model, fake_mode, dtype)  # model itself is not touched
+    with fake_process_group(gpus), checkpointing_cm(work, checkpointing):
         work.train()
         mesh = default_mesh()
         with fake_mode:
@@ -186,7 +162,7 @@ def trace_step(shapes: list[tuple[tuple[int, ...], torch.dtype]], optimizer_cls:
 
     tracker = LiveStorage()
     tracker.distributed = True
-    with fake_process_group(gpus), isolated_kernel_caches():
+    with fake_process_group(gpus), traced_kernels():
         mesh = default_mesh()
         with fake_mode:
             holder = _Holder([torch.nn.Parameter(torch.empty(s, dtype=dt)) for s, dt in shapes])

@@ -13,13 +13,13 @@ What a fake tensor cannot do, or does not show, is answered here:
 * ``.item()`` (a data-dependent scalar: an optimizer's step count, a mask check in a model)
   returns 1 (``True`` for booleans). A model whose *shapes* depend on its data (dynamic
   output sizes) cannot be traced and is a ``ValueError``.
-* ``kernels.select`` sends anything but a plain tensor to the eager reference, a ``FakeTensor``
-  too: it is asked about stand-ins of the same shape and dtype instead, so the trace runs the
-  implementation a real step runs (:func:`_select_as_if_real`).
-* leanopt's CPU kernels that ``torch.compile`` builds cannot run on fake tensors. They are
-  stubbed with a function that changes nothing and allocates, for a moment, what the compiled
-  kernel allocates: for block-quantized states, :data:`QUANTIZED_TEMP_BYTES` bytes per element
-  of the param; for dense states nothing (measured: 0.00 B per element, fp32 and bf16 params).
+* leanopt's own kernels answer for the trace (:func:`traced_kernels`, :mod:`leanopt.tracing`),
+  in the tracing thread only: ``kernels.select`` decides for fake tensors what it decides for
+  plain ones, so the trace runs the implementation a real step runs; the CPU graphs that
+  ``torch.compile`` builds, which cannot run on fake tensors, are stand-ins that change nothing
+  and allocate, for a moment, what the compiled graph allocates: for block-quantized states,
+  :data:`QUANTIZED_TEMP_BYTES` bytes per element of the param; for dense states nothing
+  (measured: 0.00 B per element, fp32 and bf16 params).
   Block-quantized states of fp32 params go to the native C++ kernel where it builds
   (:mod:`leanopt.kernels.cpu_native`, as a real step does): in place, a block-sized buffer per
   thread, so nothing of the param's size is counted.
@@ -36,15 +36,19 @@ through to their local ops, ``UntypedStorage.resize_`` (how FSDP2 frees and refi
 params) is followed, and an eager ``wait_tensor`` returns its input, as it does for real.
 
 Caches the optimizers fill on first use (code books, lookup tables, Adafactor's workspace)
-are emptied for the trace, so that the fake ones are created and counted, and put back after.
+are the trace's own, so that the fake ones are created and counted, and gone after it. The
+model is never changed (the planner traces a copy with fake weights), and what must change in
+torch's own functions for a trace (:func:`thread_patch`) changes for the tracing thread only:
+a step in another thread, during a plan, runs as it would without one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import math
-import sys
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -54,14 +58,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
+from leanopt import tracing
+from leanopt.kernels import cpu_elementwise
+
 KINDS = ("weights", "gradients", "optimizer_state", "activations", "other")
 
-# Bytes per param element the compiled CPU quantized-AdamW update allocates while it runs, by
-# code bits. Measured here (torch 2.13 Inductor, 2 cores; VmHWM over one step of one param,
-# MALLOC_MMAP_THRESHOLD_=65536) for the generic rule kernel (kernels.cpu_elementwise): 8-bit 7.96
-# and 8.02, 4-bit 12.03 and 12.05 B/element for 4.2M- and 22.3M-element params, fp32 or bf16
-# params (the previous AdamW-only kernel: 8.97 and 13.03). Re-measure when that kernel changes.
-QUANTIZED_TEMP_BYTES = {8: 8, 4: 12}
+# Bytes per param element the compiled CPU quantized update allocates while it runs, by code bits
+# (measured; the kernel's own figure, which its stand-in in a trace allocates).
+QUANTIZED_TEMP_BYTES = cpu_elementwise.QUANTIZED_TEMP_BYTES
 
 # What a new storage is, by the phase that made it, until something relabels it.
 _PHASE_KIND = {"setup": "other", "forward": "activations", "backward": "other", "step": "other"}
@@ -107,7 +111,7 @@ class LiveStorage(TorchDispatchMode):
         # FSDP2 (see plan_fsdp): follow ``UntypedStorage.resize_`` (how FSDP2 frees and refills an
         # unsharded param's storage; not an aten op), let DTensor ops run down to their local ops.
         self.distributed = False
-        self._orig_resize: Any = None
+        self._orig_resize: Any = None  # the thread_patch of resize_ while entered
         # Gradient release (``count_released``): a second count, the same trace as if each gradient
         # were freed when its param's post-accumulate-grad hook ran (see ``released_hook``), with
         # its own peak and, per hook, what was live when it ran.
@@ -128,24 +132,27 @@ class LiveStorage(TorchDispatchMode):
 
     def __enter__(self) -> LiveStorage:  # noqa: PYI034
         if self.distributed and self._orig_resize is None:
-            orig = self._orig_resize = torch.UntypedStorage.resize_
             tracker = self
 
-            def resize_(st: Any, size: int) -> Any:
-                out = orig(st, size)
-                block = tracker._by_storage.get(st)
-                if block is not None and block.nbytes != tracker._size(st.nbytes()):
-                    tracker.current += tracker._size(st.nbytes()) - block.nbytes
-                    block.nbytes = tracker._size(st.nbytes())
-                    tracker._note()
-                return out
+            def following(orig: Any) -> Any:
+                def resize_(st: Any, size: int) -> Any:
+                    out = orig(st, size)
+                    block = tracker._by_storage.get(st)
+                    if block is not None and block.nbytes != tracker._size(st.nbytes()):
+                        tracker.current += tracker._size(st.nbytes()) - block.nbytes
+                        block.nbytes = tracker._size(st.nbytes())
+                        tracker._note()
+                    return out
 
-            torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+                return resize_
+
+            self._orig_resize = thread_patch(torch.UntypedStorage, "resize_", following)
+            self._orig_resize.__enter__()
         return super().__enter__()
 
     def __exit__(self, *args: object) -> None:
         if self._orig_resize is not None:
-            torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
+            self._orig_resize.__exit__(None, None, None)
             self._orig_resize = None
         super().__exit__(*args)
 
@@ -304,62 +311,7 @@ def _norm_upcast_bytes(func: Any, args: Any, kwargs: dict[str, Any]) -> int:
     return max(sizes, default=0)
 
 
-# ---- state the optimizers cache between calls -------------------------------------------------
-@contextlib.contextmanager
-def isolated_kernel_caches() -> Iterator[None]:
-    """Empty leanopt's kernel caches for the trace (fake entries get made and counted), restore after;
-    stub the compiled CPU kernels (fused, in place: no memory of their own)."""
-    from leanopt import kernels
-    from leanopt.kernels import cpu, cpu_adafactor, cpu_elementwise, cpu_native
-    from leanopt.quant import codebooks
-
-    saved_dicts = []
-    # cpu_native._TABLES too: tables made under FakeTensorMode are fake, and must not outlive the
-    # trace (the native kernel itself runs nothing on fake tensors: in place, nothing allocated).
-    for owner, name in ((codebooks, "_CACHE"), (cpu_elementwise, "_ENCODE_TABLES"), (cpu_elementwise, "_QUANTIZED"),
-                        (cpu_elementwise, "_DENSE"), (cpu_native, "_TABLES")):  # fmt: skip
-        d = getattr(owner, name, None)
-        if isinstance(d, dict):
-            saved_dicts.append((d, dict(d)))
-            d.clear()
-    pool = cpu._workspaces.__dict__.pop("pool", None)
-    stubs = {name: getattr(cpu_elementwise, name) for name in ("_dense_graph", "_quantized_graph")}
-    nothing: Callable[..., None] = lambda *args, **kwargs: None
-
-    def quantized_graph(rule: Any, flags: Any, maximize: bool, bits: int, *rest: Any) -> Callable[..., None]:
-        def temporaries(p: torch.Tensor, *args: Any) -> None:
-            # p as [blocks, block]: what the fused dequantize -> update -> requantize loop holds.
-            temp = torch.empty(p.numel() * QUANTIZED_TEMP_BYTES.get(bits, 13), dtype=torch.uint8)
-            del temp
-
-        return temporaries
-
-    cpu_elementwise._dense_graph = lambda *args, **kwargs: nothing
-    cpu_elementwise._quantized_graph = quantized_graph
-    select = getattr(kernels, "select", None)
-    if select is not None:
-        kernels.select = _select_as_if_real(select)
-    factored = getattr(cpu_adafactor, "_Factored", None) if TRIM_REPEATED_BLOCKS else None
-    factored_init = factored.__init__ if factored is not None else None
-    if factored is not None:
-        factored.__init__ = _first_and_last_block(factored_init)
-    try:
-        yield
-    finally:
-        if select is not None:
-            kernels.select = select
-        if factored is not None:
-            factored.__init__ = factored_init
-        for name, fn in stubs.items():
-            setattr(cpu_elementwise, name, fn)
-        cpu._workspaces.__dict__.pop("pool", None)
-        if pool is not None:
-            cpu._workspaces.pool = pool
-        for d, before in saved_dicts:
-            d.clear()
-            d.update(before)
-
-
+# ---- leanopt's kernels inside the trace ---------------------------------------------------------
 # Adafactor's CPU path walks a factored param in row blocks of ~1M elements, each block making and
 # freeing the same buffers in a reused workspace: on fake tensors, thousands of identical ops for a
 # 7B model (minutes). The trace walks the first block (full size) and the last (the rest) of each
@@ -367,37 +319,89 @@ def isolated_kernel_caches() -> Iterator[None]:
 TRIM_REPEATED_BLOCKS = True
 
 
-def _first_and_last_block(init: Callable[..., None]) -> Callable[..., None]:
-    def trimmed(self: Any, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        spans = getattr(self, "spans", None)
-        if isinstance(spans, list) and len(spans) > 2:
-            self.spans = [spans[0], spans[-1]]
+@contextlib.contextmanager
+def traced_kernels(device: str = "cpu") -> Iterator[None]:
+    """leanopt's kernels answering for a trace of a step on ``device``, in this thread only
+    (:mod:`leanopt.tracing`): the trace's own caches (code books, lookup tables, workspaces: made
+    and counted inside it), stand-ins for the compiled CPU graphs, no Triton launches; a step in
+    another thread meanwhile runs as it would without a trace.
 
-    return trimmed
+    ``device="cuda"``: leanopt's kernels are chosen for a GPU (Triton) and their launch code runs
+    on the fake tensors (the chunk, address and scalar tables, Adafactor's scratch, the code books
+    are traced); the launches themselves do nothing (on a GPU they update in place and allocate
+    nothing). It needs the triton package."""
+    if device == "cuda":
+        try:
+            import triton.runtime.jit  # noqa: F401
+
+            from leanopt.kernels import triton_adafactor, triton_elementwise  # noqa: F401
+        except Exception as err:  # noqa: BLE001 - one line, naming what failed
+            text = str(err).strip().splitlines()
+            raise ValueError(
+                "planning device='cuda' runs leanopt's Triton launch code on fake tensors and needs triton "
+                f"(pip install triton): {type(err).__name__}: {text[0] if text else ''}"
+            ) from None
+    with tracing.tracing(device, trim_repeated_blocks=TRIM_REPEATED_BLOCKS):
+        yield
 
 
-def _select_as_if_real(select: Callable[..., str]) -> Callable[..., str]:
-    """``kernels.select`` deciding for fake tensors what it decides for real ones.
+# ---- torch's own functions, replaced for the tracing thread only ---------------------------------
+# Where the trace must change what *torch* does (CUDA's attention kernel and autocast on the fake
+# CPU tensors, FSDP2's storage resizes), the attribute is replaced by a dispatcher that runs the
+# replacement for the threads inside such a trace and the original for every other thread; the
+# first trace that needs it installs it, the last to leave restores the original.
+_PATCH_LOCK = threading.Lock()
+_PATCHES: dict[tuple[int, str], list[Any]] = {}  # (id(owner), name) -> [original, owned, users]
+_OVERRIDES = threading.local()  # (id(owner), name) -> this thread's replacement
 
-    ``select`` sends anything that is not a plain tensor (``type(p) is torch.Tensor``) to the
-    reference, a FakeTensor included: the trace would run the reference's temporaries (24 B per
-    element for fp32 AdamW, where the fused kernel allocates none) while a real step runs the
-    fast path. It is asked instead about stand-ins: plain one-element CPU tensors expanded to the
-    same shape and dtype (no memory, made outside the fake and tracking modes)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch.utils._python_dispatch import _disable_current_modes
 
-    def stand_in(t: Any) -> Any:
-        if not isinstance(t, FakeTensor) or t.device.type != "cpu":
-            return t
-        with _disable_current_modes():
-            return torch.empty((), dtype=t.dtype).expand(t.shape)
+@contextlib.contextmanager
+def thread_patch(owner: Any, name: str, make: Callable[[Any], Any]) -> Iterator[None]:
+    """``owner.name`` is ``make(original)`` for calls from this thread until the block ends."""
+    key = (id(owner), name)
+    with _PATCH_LOCK:
+        entry = _PATCHES.get(key)
+        if entry is None:
+            original = getattr(owner, name)
 
-    def as_if_real(backend: str, rule: str, p: torch.Tensor, g: torch.Tensor, states: Any) -> str:
-        return select(backend, rule, stand_in(p), stand_in(g), [stand_in(s) for s in states])
+            def dispatch(*args: Any, **kwargs: Any) -> Any:
+                impl = _OVERRIDES.__dict__.get(key)
+                return (original if impl is None else impl)(*args, **kwargs)
 
-    return as_if_real
+            functools.update_wrapper(dispatch, original)
+            entry = _PATCHES[key] = [original, name in vars(owner), 0]
+            setattr(owner, name, dispatch)
+        entry[2] += 1
+    previous = _OVERRIDES.__dict__.get(key)
+    _OVERRIDES.__dict__[key] = make(entry[0])
+    try:
+        yield
+    finally:
+        if previous is None:
+            _OVERRIDES.__dict__.pop(key, None)
+        else:
+            _OVERRIDES.__dict__[key] = previous
+        with _PATCH_LOCK:
+            entry[2] -= 1
+            if entry[2] == 0:
+                del _PATCHES[key]
+                if entry[1] or not isinstance(owner, type):
+                    setattr(owner, name, entry[0])
+                else:
+                    delattr(owner, name)  # an inherited method (torch.Tensor's, from TensorBase)
+
+
+def swapped_copy(model: torch.nn.Module, make: Callable[[torch.Tensor], torch.Tensor]) -> torch.nn.Module:
+    """A deep copy of ``model`` in which every parameter and buffer ``t`` is ``make(t)`` (once per
+    tensor: tied weights stay tied); ``model`` itself is not touched, so a thread training it
+    meanwhile is not disturbed."""
+    memo: dict[int, Any] = {}
+    for mod in model.modules():
+        for table in (mod._parameters, mod._buffers):
+            for t in table.values():
+                if t is not None and id(t) not in memo:
+                    memo[id(t)] = make(t)
+    return copy.deepcopy(model, memo)
 
 
 def state_tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -557,7 +561,7 @@ class ParamSteps:
 
 def traced_param_steps(shapes: list[tuple[tuple[int, ...], torch.dtype]], optimizer_cls: Any, device: str = "cpu") -> ParamSteps:
     """The step of one param, alone, for each distinct (shape, dtype) of ``shapes`` (run inside
-    the fake mode and :func:`isolated_kernel_caches`; leanopt optimizers).
+    the fake mode and :func:`traced_kernels`; leanopt optimizers).
 
     Each is traced on one param of that shape: a first ``step()`` makes its state (and the
     optimizer's workspaces), as earlier steps have in a run; then the second, counted, is what the
@@ -626,9 +630,10 @@ def rounded_step_peak(
 #   it saves for backward (q, k, v, the output and a logsumexp; no seq x seq matrix) is traced;
 # * CUDA autocast's fp32 ops (``pow``, ``softmax``, ``layer_norm``... :data:`CUDA_AUTOCAST_FP32`),
 #   which CPU autocast leaves in bf16;
-# * the optimizers' Triton kernels (:func:`cuda_optimizer_kernels`): their launch code runs, on the
-#   fake tensors, with the launches themselves left out (they update in place and allocate
-#   nothing); torch's own optimizers take their CUDA default (foreach).
+# * the optimizers' Triton kernels (:func:`traced_kernels` with ``device="cuda"``): their launch
+#   code runs, on the fake tensors, with the launches themselves left out (they update in place
+#   and allocate nothing); torch's own optimizers take their CUDA default (foreach), which the
+#   planner asks for (``foreach=True``).
 
 CUDA_BLOCK_BYTES = 512  # the caching allocator rounds every block up to a multiple of 512 bytes
 
@@ -741,98 +746,22 @@ def _autocast_fp32(fn: Callable[..., Any], set_dtype: bool) -> Callable[..., Any
 def cuda_forward(tracker: LiveStorage | None) -> Iterator[None]:
     """The forward and backward as a GPU runs them: ``scaled_dot_product_attention`` by the fused
     CUDA kernel (:func:`cuda_sdpa`) and CUDA autocast's fp32 ops (:data:`CUDA_AUTOCAST_FP32`),
-    patched in ``torch``, ``torch.nn.functional`` and ``torch.Tensor`` for the trace (a
-    ``TorchFunctionMode`` would not be seen by checkpointing's recomputation inside backward)."""
+    replaced in ``torch``, ``torch.nn.functional`` and ``torch.Tensor`` for this thread
+    (:func:`thread_patch`; a ``TorchFunctionMode`` would not be seen by checkpointing's
+    recomputation inside backward)."""
     functional = torch.nn.functional
-    patched: list[tuple[Any, str, Any, bool]] = []  # (owner, name, original, owned: in its __dict__)
 
-    def patch(owner: Any, name: str, new: Any) -> None:
-        patched.append((owner, name, getattr(owner, name), name in vars(owner)))
-        setattr(owner, name, new)
+    def attention(sdpa: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> torch.Tensor:
+            return cuda_sdpa(tracker, *args, original=sdpa, **kwargs)
 
-    sdpa = functional.scaled_dot_product_attention
+        return run
 
-    def attention(*args: Any, **kwargs: Any) -> torch.Tensor:
-        return cuda_sdpa(tracker, *args, original=sdpa, **kwargs)
-
-    try:
-        patch(functional, "scaled_dot_product_attention", attention)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(thread_patch(functional, "scaled_dot_product_attention", attention))
         for names, set_dtype in ((CUDA_AUTOCAST_FP32, False), (CUDA_AUTOCAST_FP32_OUTPUT, True)):
             for name in sorted(names):
                 for owner in (torch, functional, torch.Tensor):
-                    fn = getattr(owner, name, None)
-                    if callable(fn):
-                        patch(owner, name, _autocast_fp32(fn, set_dtype))
+                    if callable(getattr(owner, name, None)):
+                        stack.enter_context(thread_patch(owner, name, functools.partial(_autocast_fp32, set_dtype=set_dtype)))
         yield
-    finally:
-        for owner, name, fn, owned in reversed(patched):
-            if owned or owner is not torch.Tensor:
-                setattr(owner, name, fn)
-            else:
-                delattr(owner, name)
-
-
-def _foreach_by_default(params: list[Any], differentiable: bool, use_fused: bool = False) -> tuple[bool, bool]:
-    """torch.optim's default for CUDA params (fake CPU ones here): foreach, fused only if asked."""
-    if torch.jit.is_scripting() or differentiable:
-        return False, False
-    fused = use_fused and all(p is None or torch.is_floating_point(p) for p in params)
-    return fused, not fused
-
-
-@contextlib.contextmanager
-def cuda_optimizer_kernels() -> Iterator[None]:
-    """Optimizer steps as on a GPU, on fake CPU tensors (inside :func:`isolated_kernel_caches`).
-
-    leanopt's kernels are chosen for CUDA (``kernels.resolve_backend``: Triton), and their launch
-    code runs: the chunk, address and scalar tables it makes, Adafactor's scratch, the code books
-    are traced. The Triton launches themselves do nothing here; on a GPU they update params and
-    states in place and allocate nothing. torch's optimizers default to foreach, as on CUDA."""
-    try:
-        from triton.runtime import jit as triton_jit
-
-        from leanopt.kernels import triton_adafactor, triton_elementwise
-    except Exception as err:  # noqa: BLE001 - one line, naming what failed
-        text = str(err).strip().splitlines()
-        raise ValueError(
-            "planning device='cuda' runs leanopt's Triton launch code on fake tensors and needs triton "
-            f"(pip install triton): {type(err).__name__}: {text[0] if text else ''}"
-        ) from None
-    from leanopt import kernels
-    from leanopt.kernels.multi_tensor import TableCache
-
-    resolve = kernels.resolve_backend
-
-    def on_cuda(backend: str, device: torch.device) -> str:
-        kernels.check_backend(backend)
-        if backend == "cpu":
-            raise RuntimeError("backend='cpu' got tensors on cuda")
-        return "triton" if backend in ("auto", "triton") else backend
-
-    def addresses(self: Any, name: str, tensors: Any, device: torch.device) -> torch.Tensor:
-        return torch.zeros(len(tensors), dtype=torch.int64)  # no data pointers on fake tensors
-
-    launch = triton_jit.KernelInterface.__getitem__
-    table_addresses = TableCache.addresses
-    padded = dict(triton_elementwise._PADDED)
-    defaults = {name: mod for name, mod in sys.modules.items()
-                if name.startswith("torch.optim") and hasattr(mod, "_default_to_fused_or_foreach")}  # fmt: skip
-    saved = {name: mod._default_to_fused_or_foreach for name, mod in defaults.items()}
-    triton_elementwise._PADDED.clear()
-    triton_adafactor._layout.cache_clear()
-    kernels.resolve_backend = on_cuda
-    triton_jit.KernelInterface.__getitem__ = lambda self, grid: (lambda *args, **kwargs: None)  # type: ignore[method-assign]
-    TableCache.addresses = addresses  # type: ignore[method-assign]
-    for mod in defaults.values():
-        mod._default_to_fused_or_foreach = _foreach_by_default
-    try:
-        yield
-    finally:
-        kernels.resolve_backend = resolve
-        triton_jit.KernelInterface.__getitem__ = launch  # type: ignore[method-assign]
-        TableCache.addresses = table_addresses  # type: ignore[method-assign]
-        for name, mod in defaults.items():
-            mod._default_to_fused_or_foreach = saved[name]
-        triton_elementwise._PADDED.clear()
-        triton_elementwise._PADDED.update(padded)
-        triton_adafactor._layout.cache_clear()

@@ -63,6 +63,8 @@ from dataclasses import dataclass
 
 import torch
 
+from leanopt import tracing
+
 
 @dataclass(frozen=True)
 class CodeBook:
@@ -142,9 +144,10 @@ def codebook(name: str, device: torch.device | str = "cpu") -> CodeBook:
     """The shared code book ``name`` on ``device`` (built on first use, then cached)."""
     device = torch.device(device)
     key = (name, device)
-    book = _CACHE.get(key)
+    books = tracing.cache(_CACHE)  # inside a memory trace, the trace's own (fake) books
+    book = books.get(key)
     if book is None:
-        book = _CACHE[key] = _build(name, device)
+        book = books[key] = _build(name, device)
     return book
 
 
@@ -168,3 +171,18 @@ def _build(name: str, device: torch.device) -> CodeBook:
         thresholds=thresholds.to(dtype=torch.float32, device=device),
         zero_index=zero_index,
     )
+
+
+def midpoints_below_buckets(thresholds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """For each of the 2^16 buckets named by the top 16 bits of an fp32: the number of the
+    (sorted, fp32, CPU) ``thresholds`` below the bucket (int64), whether the bucket holds finite
+    values only, and whether no finite bucket holds more than one threshold (then the bucket
+    and one comparison give ``torch.searchsorted``'s answer)."""
+    bits = torch.arange(1 << 16, dtype=torch.int64) << 16
+    lo = bits.to(torch.int32).view(torch.float32)
+    hi = (bits | 0xFFFF).to(torch.int32).view(torch.float32)
+    low, high = torch.minimum(lo, hi), torch.maximum(lo, hi)
+    below = torch.searchsorted(thresholds, low)
+    inside = torch.searchsorted(thresholds, high, right=True) - below
+    finite = torch.isfinite(low) & torch.isfinite(high)
+    return below, finite, bool(((inside <= 1) | ~finite).all())
