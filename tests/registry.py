@@ -28,6 +28,9 @@ class OptimizerCase:
     supports_complex: bool = False
     # Backends the generic suite runs (triton runs under TRITON_INTERPRET=1 when installed).
     backends: tuple[str, ...] = ("reference", "cpu", "triton")
+    # Constructor defaults that differ on purpose from a class in ``cls.references`` (the classes
+    # whose positional order and defaults it keeps): {reference path: {parameter: why}}.
+    reference_differences: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def __str__(self) -> str:  # pytest ids
         return self.name

@@ -90,6 +90,16 @@ def keys_of(opt: torch.optim.Optimizer) -> list[str]:
     return opt.state_keys(opt.param_groups[0]) if hasattr(opt, "state_keys") else []
 
 
+def undeclared(sd: dict) -> dict:
+    """``sd`` without the declared name: a peer's file, or leanopt's from before names were declared."""
+    return {**sd, "param_groups": [{k: v for k, v in g.items() if k != "optimizer"} for g in sd["param_groups"]]}
+
+
+def relabeled(sd: dict, name: str) -> dict:
+    """``sd`` declaring ``name``, whoever saved it."""
+    return {**sd, "param_groups": [{**g, "optimizer": name} for g in sd["param_groups"]]}
+
+
 # ---- save -> load -------------------------------------------------------------------------------
 @every_low_bit
 def test_weights_only_round_trip_continues_bit_identically(case: OptimizerCase) -> None:
@@ -234,10 +244,7 @@ def test_a_lion8bit_state_is_not_taken_for_adamw8bit() -> None:
         convert_state_dict(sd, "adamw8bit")
 
 
-def test_undeclared_files_are_recognized_as_the_adamw_family_only() -> None:
-    def undeclared(sd: dict) -> dict:
-        return {**sd, "param_groups": [{k: v for k, v in g.items() if k != "optimizer"} for g in sd["param_groups"]]}
-
+def test_undeclared_files_are_recognized_by_their_states() -> None:
     # leanopt's AdamW files from before names were declared: told apart by their bits.
     for name in ("adamw", "adamw8bit", "adamw4bit"):
         assert state_dict_layout(undeclared(trained(name)[1])) == name
@@ -250,10 +257,17 @@ def test_undeclared_files_are_recognized_as_the_adamw_family_only() -> None:
     feed(torch_opt, [w], 1)
     assert declared_optimizer(torch_opt.state_dict()) is None
     assert state_dict_layout(torch_opt.state_dict()) == "adamw"
-    # Anything else undeclared is not guessed: a Lion momentum is not half of an Adam pair.
-    for name in ("lion8bit", "ademamix", "adafactor"):
-        with pytest.raises(ValueError, match="declare no 'optimizer'"):
-            state_dict_layout(undeclared(trained(name)[1]))
+    # Every other leanopt state shows its rule too (keys, options): Lion's one momentum with betas
+    # and no eps, AdEMAMix's two EMAs, Adafactor's options.
+    for case in OPTIMIZERS:
+        assert state_dict_layout(undeclared(trained(case.name)[1])) == case.name
+    # What shows no rule leanopt runs is not guessed: torch's SGD momentum, torch's Adafactor.
+    for peer in (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), lambda ps: torch.optim.Adafactor(ps)):
+        params = make_params()
+        opt = peer(params)
+        feed(opt, params, 1)
+        with pytest.raises(ValueError, match="declare no 'optimizer' .*: not a state leanopt recognizes"):
+            state_dict_layout(opt.state_dict())
     with pytest.raises(ValueError):
         state_dict_layout({"state": {}})
 
@@ -266,10 +280,11 @@ def test_declared_names_are_checked() -> None:
     mixed = {**sd, "param_groups": [{**sd["param_groups"][0], "optimizer": "lion"}, {**sd["param_groups"][1], "optimizer": "lion8bit"}]}
     with pytest.raises(ValueError, match="different optimizers: lion, lion8bit"):
         state_dict_layout(mixed)
-    # A name that does not match the states: an AdamW file must hold exp_avg_sq.
-    wrong = {**sd, "param_groups": [{**g, "optimizer": "adamw"} for g in sd["param_groups"]]}
+    # A name that does not match the states: an AdamW file must hold exp_avg_sq, a Lion one no more.
     with pytest.raises(ValueError, match=r"not a adamw state \(missing 'exp_avg_sq'\)"):
-        state_dict_layout(wrong)
+        state_dict_layout(relabeled(sd, "adamw"))
+    with pytest.raises(ValueError, match=r"not a lion state \('exp_avg_sq' is another rule's\)"):
+        state_dict_layout(relabeled(trained("adamw")[1], "lion"))
 
 
 # ---- convert_state_dict on files ---------------------------------------------------------------
@@ -369,3 +384,93 @@ def test_torch_adamw_file_converts_to_every_adamw_member(dst: str) -> None:
     target = REGISTRY[dst](groups(resumed), backend="reference")
     target.load_state_dict(out)
     feed(target, resumed, 1, start=3)
+
+
+# ---- load_state_dict: a state continues only in its own family -----------------------------------
+def refused_message(case: OptimizerCase, sd: dict) -> str:
+    """Load ``sd`` into a fresh ``case`` optimizer: it must raise a one-line ValueError and leave the
+    optimizer as it was (no state, its own hyper-parameters); returns the message."""
+    opt = build(case, groups(make_params()))
+    options = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    with pytest.raises(ValueError) as err:
+        opt.load_state_dict(sd)
+    assert len(opt.state) == 0 and [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == options
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"{case.cls.__name__}.load_state_dict: "), message
+    return message
+
+
+def loads(case: OptimizerCase, sd: dict) -> torch.optim.Optimizer:
+    params = make_params()
+    opt = build(case, groups(params))
+    opt.load_state_dict(sd)
+    assert len(opt.state) == len(params) and {int(st["step"]) for st in opt.state.values()} == {2}
+    feed(opt, params, 1, start=2)  # and it goes on
+    return opt
+
+
+def test_a_state_of_another_family_is_refused_on_load_declared_or_not() -> None:
+    for source in OPTIMIZERS:
+        _, sd = trained(source.name)
+        members = [cls.__name__ for cls in REGISTRY.values() if cls.family == source.cls.family]
+        for target in OPTIMIZERS:
+            if target.cls.family == source.cls.family:
+                loads(target, sd)  # its own and its siblings' states load (and convert),
+                loads(target, undeclared(sd))  # and so they do without the name: recognized by their states
+                continue
+            message = refused_message(target, sd)
+            assert f"saved by {source.cls.__name__} ({source.cls.family} rule)" in message, message
+            assert f"{target.cls.__name__} runs the {target.cls.family} rule" in message, message
+            # Without the name, the state is read as the family its states show, and only as that.
+            message = refused_message(target, undeclared(sd))
+            assert "declares no optimizer" in message and f"({source.cls.family} rule)" in message, message
+            assert f"load it into leanopt.{', '.join(members)}" in message, message
+
+
+def test_a_state_declaring_another_family_is_refused_naming_both() -> None:
+    # The issue's case: a leanopt AdamW state whose groups say "lion" continued as Lion (exp_avg
+    # taken for the momentum, exp_avg_sq dropped, AdamW's lr and betas kept).
+    adamw = next(c for c in OPTIMIZERS if c.cls is leanopt.AdamW)
+    lion = next(c for c in OPTIMIZERS if c.cls is leanopt.Lion)
+    message = refused_message(lion, relabeled(trained(adamw.name)[1], lion.name))
+    assert "declares 'lion'" in message and "'exp_avg_sq' has no place" in message, message
+    assert "its states are leanopt AdamW's (the adamw rule)" in message, message
+    for source in OPTIMIZERS:
+        _, sd = trained(source.name)
+        for target in OPTIMIZERS:
+            if target.cls.family == source.cls.family:
+                continue
+            # Refused by its options or its state keys; either way naming what the states are.
+            message = refused_message(target, relabeled(sd, target.name))
+            assert f"(the {source.cls.family} rule)" in message, message
+            with pytest.raises(ValueError, match=rf"\(the {source.cls.family} rule\)"):  # convert reads it the same way
+                convert_state_dict(relabeled(sd, target.name), target.name)
+
+
+def test_peer_files_load_into_their_family_only() -> None:
+    params = make_params()
+    torch_opt = torch.optim.AdamW(groups(params), lr=1e-3)
+    feed(torch_opt, params, 2)
+    sd = through_file(torch_opt.state_dict())
+    family = REGISTRY[state_dict_layout(sd)].family
+    for case in OPTIMIZERS:
+        if case.cls.family == family:
+            opt = loads(case, sd)
+            assert opt.param_groups[0]["lr"] == 1e-3 and opt.param_groups[0]["optimizer"] == case.name
+        else:
+            message = refused_message(case, sd)
+            assert "declares no optimizer" in message and f"({family} rule)" in message, message
+
+
+def test_transformers_adafactor_file_loads_into_adafactor_only() -> None:
+    hf = pytest.importorskip("transformers.optimization")
+    params = make_params()
+    hf_opt = hf.Adafactor(groups(params), lr=1e-3, relative_step=False, scale_parameter=False, beta1=0.9)
+    feed(hf_opt, params, 2)
+    sd = through_file(hf_opt.state_dict())
+    for case in OPTIMIZERS:
+        if isinstance(case.cls, type) and issubclass(case.cls, leanopt.Adafactor):
+            loads(case, sd)
+        else:
+            message = refused_message(case, sd)
+            assert "declares no optimizer" in message and "Adafactor (transformers)" in message, message

@@ -286,7 +286,7 @@ def test_recognized_layouts_of_undeclared_files(factory, layout: str) -> None:
 def test_undeclared_lion_is_not_taken_for_adamw_and_unknown_names_are_reported() -> None:
     _, opt = _trained(lambda m: leanopt.Lion(m.parameters(), backend="reference"), _quantizable())
     sd = opt.state_dict()
-    assert inspect_state_dict(_undeclared(sd)).layout.startswith("unrecognized (state keys: exp_avg, step)")
+    assert inspect_state_dict(_undeclared(sd)).layout == "leanopt Lion"  # one momentum, betas, no eps
     newer = {**sd, "param_groups": [{**g, "optimizer": "sophia"} for g in sd["param_groups"]]}
     report = inspect_state_dict(newer)
     assert report.optimizer == "sophia" and "'sophia' (declared; not in this version's registry)" in report.layout
@@ -325,6 +325,22 @@ def test_inspect_bitsandbytes(tmp_path: Path) -> None:
     assert report.layout.startswith("bitsandbytes 8-bit")
     assert {"state1", "state2", "absmax1", "absmax2"} <= set(report.by_key)
     assert report.bytes == leanopt.measure(opt).bytes
+
+
+@pytest.mark.parametrize("cls_name,bits,state_bytes", [("AdEMAMix", "32-bit", 12), ("AdEMAMix8bit", "8-bit", 3)])
+def test_inspect_bitsandbytes_ademamix(cls_name: str, bits: str, state_bytes: int) -> None:
+    # bitsandbytes' AdEMAMix stacks its fast and slow EMAs in one [2, *shape] state1: counted as
+    # the param's size, that halved B/param (6.0 for 12), and the layout read "Adam-family, 2 states".
+    bnb = pytest.importorskip("bitsandbytes")
+    # 20,480 weight elements: 8-bit states (the 80-element bias keeps fp32 ones, under 4096).
+    model, opt = _trained(lambda m: getattr(bnb.optim, cls_name)(m.parameters()), torch.nn.Sequential(torch.nn.Linear(256, 80)))
+    n = sum(p.numel() for p in model.parameters())
+    report = inspect_state_dict(opt.state_dict())
+    assert report.layout == f"bitsandbytes {bits} (AdEMAMix, 3 states)", report.layout
+    assert report.param_elements == n and report.bytes == leanopt.measure(opt).bytes
+    # 3 states of `state_bytes` per element; 8-bit adds an fp32 absmax per 256 elements per state,
+    # the two 256-entry code books bitsandbytes saves with each param, and the fp32 bias states.
+    assert state_bytes <= report.bytes_per_param < 1.1 * state_bytes, report.bytes_per_param
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import importlib
+import importlib.util
+import inspect
 import io
 
 import pytest
@@ -253,3 +256,56 @@ def test_steps_on_the_meta_device_and_allocates_what_estimate_says(case: Optimiz
         opt.step()
     assert all(p.device.type == "meta" for p in model.parameters())
     assert leanopt.measure(opt).bytes == leanopt.estimate(model, case.cls, **case.kwargs).bytes
+
+
+@cases
+def test_integer_params_with_a_gradient_are_refused_naming_them(case: OptimizerCase) -> None:
+    # torch's AdamW raises for them; leanopt stepped them with truncation (5 -> 2 in 3 steps).
+    w = torch.nn.Parameter(torch.randn(8, 8))
+    counts = [torch.tensor([5, 5, 5]), torch.tensor([1, 0], dtype=torch.uint8), torch.tensor([True])]
+    frozen = torch.tensor([7, 7])  # an integer tensor without a gradient is never stepped: fine, as in torch
+    opt = case.cls([{"params": [w, frozen]}, {"params": counts}], **case.kwargs)
+    for i, n in enumerate(counts):
+        before = [t.clone() for t in (w.detach(), *counts)]
+        w.grad = torch.randn_like(w)
+        n.grad = torch.ones_like(n)
+        with pytest.raises(ValueError, match=rf"param {i} of group 1 is {n.dtype}"):
+            opt.step()
+        assert not opt.state and all(torch.equal(a, b) for a, b in zip(before, (w.detach(), *counts)))
+        n.grad = None
+    opt.step()
+    assert w in opt.state and torch.equal(frozen, torch.tensor([7, 7]))
+
+
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def _reference_class(path: str) -> type | None:
+    """The class at ``path`` ("package.module.Class"), None when its package is not installed."""
+    module, _, name = path.rpartition(".")
+    if importlib.util.find_spec(module.split(".")[0]) is None:
+        return None
+    return getattr(importlib.import_module(module), name)
+
+
+@cases
+def test_positional_parameters_and_defaults_match_the_reference_classes(case: OptimizerCase) -> None:
+    # A positional call ported from the class an optimizer mirrors must mean the same thing:
+    # AdEMAMix took eps and weight_decay where bitsandbytes' AdEMAMix takes t_alpha and t_beta3.
+    assert case.cls.references, f"{case.cls.__name__} declares the classes it mirrors (`references`)"
+    ours = list(inspect.signature(case.cls.__init__).parameters.values())[2:]  # self, params
+    positional = [q.name for q in ours if q.kind in _POSITIONAL]
+    checked = []
+    for path in case.cls.references:
+        ref = _reference_class(path)
+        if ref is None:
+            continue
+        theirs = list(inspect.signature(ref.__init__).parameters.values())[2:]
+        assert positional == [q.name for q in theirs if q.kind in _POSITIONAL][: len(positional)], path
+        their_defaults = {q.name: q.default for q in theirs}
+        differ = {q.name for q in ours if q.name in their_defaults and q.default != their_defaults[q.name]}
+        declared = set(case.reference_differences.get(path, {}))
+        assert differ == declared, (path, {n: (next(q.default for q in ours if q.name == n), their_defaults[n]) for n in differ})
+        checked.append(path)
+    if not checked:
+        pytest.skip(f"none of {case.cls.references} is installed")

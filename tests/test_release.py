@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
+import repo_modules
 import torch
+from registry import OPTIMIZERS, OptimizerCase
 
 import leanopt
-from registry import OPTIMIZERS, OptimizerCase
 
 try:
     import triton  # noqa: F401
@@ -39,6 +41,19 @@ def loss_of(m: torch.nn.Module, step: int) -> torch.Tensor:
     return m(x).square().mean()
 
 
+def assert_same_training(ours: torch.nn.Module, opt, usual: torch.nn.Module, usual_opt) -> None:
+    """The same params and optimizer states, bit for bit (states matched by param order)."""
+    for i, (a, b) in enumerate(zip(ours.parameters(), usual.parameters())):
+        assert torch.equal(a, b), f"param {i}"
+        assert opt.state[a].keys() == usual_opt.state[b].keys(), f"param {i}"
+        for key, value in usual_opt.state[b].items():
+            got = opt.state[a][key]
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(got, value), (i, key)
+            else:  # QuantizedState
+                assert torch.equal(got.codes, value.codes) and torch.equal(got.absmax, value.absmax), (i, key)
+
+
 @pytest.mark.parametrize("case,backend", CASE_BACKENDS)
 def test_released_training_is_bit_identical_to_the_usual_loop(case: OptimizerCase, backend: str) -> None:
     steps = 20 if backend != "triton" else 6  # the interpreter is slow
@@ -62,13 +77,7 @@ def test_released_training_is_bit_identical_to_the_usual_loop(case: OptimizerCas
                 s.step()
         for a, b in zip(ours.parameters(), usual.parameters()):
             assert torch.equal(a, b), f"step {step}"
-    for a, b in zip(ours.parameters(), usual.parameters()):
-        for key, value in usual_opt.state[b].items():
-            got = opt.state[a][key]
-            if isinstance(value, torch.Tensor):
-                assert torch.equal(got, value), key
-            else:  # QuantizedState
-                assert torch.equal(got.codes, value.codes) and torch.equal(got.absmax, value.absmax), key
+    assert_same_training(ours, opt, usual, usual_opt)
     handle.remove()
     loss_of(ours, 99).backward()
     assert all(p.grad is not None for p in ours.parameters()), "remove() restores the usual loop"
@@ -151,3 +160,234 @@ def test_peak_memory_drops_by_most_of_the_gradient_bytes() -> None:
     assert drop >= 0.8 * grad_bytes, (peaks, grad_bytes)
     print(f"step peak over weights+state: usual {peaks['usual'] / 2**20:.1f} MiB, released "
           f"{peaks['release'] / 2**20:.1f} MiB; gradients {grad_bytes / 2**20:.1f} MiB, drop {drop / grad_bytes:.0%}")
+
+
+# ---- gradients that reach a param by a path without a release hook (issue 20) ----------------
+# Each trains as in the usual loop: stepped at the end of the backward, or by optimizer.step().
+# "bare": a loop that calls neither zero_grad() nor step() (one step per backward).
+HOOKLESS = [
+    ("unfrozen_after_release", "step"),
+    ("unfrozen_after_release", "bare"),
+    ("group_added_after_release", "step"),
+    ("group_added_after_release", "bare"),
+    ("grad_set_by_hand", "step"),
+    ("torch_autograd_grad", "step"),
+]
+
+
+def hookless_run(case: OptimizerCase, path: str, loop: str, released: bool, steps: int = 3):
+    m = model()
+    first, last = list(m[0].parameters()), list(m[2].parameters())
+    if path == "unfrozen_after_release":  # staged unfreezing: frozen when released
+        for p in first:
+            p.requires_grad_(False)
+    if path == "grad_set_by_hand":  # a param outside the graph, given its gradient by hand
+        m.register_parameter("extra", torch.nn.Parameter(torch.zeros(4)))
+    opt = case.cls(last if path == "group_added_after_release" else m.parameters(), **case.kwargs)
+    handle = leanopt.release_gradients(m, opt) if released else None
+    if path == "group_added_after_release":
+        opt.add_param_group({"params": first})
+    calls_step = loop == "step" or not released
+    for step in range(steps):
+        if path == "unfrozen_after_release" and step == 1:
+            for p in first:
+                p.requires_grad_(True)
+        if calls_step:
+            opt.zero_grad()
+        loss = loss_of(m, step)
+        if path == "torch_autograd_grad":
+            params = list(m.parameters())
+            for p, g in zip(params, torch.autograd.grad(loss, params)):
+                p.grad = g
+        else:
+            loss.backward()
+        if path == "grad_set_by_hand":
+            m.extra.grad = torch.randn(4, generator=torch.Generator().manual_seed(step))
+        if calls_step:
+            opt.step()
+    return m, opt, handle
+
+
+@pytest.mark.parametrize("path,loop", HOOKLESS, ids=[f"{p}-{l}" for p, l in HOOKLESS])
+@pytest.mark.parametrize("case", OPTIMIZERS, ids=str)
+def test_params_no_hook_sees_are_trained_as_in_the_usual_loop(case: OptimizerCase, path: str, loop: str) -> None:
+    usual, usual_opt, _ = hookless_run(case, path, loop, released=False)
+    ours, opt, handle = hookless_run(case, path, loop, released=True)
+    start = model()
+    assert not torch.equal(usual[0].weight, start[0].weight), "the usual loop trains the first layer"
+    assert_same_training(ours, opt, usual, usual_opt)
+    assert all(p.grad is None for p in ours.parameters()), "stepped gradients are freed"
+    handle.remove()
+
+
+# ---- AMP GradScaler (issue 20): its scaled, possibly inf gradients must never be stepped -------
+@pytest.mark.parametrize("case", OPTIMIZERS, ids=str)
+def test_a_grad_scaler_is_refused_before_the_first_released_step(case: OptimizerCase) -> None:
+    m = model()
+    opt = case.cls(m.parameters(), **case.kwargs)
+    before = [p.detach().clone() for p in m.parameters()]
+    scaler = torch.amp.GradScaler("cpu")
+    with leanopt.release_gradients(m, opt):
+        opt.zero_grad()
+        with pytest.raises(ValueError, match="GradScaler"):
+            scaler.scale(loss_of(m, 0)).backward()
+        assert all(torch.equal(a, b) for a, b in zip(before, m.parameters())), "no param was stepped"
+        assert not opt.state
+        with pytest.raises(ValueError, match="GradScaler"):  # refused again, not once
+            scaler.scale(loss_of(m, 1)).backward()
+
+
+def test_grad_scaler_step_on_a_released_optimizer_is_refused() -> None:
+    # A scaler first used after the release's first backward: its step() is refused by name
+    # (not torch's "No inf checks were recorded").
+    m = model()
+    opt = leanopt.AdamW(m.parameters())
+    with leanopt.release_gradients(m, opt):
+        loss_of(m, 0).backward()
+        scaler = torch.amp.GradScaler("cpu")
+        scaler.scale(loss_of(m, 1))
+        with pytest.raises(ValueError, match="GradScaler"):
+            scaler.step(opt)
+    assert not hasattr(opt, "_step_supports_amp_scaling"), "remove() gives GradScaler its usual path back"
+
+
+def test_a_disabled_grad_scaler_trains_as_without_one() -> None:
+    runs = []
+    for released in (False, True):
+        m = model()
+        opt = leanopt.AdamW(m.parameters(), lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu", enabled=False)  # GradScaler(enabled=use_amp), AMP off
+        handle = leanopt.release_gradients(m, opt) if released else None
+        for step in range(3):
+            opt.zero_grad()
+            scaler.scale(loss_of(m, step)).backward()
+            scaler.step(opt)
+            scaler.update()
+        runs.append((m, opt))
+    assert_same_training(*runs[1], *runs[0])
+    handle.remove()
+
+
+# ---- reentrant activation checkpointing (issue 20) ----------------------------------------------
+class Segments(torch.nn.Module):
+    """Three segments under ``checkpoint(use_reentrant=True)``: each segment's backward is a
+    backward of its own, run inside the outer one. ``separate``: a Linear each; ``shared``: one
+    Linear applied by all three (its gradient arrives in three parts); ``shared_nested``: the
+    three inside a fourth checkpoint."""
+
+    def __init__(self, layout: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layout = layout
+        self.inp = torch.nn.Linear(16, 64)
+        # 64 x 64 = 4096 elements: the low-bit optimizers quantize the segments' weight.
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(3 if layout == "separate" else 1))
+        self.out = torch.nn.Linear(64, 4)
+
+    def segments(self, h: torch.Tensor) -> torch.Tensor:
+        for i in range(3):
+            block = self.blocks[i % len(self.blocks)]
+            h = torch.utils.checkpoint.checkpoint(lambda t, b=block: torch.tanh(b(t)), h, use_reentrant=True)
+        return h
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        if self.layout == "shared_nested":
+            h = torch.utils.checkpoint.checkpoint(self.segments, h, use_reentrant=True)
+        else:
+            h = self.segments(h)
+        return self.out(h)
+
+
+REENTRANT = [(layout, loop) for layout in ("separate", "shared", "shared_nested") for loop in ("step", "bare")]
+
+
+# The outer checkpoint's forward runs the inner ones under no_grad, so torch warns there; their
+# recomputation inside the outer one's backward has the gradients (every param is checked to train).
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad=True")
+@pytest.mark.parametrize("layout,loop", REENTRANT, ids=[f"{a}-{b}" for a, b in REENTRANT])
+@pytest.mark.parametrize("case", OPTIMIZERS, ids=str)
+def test_reentrant_checkpointing_steps_each_param_once_on_its_whole_gradient(case: OptimizerCase, layout: str, loop: str) -> None:
+    runs = []
+    for released in (False, True):
+        m = Segments(layout)
+        opt = case.cls(m.parameters(), **case.kwargs)
+        handle = leanopt.release_gradients(m, opt) if released else None
+        calls_step = loop == "step" or not released
+        for step in range(3):
+            if calls_step:
+                opt.zero_grad()
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+            m(x).square().mean().backward()
+            if released:
+                assert all(p.grad is None for p in m.parameters()), "freed by the end of backward"
+            if calls_step:
+                opt.step()
+        runs.append((m, opt))
+    (usual, usual_opt), (ours, opt) = runs
+    assert [int(opt.state[p]["step"]) for p in ours.parameters()] == [3] * len(list(ours.parameters()))
+    assert_same_training(ours, opt, usual, usual_opt)
+    handle.remove()
+
+
+# ---- DDP over a model released unwrapped (issue 20) ---------------------------------------------
+def test_ddp_over_a_released_model_is_refused_on_every_rank(tmp_path) -> None:
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed is not available in this build")
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_scripts", "release_ddp.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LEANOPT_DIST_TIMEOUT": "120"}
+    try:
+        repo_modules.benchmark("plan_vs_measured").torchrun(script, [str(tmp_path)], 2, env, 300, "release_ddp.py")
+    except RuntimeError as err:
+        pytest.fail(str(err))
+    for rank in range(2):
+        out = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert out["ddp"]["error"] is None and out["ddp"]["ranks_agree"], out["ddp"]  # the control
+        for case in ("release_then_wrap", "release_ddp_module"):
+            assert out[case]["error"] is not None, (rank, case, out[case])
+            assert out[case]["error"].startswith("ValueError") and "DistributedDataParallel" in out[case]["error"]
+            assert out[case]["moved"] == 0.0 and not out[case]["stepped"], "refused before any step"
+        # No DDP: each rank trains its own model under a 2-rank process group, as the usual loop.
+        own = out["own_model_per_rank"]
+        assert own["error"] is None and own["same_as_usual"] and own["moved"] > 0, own
+
+
+class InsideAndOutside(torch.nn.Module):
+    """One weight used by a reentrant-checkpointed segment and outside it: ``outside_first`` uses
+    it before the segment (its gradient's outside part arrives after the inside one), else after."""
+
+    def __init__(self, order: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.order = order
+        self.inp = torch.nn.Linear(16, 64)
+        self.shared = torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        if self.order == "outside_first":
+            h = torch.tanh(self.shared(h))
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.shared(t)), h, use_reentrant=True)
+        return self.shared(h) if self.order == "inside_first" else h
+
+
+@pytest.mark.parametrize("case", OPTIMIZERS, ids=str)
+def test_a_weight_used_inside_and_outside_a_reentrant_checkpoint(case: OptimizerCase) -> None:
+    # Outside part last: the inside part is kept, and the whole gradient stepped at the end.
+    runs = []
+    for released in (False, True):
+        m = InsideAndOutside("outside_first")
+        opt = case.cls(m.parameters(), **case.kwargs)
+        handle = leanopt.release_gradients(m, opt) if released else None
+        for step in range(3):
+            opt.zero_grad()
+            m(torch.randn(8, 16, generator=torch.Generator().manual_seed(step))).square().mean().backward()
+            opt.step()
+        runs.append((m, opt))
+    assert_same_training(*runs[1], *runs[0])
+    handle.remove()
+    # Outside part first: it was stepped when the inside part arrives, which is refused.
+    m = InsideAndOutside("inside_first")
+    opt = case.cls(m.parameters(), **case.kwargs)
+    with leanopt.release_gradients(m, opt), pytest.raises(RuntimeError, match="inside and outside checkpoint"):
+        m(torch.randn(8, 16)).square().mean().backward()

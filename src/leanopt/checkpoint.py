@@ -7,10 +7,14 @@ same conversions when a model is at hand; this module is for files.
 
 **Identity is declared.** Every param group of a leanopt optimizer's ``state_dict`` holds
 ``"optimizer": <registry name>`` (:data:`leanopt.optim.REGISTRY`), and that name is what
-:func:`state_dict_layout` returns. Only a file without it -- torch's ``AdamW``/``Adam``, or a
-leanopt file saved before names were declared -- is recognized from its state keys, and only
-as the AdamW family (``adamw``, ``adamw8bit``, ``adamw4bit``, told apart by the quantized
-entries' bits).
+:func:`state_dict_layout` returns, once each param's state is checked to hold that optimizer's
+state keys and no other rule's. Only a file without it -- torch's ``AdamW``/``Adam``,
+transformers' ``Adafactor``, a leanopt file saved before names were declared -- is recognized
+from its state keys and group options (:func:`leanopt.optim.identity.recognize_states`, the
+recognizer ``leanopt inspect`` uses), as the family they show and the member its quantized
+entries' bits say (``adamw``, ``adamw8bit``, ``adamw4bit``; ``lion``...; ``adafactor``); states
+of a rule leanopt does not run (torch's SGD or Adafactor) are refused. ``load_state_dict`` of
+leanopt's optimizers reads a state_dict by the same rule.
 
 **Conversion stays within a family** (the rule an optimizer runs: ``cls.family``): between
 ``adamw``, ``adamw8bit`` and ``adamw4bit``; ``lion``, ``lion8bit`` and ``lion4bit``;
@@ -42,38 +46,12 @@ from typing import Any
 
 import torch
 
+from leanopt.optim.identity import IDENTITY_KEY, declared_optimizer, recognize_states
 from leanopt.optim.lowbit import STORAGE_OPTIONS, LowBit, check_block_size, check_min_quant_size
 from leanopt.optim.registry import REGISTRY, optimizer_class
 from leanopt.quant import QuantizedState, format_by_name
 
 __all__ = ["IDENTITY_KEY", "convert_state_dict", "declared_optimizer", "family_members", "state_dict_layout"]
-
-# The param-group key under which leanopt's optimizers declare their registry name.
-IDENTITY_KEY = "optimizer"
-# The state keys of the AdamW family: what a file without a declared name must hold.
-_ADAMW_KEYS = ("exp_avg", "exp_avg_sq")
-
-
-def declared_optimizer(state_dict: Mapping[str, Any]) -> str | None:
-    """The registry name the param groups of ``state_dict`` declare under ``"optimizer"``, or
-    None when none does (a peer's file, or leanopt's from before names were declared).
-
-    The name is returned as saved, registered here or not. ``ValueError`` when groups declare
-    different names or a name is not a string.
-    """
-    groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
-    names = []
-    for g in groups if isinstance(groups, (list, tuple)) else ():
-        if isinstance(g, Mapping) and IDENTITY_KEY in g:
-            name = g[IDENTITY_KEY]
-            if not isinstance(name, str):
-                raise ValueError(f"param group declares optimizer {name!r}, not a name")
-            if name not in names:
-                names.append(name)
-    if len(names) > 1:
-        raise ValueError(f"param groups declare different optimizers: {', '.join(names)}")
-    return names[0] if names else None
-
 
 def family_members(name: str) -> list[str]:
     """The registry names (in registration order) of the optimizers that run the same rule as
@@ -86,16 +64,18 @@ def state_dict_layout(state_dict: Mapping[str, Any]) -> str:
     """The registry name of the optimizer whose ``state_dict`` this is.
 
     The name its param groups declare (checked to be registered, and each param's state to hold
-    that optimizer's state keys); for a file without one, the AdamW family member its states
-    show: ``"adamw"`` (fp32 moments: torch's AdamW/Adam, or an older leanopt AdamW),
+    that optimizer's state keys and no other rule's); for a file without one, the member of the
+    family its states show (:func:`leanopt.optim.identity.recognize_states`) that their bits
+    say: ``"adamw"`` (fp32 moments: torch's AdamW/Adam, or an older leanopt AdamW),
     ``"adamw8bit"`` or ``"adamw4bit"`` (by the quantized entries' bits, or the groups'
-    ``state_bits`` when every param kept fp32 states). ``ValueError`` for anything else (an
-    unknown name, another optimizer's undeclared state, a malformed dict).
+    ``state_bits`` when every param kept fp32 states), ``"adafactor"`` (transformers'
+    Adafactor), the Lion and AdEMAMix members likewise. ``ValueError`` for anything else (an unknown name, states that are not the
+    declared optimizer's, undeclared states it does not recognize, a malformed dict).
     """
     _check_shape_of_sd(state_dict)
     declared = declared_optimizer(state_dict)
     if declared is None:
-        return _recognized_adamw_member(state_dict)
+        return _recognized_member(state_dict)
     if declared not in REGISTRY:
         raise ValueError(
             f"the state_dict declares optimizer {declared!r}, which this leanopt does not know "
@@ -199,34 +179,59 @@ def _state_keys(opt: Any, group: Mapping[str, Any]) -> list[str]:
 
 
 def _check_states(state_dict: Mapping[str, Any], name: str) -> None:
-    """Each param's state of a ``name`` state_dict is a dict holding ``name``'s state keys."""
+    """Each param group of a ``name`` state_dict holds options ``name`` runs with, and each
+    param's state is a dict holding ``name``'s state keys and no key of another rule's state."""
     opt = _blank(REGISTRY[name])
-    keys_of = {pid: _state_keys(opt, g) for g in state_dict["param_groups"] for pid in g["params"]}
+
+    def refuse(problem: str) -> ValueError:
+        seen = recognize_states(state_dict)
+        other = "" if seen.family in (None, opt.family) else f"; its states are {seen.layout}'s (the {seen.family} rule)"
+        return ValueError(problem + other)
+
+    keys_of = {}
+    for gi, g in enumerate(state_dict["param_groups"]):
+        try:
+            opt.validate_group({**opt.defaults, **g}, loaded=True)
+        except ValueError as err:
+            raise refuse(f"param group {gi} does not hold {name} options ({err})") from None
+        keys_of.update({pid: _rule_keys(opt, g) for pid in g["params"]})
     for pid, st in state_dict["state"].items():
         if not isinstance(st, Mapping):
             raise ValueError(f"state of param {pid!r} is not a dict")
-        missing = [k for k in keys_of.get(pid, ()) if k not in st]
+        required, allowed = keys_of.get(pid, ((), None))
+        missing = [k for k in required if k not in st]
+        extra = [] if allowed is None else [k for k in st if k not in allowed]
         if missing:
-            raise ValueError(
-                f"state of param {pid!r} has keys {sorted(map(str, st))}, not a {name} state "
-                f"(missing {', '.join(map(repr, missing))})"
-            )
+            raise refuse(f"state of param {pid!r} has keys {sorted(map(str, st))}, not a {name} state (missing {', '.join(map(repr, missing))})")
+        if extra:
+            verb = "is" if len(extra) == 1 else "are"
+            raise refuse(f"state of param {pid!r} has keys {sorted(map(str, st))}, not a {name} state ({', '.join(map(repr, extra))} {verb} another rule's)")
 
 
-def _recognized_adamw_member(state_dict: Mapping[str, Any]) -> str:
-    """The AdamW family member an undeclared state_dict's states show (see state_dict_layout)."""
+def _rule_keys(opt: Any, group: Mapping[str, Any]) -> tuple[list[str], set[str]]:
+    """The state keys every param of ``group`` holds, and all those one may hold: the layouts of
+    a vector and of a matrix (Adafactor factors matrices), the rounding's compensation, and the
+    peers' bookkeeping the optimizer drops on load."""
+    group = {**opt.defaults, **group}
+    layouts = [[spec.key for spec in opt.state_layout(shape, torch.float32, group)] for shape in ((4,), (4, 4))]
+    required = [k for k in layouts[0] if k in layouts[1]]
+    return required, {*layouts[0], *layouts[1], "kahan_comp", *opt.ignored_state_keys}
+
+
+def _recognized_member(state_dict: Mapping[str, Any]) -> str:
+    """The optimizer an undeclared state_dict's states show (see state_dict_layout)."""
+    seen = recognize_states(state_dict)
+    if seen.family is None:
+        raise ValueError(
+            f"the param groups declare no 'optimizer' and the states are {seen.layout}: not a state leanopt "
+            "recognizes (only leanopt's own files say which optimizer saved them; a peer's is read from its "
+            "state keys: torch's AdamW/Adam, transformers' Adafactor)"
+        )
     bits: set[int] = set()
     for pid, st in state_dict["state"].items():
         if not isinstance(st, Mapping):
             raise ValueError(f"state of param {pid!r} is not a dict")
-        if not all(k in st for k in _ADAMW_KEYS):
-            raise ValueError(
-                f"state of param {pid!r} has keys {sorted(map(str, st))} and the param groups declare no "
-                "'optimizer': not an AdamW-family state (expected 'exp_avg' and 'exp_avg_sq'); "
-                "only leanopt's own files say which optimizer saved them"
-            )
-        for key in _ADAMW_KEYS:
-            value = st[key]
+        for key, value in st.items():
             if isinstance(value, Mapping) and QuantizedState.is_state_dict(value):
                 try:
                     bits.add(format_by_name(value["format"]).bits)
@@ -239,9 +244,10 @@ def _recognized_adamw_member(state_dict: Mapping[str, Any]) -> str:
     if len(bits) > 1:
         raise ValueError(f"state_dict mixes {sorted(bits)}-bit states")
     b = next(iter(bits), None)
-    members = [n for n, cls in REGISTRY.items() if cls.family == "adamw" and getattr(cls, "state_bits", None) == b]
+    members = [n for n, cls in REGISTRY.items() if cls.family == seen.family and getattr(cls, "state_bits", None) == b]
     if not members:
-        raise ValueError(f"unsupported state bits {b}")
+        raise ValueError(f"unsupported state bits {b} for the {seen.family} rule ({seen.layout})")
+    _check_states(state_dict, members[0])
     return members[0]
 
 

@@ -9,7 +9,9 @@ leanopt's quantized entries through their codes and scales, Python numbers as 0 
 Whose state it is: leanopt's optimizers declare it, their registry name in every param group
 under ``"optimizer"`` (:func:`leanopt.checkpoint.declared_optimizer`), and that name is what the
 report gives. Files without it (torch's, transformers', bitsandbytes', torchao's, and leanopt's
-own from before names were declared) are recognized from their state keys and group options.
+own from before names were declared) are recognized from their state keys and group options
+(:func:`recognize_states`), as the family of optimizers their states run: what leanopt's
+``load_state_dict`` and :mod:`leanopt.checkpoint` then let such a file load and convert into.
 """
 
 from __future__ import annotations
@@ -25,18 +27,22 @@ from typing import Any
 
 import torch
 
-from leanopt.checkpoint import declared_optimizer
 from leanopt.memory.estimate import MiB
 from leanopt.memory.measure import StateCounter
+from leanopt.optim.identity import (
+    BNB_KEY,
+    NO_STATE_YET,
+    Recognized,
+    declared_optimizer,
+    quantized_formats,
+    recognize_states,
+    stacked_emas,
+)
 from leanopt.optim.registry import REGISTRY
 from leanopt.quant import QuantizedState
 
-__all__ = ["InspectError", "StateDictReport", "inspect_file", "inspect_state_dict", "load_optimizer_state", "recognize_layout"]
-
-_BNB_KEY = "__bnb_optimizer_quant_state__"
-# Options torch's own optimizers put in every param group (leanopt's don't).
-_TORCH_GROUP_FLAGS = {"foreach", "fused", "capturable", "differentiable"}
-
+__all__ = ["InspectError", "Recognized", "StateDictReport", "inspect_file", "inspect_state_dict", "load_optimizer_state",
+           "recognize_layout", "recognize_states"]
 
 class InspectError(ValueError):
     """The file is missing, not a torch file, or not an optimizer state_dict."""
@@ -239,7 +245,7 @@ def _entries(state: Mapping[str, Any]) -> list[tuple[str, Any]]:
     """(key, value) pairs to count; bitsandbytes' nested dict is opened into its own keys."""
     out = []
     for key, value in state.items():
-        if key == _BNB_KEY and isinstance(value, Mapping):
+        if key == BNB_KEY and isinstance(value, Mapping):
             out.extend((str(k), v) for k, v in value.items())
         else:
             out.append((str(key), value))
@@ -260,7 +266,9 @@ def _dtype_names(value: Any) -> set[str]:
 
 def _param_numel(state: Mapping[str, Any]) -> int | None:
     """Elements of the parameter a state belongs to, read off the state's shapes."""
-    nested = state.get(_BNB_KEY)
+    nested = state.get(BNB_KEY)
+    if isinstance(nested, Mapping) and stacked_emas(nested):
+        return nested["state2"].numel()  # state1 holds two EMAs of the param's shape
     flat = {**state, **nested} if isinstance(nested, Mapping) else state
     for key in ("exp_avg", "exp_avg_sq", "exp_avg_fast", "max_exp_avg_sq", "variance", "state1", "momentum_buffer"):
         value = flat.get(key)
@@ -300,14 +308,12 @@ def recognize_layout(state_dict: Mapping[str, Any]) -> str:
     """Name the optimizer whose ``state_dict`` this is.
 
     The name its param groups declare (``"leanopt Lion8bit (pow3-s8/b256)"``); for a file that
-    declares none, a guess from its state keys and group options (peers' files, and leanopt's
-    own from before names were declared).
+    declares none, what its state keys and group options show (:func:`recognize_states`: peers'
+    files, and leanopt's own from before names were declared).
     """
     states = [s for s in state_dict["state"].values() if isinstance(s, Mapping)]
-    formats = sorted(
-        {str(v["format"]) for s in states for v in s.values() if isinstance(v, Mapping) and QuantizedState.is_state_dict(v)}
-    )
-    empty = "" if states else " (no state yet: saved before the first step)"
+    formats = quantized_formats(states)
+    empty = "" if states else NO_STATE_YET
     quantized = f" ({', '.join(formats)})" if formats else ""
     try:
         declared = declared_optimizer(state_dict)
@@ -318,49 +324,4 @@ def recognize_layout(state_dict: Mapping[str, Any]) -> str:
         if cls is None:
             return f"leanopt optimizer {declared!r} (declared; not in this version's registry){quantized}" + empty
         return f"leanopt {cls.__name__}{quantized}" + empty
-    return _recognized_layout(state_dict, states, formats, empty)
-
-
-def _recognized_layout(state_dict: Mapping[str, Any], states: list[Mapping[str, Any]], formats: list[str], empty: str) -> str:
-    """The guess of :func:`recognize_layout` for a state_dict that declares no optimizer."""
-    keys = {str(k) for s in states for k in s}
-    options = {str(k) for g in state_dict["param_groups"] for k in g}
-
-    if _BNB_KEY in keys:
-        nested = [s[_BNB_KEY] for s in states if isinstance(s.get(_BNB_KEY), Mapping)]
-        bits = "8-bit" if any(isinstance(n.get("state1"), torch.Tensor) and n["state1"].dtype == torch.uint8 for n in nested) else "32-bit"
-        two = any("state2" in n for n in nested)
-        return f"bitsandbytes {bits} ({'Adam-family, 2 states' if two else '1 state'})"
-    subclasses = sorted(
-        {f"{type(v).__module__}.{type(v).__name__}" for s in states for v in s.values()
-         if isinstance(v, torch.Tensor) and type(v) not in (torch.Tensor, torch.nn.Parameter)}
-    )
-    if any(name.startswith("torchao.") for name in subclasses):
-        names = ", ".join(n.rsplit(".", 1)[-1] for n in subclasses)
-        return f"torchao low-bit {'AdamW' if 'exp_avg_sq' in keys else 'optimizer'} ({names})"
-    bits = sorted({g["state_bits"] for g in state_dict["param_groups"] if isinstance(g.get("state_bits"), int)})
-    if bits and "betas" in options:
-        quantized = f" ({', '.join(formats)})" if formats else ""
-        return f"leanopt {'/'.join(f'AdamW{b}bit' for b in bits)}{quantized}" + empty
-    if formats:
-        base = "AdamW " if "exp_avg" in keys and "exp_avg_sq" in keys else ""
-        return f"leanopt quantized {base}({', '.join(formats)})"
-    adam_keys = "exp_avg_sq" in keys and not keys & {"exp_avg_sq_row", "RMS"}
-    if "betas" in options and (adam_keys or not states):
-        if "decoupled_weight_decay" in options:
-            decoupled = any(g.get("decoupled_weight_decay") for g in state_dict["param_groups"])
-            return f"torch.optim.{'AdamW' if decoupled else 'Adam'}" + empty
-        if options & _TORCH_GROUP_FLAGS:
-            return "torch.optim.AdamW or Adam" + empty
-        return ("leanopt AdamW" if states else "Adam-family") + empty
-    if "RMS" in keys or (options >= {"scale_parameter", "relative_step"} and states and _int_steps(states)):
-        return "Adafactor (transformers)" + empty
-    if options >= {"scale_parameter", "relative_step", "clip_threshold"}:
-        return ("leanopt Adafactor" if states else "Adafactor (transformers or leanopt)") + empty
-    if keys & {"row_var", "col_var", "variance"} or "beta2_decay" in options:
-        return "torch.optim.Adafactor" + empty
-    return f"unrecognized (state keys: {', '.join(sorted(keys)) or 'none'})"
-
-
-def _int_steps(states: list[Mapping[str, Any]]) -> bool:
-    return any(isinstance(s.get("step"), int) for s in states)
+    return recognize_states(state_dict).layout

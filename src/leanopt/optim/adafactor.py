@@ -105,6 +105,9 @@ class Adafactor(LeanOptimizer):
 
     name = "adafactor"
     family = "adafactor"
+    references = ("transformers.optimization.Adafactor",)
+    # transformers saves each param's RMS; leanopt recomputes it every step.
+    ignored_state_keys = frozenset({"RMS"})
 
     def __init__(
         self,

@@ -62,6 +62,7 @@ class AdamW(ElementwiseOptimizer):
 
     name = "adamw"
     family = "adamw"
+    references = ("torch.optim.AdamW",)
     rule = rules.ADAMW
     # As torch.optim.AdamW: a complex param and its states are updated as real (re, im) pairs.
     supports_complex = True
@@ -73,8 +74,8 @@ class AdamW(ElementwiseOptimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
-        *,
         amsgrad: bool = False,
+        *,
         maximize: bool = False,
         rounding: str = "nearest",
         backend: str = "auto",

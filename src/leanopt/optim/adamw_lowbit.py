@@ -113,6 +113,7 @@ _DOC = r"""AdamW (Loshchilov & Hutter) with {bits}-bit block-quantized moments.
 @register
 class AdamW8bit(LowBitAdamW):
     name = "adamw8bit"
+    references = AdamW.references + ("bitsandbytes.optim.AdamW8bit", "torchao.optim.AdamW8bit")
     state_bits = 8
     exp_avg_code = "pow3-s8"
     exp_avg_sq_code = "pow6-u8"
@@ -122,6 +123,7 @@ class AdamW8bit(LowBitAdamW):
 @register
 class AdamW4bit(LowBitAdamW):
     name = "adamw4bit"
+    references = AdamW.references + ("torchao.optim.AdamW4bit",)
     state_bits = 4
     exp_avg_code = "pow2-s4"
     exp_avg_sq_code = "pow3-u4"

@@ -35,16 +35,17 @@ class AdEMAMix(ElementwiseOptimizer):
     weight ``alpha``. With ``t_alpha``/``t_beta3`` the paper's warm-up schedulers raise
     ``alpha`` linearly and ``beta3`` (the slow EMA's half-life linearly) over that many steps.
     States: ``exp_avg_fast``, ``exp_avg_slow``, ``exp_avg_sq`` (fp32; fp64 for fp64 params) and
-    ``step``: 12 B/param. The same rule as ``bitsandbytes.optim.AdEMAMix``.
+    ``step``: 12 B/param. The same rule, positional order and defaults as
+    ``bitsandbytes.optim.AdEMAMix`` (``lr, betas, alpha, t_alpha, t_beta3, eps, weight_decay``).
 
     Args:
         params: parameters or param groups.
         lr: learning rate (default 1e-3).
         betas: (beta1, beta2, beta3) (default (0.9, 0.999, 0.9999)).
         alpha: weight of the slow EMA (default 5.0).
+        t_alpha, t_beta3: warm-up steps of the alpha and beta3 schedulers (default None: constant).
         eps: added to the denominator (default 1e-8).
         weight_decay: decoupled weight decay (default 1e-2).
-        t_alpha, t_beta3: warm-up steps of the alpha and beta3 schedulers (default None: constant).
         maximize: maximize the objective instead of minimizing it (default False).
         rounding: how the update is written into a bf16/fp16 param (see :mod:`leanopt.optim.rounding`).
         backend: ``"auto"``, ``"reference"``, ``"cpu"`` or ``"triton"``.
@@ -61,6 +62,7 @@ class AdEMAMix(ElementwiseOptimizer):
 
     name = "ademamix"
     family = "ademamix"
+    references = ("bitsandbytes.optim.AdEMAMix",)
     rule = rules.ADEMAMIX
 
     def __init__(
@@ -69,11 +71,11 @@ class AdEMAMix(ElementwiseOptimizer):
         lr: float = 1e-3,
         betas: tuple[float, float, float] = (0.9, 0.999, 0.9999),
         alpha: float = 5.0,
+        t_alpha: int | None = None,
+        t_beta3: int | None = None,
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         *,
-        t_alpha: int | None = None,
-        t_beta3: int | None = None,
         maximize: bool = False,
         rounding: str = "nearest",
         backend: str = "auto",
@@ -119,6 +121,7 @@ class AdEMAMix8bit(LowBit, AdEMAMix):
     """
 
     name = "ademamix8bit"
+    references = AdEMAMix.references + ("bitsandbytes.optim.AdEMAMix8bit",)
     state_bits = 8
     exp_avg_fast_code = "pow3-s8"
     exp_avg_slow_code = "pow3-s8"

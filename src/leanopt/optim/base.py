@@ -1,8 +1,10 @@
 """Bookkeeping shared by every leanopt optimizer: validation, lazy state, safe save/load.
 
 A subclass supplies ``state_layout`` (what state a parameter gets) and ``step``. The base
-allocates state from the layout, and its ``load_state_dict`` checks every incoming tensor
-against the layout before anything is changed, keeps fp32 state fp32 for bf16/fp16 params
+allocates state from the layout, and its ``load_state_dict`` checks, before anything is
+changed, that the state is of the optimizer's family (by the name it declares, or by its state
+keys: :func:`leanopt.optim.identity.recognize_states`) and every incoming tensor against the
+layout, keeps fp32 state fp32 for bf16/fp16 params
 (``torch.optim.Optimizer`` would cast it to the param dtype), and converts between dense and
 quantized forms of the same state key.
 """
@@ -13,15 +15,17 @@ import copy
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
 from leanopt import kernels
-from leanopt.optim.sharding import allocate_state, checkpoint_value, is_dtensor, load_value
 from leanopt.kernels.multi_tensor import TableCache
+from leanopt.optim.identity import declared_optimizer, recognize_states
 from leanopt.optim.layout import StateSpec, convert_saved
 from leanopt.optim.rounding import LOW_PRECISION, check_rounding, generator_for, stochastic_round
+from leanopt.optim.sharding import allocate_state, checkpoint_value, is_dtensor, load_value
 from leanopt.quant import QuantizedState
 
 
@@ -75,6 +79,13 @@ class LeanOptimizer(torch.optim.Optimizer):
     # AdamW8bit, AdamW4bit -- load each other's states; others refuse them by name).
     name: ClassVar[str]
     family: ClassVar[str]
+    # The classes this one stands in for ("package.module.Class"): its positional parameters
+    # (after ``params``) have their names and places, and its defaults theirs where the names
+    # agree, so a call ported positionally means the same (tests/test_generic.py checks it).
+    references: ClassVar[tuple[str, ...]] = ()
+    # State keys a loaded state may hold that this optimizer drops: a peer's bookkeeping it
+    # recomputes. Any other key outside the layout is another rule's state, and is refused.
+    ignored_state_keys: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], *, backend: str = "auto") -> None:
         # The backend is how to compute, not what: it is not a hyper-parameter and is not saved.
@@ -87,10 +98,10 @@ class LeanOptimizer(torch.optim.Optimizer):
         return dict(defaults)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        # Released (leanopt.release_gradients): the gradients were freed inside backward.
+        # Released (leanopt.release_gradients): the hooks freed their gradients inside backward;
+        # one set by hand since is dropped, as in the usual loop.
         if getattr(self, "_gradient_release", None) is not None:
             self._gradient_release._optimizer_stepped()
-            return
         super().zero_grad(set_to_none)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -130,6 +141,8 @@ class LeanOptimizer(torch.optim.Optimizer):
         self.validate_group(merged)
         check_rounding(merged.get("rounding", "nearest"))
         super().add_param_group(param_group)
+        if getattr(self, "_gradient_release", None) is not None:
+            self._gradient_release._hook_params()  # a group added while released is released too
 
     def _check_grads(self) -> None:
         """Refuse gradients no backend can apply, before any param or state is changed."""
@@ -150,6 +163,12 @@ class LeanOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 f"{type(self).__name__}: param {pi} of group {gi} has shape {tuple(p.shape)} but its "
                 f"gradient has shape {tuple(g.shape)}"
+            )
+        if not (p.is_floating_point() or p.is_complex()):
+            # torch's optimizers raise here too; the kernels would truncate each update toward 0.
+            raise ValueError(
+                f"{type(self).__name__}: param {pi} of group {gi} is {p.dtype} and has a gradient: only "
+                "floating-point params can be optimized (set its .grad to None, or leave it out of the optimizer)"
             )
 
     # ---- layout -------------------------------------------------------------------------
@@ -197,11 +216,11 @@ class LeanOptimizer(torch.optim.Optimizer):
 
         Gradients are checked first (sparse, wrong shape: an error before anything changes).
         Under :func:`leanopt.release_gradients` params are stepped inside ``backward`` and this
-        only runs ``closure``.
+        runs ``closure`` and steps only gradients no hook stepped (set by hand, for instance).
         """
         loss = self._closure_loss(closure)
         if getattr(self, "_gradient_release", None) is not None:
-            self._gradient_release._optimizer_stepped()
+            self._gradient_release._optimizer_stepped(step=True)  # steps what no hook stepped
             return loss
         self._check_grads()
         for gi, group in enumerate(self.param_groups):
@@ -318,19 +337,23 @@ class LeanOptimizer(torch.optim.Optimizer):
                 f"{cls}.load_state_dict: the state_dict has {count} param groups, the optimizer has "
                 f"{len(self.param_groups)}"
             )
-        # Options a checkpoint lacks (saved before they existed) take the constructor's values,
-        # as torch's optimizers do; every group is then checked as the constructor checks it.
-        filled_groups = []
         for gi, saved in enumerate(saved_groups):
             if not isinstance(saved, Mapping) or not isinstance(saved.get("params"), (list, tuple)):
                 raise ValueError(f"{cls}.load_state_dict: param group {gi} is not a dict with a 'params' list")
-            filled = {**{k: v for k, v in self.defaults.items() if k not in saved}, **saved}
-            filled["optimizer"] = self._loaded_identity(saved.get("optimizer"), gi)
+        if not isinstance(state_dict["state"], Mapping):
+            raise ValueError(f"{cls}.load_state_dict: 'state' is a {type(state_dict['state']).__name__}, expected a dict")
+        origin = self._loaded_identity(state_dict)
+        # Options a checkpoint lacks (saved before they existed) take the constructor's values,
+        # as torch's optimizers do; every group is then checked as the constructor checks it.
+        filled_groups = []
+        for gi, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            filled = {**{k: v for k, v in self.defaults.items() if k not in saved}, **saved, **self._kept_on_load(group)}
+            filled["optimizer"] = self.name
             try:
                 self.validate_group(filled, loaded=True)
                 check_rounding(filled.get("rounding", "nearest"))
             except ValueError as err:
-                raise ValueError(f"{cls}.load_state_dict: param group {gi}: {err}") from None
+                raise ValueError(f"{cls}.load_state_dict: param group {gi}: {err}{origin.other_rule()}") from None
             filled_groups.append(filled)
         saved_groups = filled_groups
         id_to_param: dict[Any, tuple[torch.Tensor, dict[str, Any], str]] = {}
@@ -350,8 +373,6 @@ class LeanOptimizer(torch.optim.Optimizer):
 
         # Validate and convert everything first, so that a bad state_dict changes nothing.
         converted: dict[Any, Any] = {}
-        if not isinstance(state_dict["state"], Mapping):
-            raise ValueError(f"{cls}.load_state_dict: 'state' is a {type(state_dict['state']).__name__}, expected a dict")
         for pid, saved_state in state_dict["state"].items():
             if pid not in id_to_param:
                 if isinstance(pid, int):
@@ -359,7 +380,7 @@ class LeanOptimizer(torch.optim.Optimizer):
                 converted[pid] = copy.deepcopy(saved_state)  # a hook's own entry: kept, as torch does
                 continue
             p, group, label = id_to_param[pid]
-            converted[p] = self._convert_loaded_state(p, _merged_group(group, saved_groups, pid), saved_state, label)
+            converted[p] = self._convert_loaded_state(p, _merged_group(group, saved_groups, pid), saved_state, label, origin)
 
         # Let torch restore param_groups with no state (and without the hooks), then put ours.
         self._optimizer_load_state_dict_pre_hooks = OrderedDict()
@@ -374,26 +395,53 @@ class LeanOptimizer(torch.optim.Optimizer):
         for hook in list(post_hooks.values()):
             hook(self)
 
-    def _loaded_identity(self, saved: Any, gi: int) -> str:
-        """This optimizer's name, once the name a loaded group declares is one it can load
-        (its own family's); a group without one (a peer's or an older file) is taken as is."""
+    def _kept_on_load(self, group: Mapping[str, Any]) -> dict[str, Any]:
+        """Options of this optimizer's ``group`` that a loaded group does not replace (the
+        loaded states are converted to them instead): none here; LowBit's storage options."""
+        return {}
+
+    def _loaded_identity(self, state_dict: Mapping[str, Any]) -> _Origin:
+        """Where a loaded ``state_dict`` comes from, once it is known to be a state of this
+        optimizer's family: the name its groups declare, or -- for a state_dict that declares
+        none (torch's, transformers', a leanopt file from before names were declared) -- the
+        family its states and group options show (:func:`leanopt.optim.identity.recognize_states`).
+        Another family's state, declared or recognized, is a ``ValueError`` naming both."""
         from leanopt.optim.registry import REGISTRY
 
         cls = type(self).__name__
-        if saved is None or saved == self.name:
-            return self.name
-        other = REGISTRY.get(saved) if isinstance(saved, str) else None
-        if other is None:
-            raise ValueError(f"{cls}.load_state_dict: param group {gi} was saved by an unknown optimizer {saved!r}")
-        if getattr(other, "family", None) != self.family:
+        try:
+            saved = declared_optimizer(state_dict)
+        except ValueError as err:
+            raise ValueError(f"{cls}.load_state_dict: {err}") from None
+        if saved is not None:
+            other = REGISTRY.get(saved)
+            if other is None:
+                raise ValueError(f"{cls}.load_state_dict: the state_dict was saved by an unknown optimizer {saved!r}")
+            if getattr(other, "family", None) != self.family:
+                raise ValueError(
+                    f"{cls}.load_state_dict: the state_dict was saved by {other.__name__} ({other.family} rule); "
+                    f"{cls} runs the {self.family} rule and cannot continue it (load it into {other.__name__})"
+                )
+            return _Origin(f"the state_dict declares {saved!r}", self.family, state_dict)
+        seen = recognize_states(state_dict)
+        if seen.family == self.family:
+            return _Origin(f"the state_dict declares no optimizer and its states are {seen.layout}'s", self.family)
+        if seen.family is None:
             raise ValueError(
-                f"{cls}.load_state_dict: the state_dict was saved by {other.__name__} ({other.family} rule); "
-                f"{cls} runs the {self.family} rule and cannot continue it (load it into {other.__name__})"
+                f"{cls}.load_state_dict: the state_dict declares no optimizer and its states are not a "
+                f"{self.family}-rule state leanopt recognizes ({seen.layout}); leanopt's own state_dicts "
+                "declare their optimizer, a peer's is read from its state keys (torch's AdamW/Adam, "
+                "transformers' Adafactor)"
             )
-        return self.name
+        members = [c.__name__ for c in REGISTRY.values() if getattr(c, "family", None) == seen.family]
+        raise ValueError(
+            f"{cls}.load_state_dict: the state_dict declares no optimizer and its states are {seen.layout}'s "
+            f"({seen.family} rule); {cls} runs the {self.family} rule and cannot continue it "
+            f"(load it into leanopt.{', '.join(members)})"
+        )
 
     def _convert_loaded_state(
-        self, p: torch.Tensor, group: Mapping[str, Any], saved: Mapping[str, Any], label: str
+        self, p: torch.Tensor, group: Mapping[str, Any], saved: Mapping[str, Any], label: str, origin: _Origin
     ) -> dict[str, Any]:
         """Check ``saved`` against the layout of ``p`` and return the state to install."""
         cls = type(self).__name__
@@ -401,12 +449,27 @@ class LeanOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{cls}.load_state_dict: state of {label} is not a dict")
         out: dict[str, Any] = {}
         layout = self._param_layout(p, group)
+        keys = {spec.key for spec in layout}
+
+        def refuse(problem: str) -> ValueError:
+            held = ", ".join(sorted(map(str, saved))) or "nothing"
+            return ValueError(
+                f"{cls}.load_state_dict: {origin.words}, but the state of {label} holds {held}: {problem} "
+                f"(the {self.family} rule's state: {', '.join(sorted(keys))}){origin.other_rule()}"
+            )
+
+        # A key the rule has no place for is another rule's state (AdamW's exp_avg_sq in a file
+        # declaring Lion): refused, not dropped. A rounding's compensation and a peer's
+        # bookkeeping this optimizer recomputes (``ignored_state_keys``) are dropped.
+        extra = [k for k in saved if k not in keys and k != "kahan_comp" and k not in self.ignored_state_keys]
+        if extra:
+            raise refuse(f"{', '.join(map(repr, extra))} has no place in it")
         for spec in layout:
             if spec.key not in saved:
                 # A state saved without compensation (another rounding) continues from none.
                 alt = spec.allocate(p.device) if spec.key == "kahan_comp" and not is_dtensor(p) else self._missing_state(spec, p, saved)
                 if alt is None:
-                    raise ValueError(f"{cls}.load_state_dict: state of {label} has no {spec.key!r}")
+                    raise refuse(f"it has no {spec.key!r}")
                 out[spec.key] = alt
                 continue
             where = f"{cls}.load_state_dict: {spec.key!r} of {label}"
@@ -419,6 +482,23 @@ class LeanOptimizer(torch.optim.Optimizer):
     def _missing_state(self, spec: StateSpec, p: torch.Tensor, saved: Mapping[str, Any]) -> Any:
         """Value for a layout key absent from a loaded state, or ``None`` to refuse."""
         return None
+
+
+@dataclass(frozen=True)
+class _Origin:
+    """What a loaded state_dict was taken for (``words``, for the errors that follow): a state of
+    ``family``, by the name it declares (``declared`` is then the state_dict) or by its states."""
+
+    words: str
+    family: str
+    declared: Mapping[str, Any] | None = field(default=None, repr=False, compare=False)
+
+    def other_rule(self) -> str:
+        """For a declared state_dict whose states show another family: a clause saying which."""
+        if self.declared is None:
+            return ""
+        seen = recognize_states(self.declared)
+        return "" if seen.family in (None, self.family) else f"; its states are {seen.layout}'s (the {seen.family} rule)"
 
 
 def _merged_group(group: Mapping[str, Any], saved_groups: list[Mapping[str, Any]], pid: Any) -> dict[str, Any]:

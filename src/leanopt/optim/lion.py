@@ -53,6 +53,7 @@ class Lion(ElementwiseOptimizer):
 
     name = "lion"
     family = "lion"
+    references = ("bitsandbytes.optim.Lion",)
     rule = rules.LION
 
     def __init__(
@@ -95,6 +96,7 @@ _LOWBIT_DOC = r"""Lion with {bits}-bit block-quantized momentum.
 @register
 class Lion8bit(LowBit, Lion):
     name = "lion8bit"
+    references = Lion.references + ("bitsandbytes.optim.Lion8bit",)
     state_bits = 8
     exp_avg_code = "pow3-s8"
     default_block_size = 256

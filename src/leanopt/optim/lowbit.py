@@ -30,9 +30,17 @@ from leanopt.quant.formats import MAX_BLOCK_SIZE
 STORAGE_OPTIONS = ("quantize", "block_size", "min_quant_size", "state_bits")
 
 
-def check_block_size(value: Any) -> None:
+def check_block_size(value: Any, bits: int | None = None) -> None:
+    """``value`` is a block size states of ``bits``-bit codes can take (any width if None)."""
     if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_BLOCK_SIZE:
         raise ValueError(f"Invalid block_size: {value!r} (must be an int in [1, {MAX_BLOCK_SIZE}])")
+    # 4-bit codes are packed two to a byte in flat order: an odd block would start mid-byte
+    # every other block, and the fast paths (rows of block/2 bytes) and a state's tail or shard
+    # (views from a byte offset) need whole bytes per block.
+    if bits == 4 and value % 2:
+        even = f"{value - 1} or {value + 1}" if value > 1 else "2"
+        raise ValueError(f"Invalid block_size: {value} (4-bit codes are packed two to a byte, so a block must "
+                         f"hold an even number of elements: use {even})")  # fmt: skip
 
 
 def check_min_quant_size(value: Any) -> None:
@@ -57,7 +65,7 @@ class LowBit(ElementwiseOptimizer):
     def __init__(self, params: Any, *args: Any, block_size: int | None = None, min_quant_size: int = 4096,
                  **kwargs: Any) -> None:  # fmt: skip
         block_size = self.default_block_size if block_size is None else block_size
-        check_block_size(block_size)
+        check_block_size(block_size, self.state_bits)
         check_min_quant_size(min_quant_size)
         self._storage = dict(quantize=True, block_size=block_size, min_quant_size=min_quant_size, state_bits=self.state_bits)
         super().__init__(params, *args, **kwargs)
@@ -71,7 +79,9 @@ class LowBit(ElementwiseOptimizer):
         sibling = next(k for k in cls.__mro__[1:] if not issubclass(k, LowBit) and "__init__" in k.__dict__)
         base = inspect.signature(sibling.__init__)
         storage = [
-            inspect.Parameter("block_size", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="int | None"),
+            # None stands for the class's default_block_size: the signature shows that number.
+            inspect.Parameter("block_size", inspect.Parameter.KEYWORD_ONLY, default=getattr(cls, "default_block_size", None),
+                              annotation="int | None"),  # fmt: skip
             inspect.Parameter("min_quant_size", inspect.Parameter.KEYWORD_ONLY, default=4096, annotation="int"),
         ]
         params = list(base.parameters.values())
@@ -89,7 +99,7 @@ class LowBit(ElementwiseOptimizer):
 
     def validate_group(self, group: Mapping[str, Any], *, loaded: bool = False) -> None:
         super().validate_group(group, loaded=loaded)
-        check_block_size(group["block_size"])
+        check_block_size(group["block_size"], self.state_bits)
         check_min_quant_size(group["min_quant_size"])
         check_flag("quantize", group["quantize"])
         if group.get("state_bits", self.state_bits) != self.state_bits:
@@ -116,12 +126,5 @@ class LowBit(ElementwiseOptimizer):
         return specs
 
     # ---- save / load ----------------------------------------------------------------------
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
-        if isinstance(groups, list) and len(groups) == len(self.param_groups):
-            patched = [
-                {**saved, **{k: group[k] for k in STORAGE_OPTIONS}} if isinstance(saved, Mapping) else saved
-                for saved, group in zip(groups, self.param_groups)
-            ]
-            state_dict = {**state_dict, "param_groups": patched}
-        super().load_state_dict(state_dict)
+    def _kept_on_load(self, group: Mapping[str, Any]) -> dict[str, Any]:
+        return {k: group[k] for k in STORAGE_OPTIONS}

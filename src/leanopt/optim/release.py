@@ -6,6 +6,23 @@ alive, instead of all of them: the gradient term of training memory nearly disap
 is the optimizer's own, per parameter (every leanopt rule updates each parameter from its own
 gradient and state), so results are bit-identical to the usual ``backward(); step()`` loop.
 
+What is stepped, and when:
+
+* A param with a hook is stepped by it, inside ``backward``, and its gradient freed.
+* A gradient no hook saw is stepped, once, at the end of the backward (after its hooks) or by
+  ``optimizer.step()``, and freed: a param unfrozen after the release (a hook needs
+  ``requires_grad``: it gets one at the end of that backward, or at ``step()``), one with a gradient set by hand or from
+  ``torch.autograd.grad`` (which does not run the hooks). Groups added with
+  ``add_param_group`` while released are hooked at once. ``zero_grad()`` drops such gradients,
+  as in the usual loop.
+* Under reentrant activation checkpointing (``checkpoint(use_reentrant=True)``) each segment's
+  backward is a backward of its own, run inside the outer one, and a weight several segments
+  share gets its gradient in parts. A param whose gradient arrives in such an inner backward
+  is stepped once, on the whole gradient, when the outermost backward ends; its gradient lives
+  until then (``use_reentrant=False``, torch's recommendation, has one backward and keeps the
+  whole saving). A param used inside and outside such checkpoints whose outside gradient came
+  first (and was stepped) raises ``RuntimeError`` when an inside part arrives.
+
 What cannot work is refused rather than trained wrongly:
 
 * **Gradient accumulation** over several backward passes: the first backward already stepped.
@@ -16,13 +33,29 @@ What cannot work is refused rather than trained wrongly:
   ``max_grad_norm=1.0``): the norm needs every gradient at once, and they are freed as they
   come; after backward there is nothing to clip. Set ``max_grad_norm=0`` (Trainer) or drop the
   clip; this module cannot see a plain ``clip_grad_norm_`` call, which would return 0.
+* **An AMP GradScaler**: the hooks would step the scaled (possibly inf) gradients, and skipping
+  a step on inf needs every gradient before any param is stepped. The scaler is invisible to an
+  optimizer until ``scaler.step``, so the first released gradient looks for one: an enabled
+  ``GradScaler`` that has scaled a loss, anywhere in the process, raises ``ValueError`` before
+  anything is stepped (``GradScaler(enabled=False)`` is not refused). A scaler first used later
+  is refused at its ``scaler.step(optimizer)``, after one backward stepped its scaled gradients.
 * **DDP and FSDP2**: both reduce gradients across ranks after the hooks run (DDP's reducer) or
   assign them outside autograd's accumulation (FSDP2's reduce-scatter), so a released step
-  would use the local, unreduced gradient or never run. Both raise ``ValueError``.
+  would use the local, unreduced gradient or never run. Both raise ``ValueError``: a DDP-wrapped
+  model or DTensor params at ``release_gradients``; a model wrapped in DDP after the release,
+  or released as ``ddp.module``, at the first released gradient (a ``DistributedDataParallel``
+  that holds any of the optimizer's params, whatever the world size). Ranks that each train
+  their own model, without DDP, are not refused.
+
+The two checks at the first released gradient look through Python's garbage collector for live
+``GradScaler`` and ``DistributedDataParallel`` objects (neither announces itself to the
+params), once per release: ~0.1 s in a process of 400k objects.
 """
 
 from __future__ import annotations
 
+import gc
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -33,6 +66,35 @@ from leanopt.optim.sharding import is_dtensor
 
 __all__ = ["GradientRelease", "release_gradients"]
 
+# A custom autograd Function's backward runs inside this frame; a backward that starts there (a
+# reentrant checkpoint's recomputation) is nested in another. The engine tells Python neither
+# the nesting nor the outer backward, so the frames are where to see them.
+_FUNCTION_BACKWARD = torch.autograd.function.BackwardCFunction.apply.__code__
+
+
+def _enclosing_function_node() -> Any:
+    """The autograd node (a custom Function's) whose backward runs the current backward, or
+    ``None`` when the current backward is an outermost one."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _FUNCTION_BACKWARD:
+            return frame.f_locals.get("self")
+        frame = frame.f_back
+    return None
+
+
+def _with_subclasses(cls: type) -> list[type]:
+    out = [cls]
+    for sub in cls.__subclasses__():
+        out += _with_subclasses(sub)
+    return out
+
+
+def _live(classes: list[type]) -> list[Any]:
+    """The live instances of ``classes``: an instance refers to its class, so the collector
+    finds it among the class's referrers."""
+    return [o for o in gc.get_referrers(*classes) if type(o) in classes]
+
 
 class GradientRelease:
     """The hooks of :func:`release_gradients`; ``remove()`` (or leaving a ``with`` block)
@@ -40,40 +102,156 @@ class GradientRelease:
 
     def __init__(self, optimizer: LeanOptimizer) -> None:
         self.optimizer = optimizer
-        self._handles: list[Any] = []
+        self._handles: dict[int, Any] = {}  # id(param) -> its hook
         self._seen: set[int] = set()  # ids of params stepped since the loop last called step/zero_grad
         self._loop_calls_step = False
-        for gi, group in enumerate(optimizer.param_groups):
-            for index, p in enumerate(group["params"]):
-                if p.requires_grad:
-                    self._handles.append(p.register_post_accumulate_grad_hook(self._hook(gi, index)))
+        self._checked = False  # the first released gradient checks for a GradScaler and DDP
+        self._flush_task: int | None = None  # the backward whose end steps what no hook stepped
+        self._nodes: dict[int, Any] = {}  # id(node) -> a post hook on an outer backward's node
+        # In the backward under way: params its hooks stepped; params with parts from inner backwards.
+        self._this_backward: set[int] = set()
+        self._deferred: set[int] = set()
+        self._hook_params()
         optimizer._gradient_release = self
+        # GradScaler.step then calls optimizer.step() (instead of asserting that it found no
+        # gradient to unscale), where a scaler used after the first check is refused by name.
+        optimizer._step_supports_amp_scaling = True
+
+    def _hook_params(self) -> None:
+        """Hook every param that requires grad and has no hook yet (at the release, for groups
+        added later, and for params unfrozen since: a hook needs ``requires_grad``)."""
+        for gi, group in enumerate(self.optimizer.param_groups):
+            for index, p in enumerate(group["params"]):
+                if p.requires_grad and id(p) not in self._handles:
+                    if is_dtensor(p):
+                        raise ValueError(_FSDP2_REFUSAL)
+                    self._handles[id(p)] = p.register_post_accumulate_grad_hook(self._hook(gi, index))
 
     def _hook(self, gi: int, index: int):
         def released(p: torch.Tensor) -> None:
+            if not self._checked:
+                self._check_process()
             if id(p) in self._seen and self._loop_calls_step:
                 raise RuntimeError(
                     f"leanopt.release_gradients: param {index} of group {gi} got a second gradient before "
                     "optimizer.step(): gradient accumulation cannot work when each backward steps and frees "
                     "the gradients (remove the release, or step once per backward)"
                 )
+            node = _enclosing_function_node()
+            if node is not None:
+                # An inner backward (reentrant checkpoint): more of this gradient may come from
+                # other segments; it accumulates, and is stepped when the outermost backward ends.
+                if id(p) in self._this_backward:
+                    raise RuntimeError(
+                        f"leanopt.release_gradients: param {index} of group {gi} got part of its gradient in a "
+                        "reentrant checkpoint's inner backward after it was stepped on the rest (it is used both "
+                        "inside and outside checkpoint(use_reentrant=True)); use use_reentrant=False"
+                    )
+                self._deferred.add(id(p))
+                self._after(node)
+                return
+            self._flush_after_this_backward()
+            if id(p) in self._deferred:  # parts came from inner backwards: the rest may still come
+                return
             self._seen.add(id(p))
+            self._this_backward.add(id(p))
             self.optimizer._step_param(p, gi, index)
             p.grad = None
 
         return released
 
-    def _optimizer_stepped(self) -> None:
-        """``optimizer.step()`` or ``zero_grad()`` was called: one training step is over."""
+    def _after(self, node: Any) -> None:
+        """Flush when the backward that runs ``node`` ends (outermost) or, nested itself, the one
+        around it: a post hook on the node runs in its own backward, after the inner one."""
+        if id(node) not in self._nodes:
+            self._nodes[id(node)] = node.register_hook(self._node_done)
+
+    def _node_done(self, grad_inputs: Any, grad_outputs: Any) -> None:
+        node = _enclosing_function_node()
+        if node is not None:
+            self._after(node)
+        else:
+            self._flush_after_this_backward()
+
+    def _flush_after_this_backward(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if task != self._flush_task:
+            self._flush_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._flush)
+
+    def _flush(self) -> None:
+        """The end of a backward: step every gradient no hook stepped (see the module)."""
+        self._flush_task = None
+        self._forget_backward()
+        self._step_unconsumed()
+        self._hook_params()
+
+    def _forget_backward(self) -> None:
+        for handle in self._nodes.values():
+            handle.remove()
+        self._nodes.clear()
+        self._this_backward.clear()
+        self._deferred.clear()
+
+    def _step_unconsumed(self) -> None:
+        opt = self.optimizer
+        pending = [(gi, i, p) for gi, g in enumerate(opt.param_groups) for i, p in enumerate(g["params"]) if p.grad is not None]
+        for gi, i, p in pending:  # every gradient checked before any param changes
+            opt._check_grad(p, gi, i)
+        for gi, i, p in pending:
+            opt._step_param(p, gi, i)
+            p.grad = None
+            self._seen.add(id(p))
+
+    def _check_process(self) -> None:
+        """Refuse a GradScaler in use and a DDP over these params (see the module)."""
+        scalers, ddps = self._scalers_and_ddps()
+        if scalers or ddps:  # perhaps unreachable objects the collector has not freed yet
+            gc.collect()
+            scalers, ddps = self._scalers_and_ddps()
+        if scalers:
+            raise ValueError(_SCALER_REFUSAL)
+        if ddps:
+            raise ValueError(
+                "leanopt.release_gradients does not work under DDP: the optimizer's params are held by a "
+                "DistributedDataParallel (the model was wrapped after release_gradients, or released as "
+                "ddp.module), whose reducer all-reduces gradients after the hooks that step them, so each rank "
+                "would step on its own gradient; train without release, or shard with FSDP2 and no release"
+            )
+        self._checked = True
+
+    def _scalers_and_ddps(self) -> tuple[list[Any], list[Any]]:
+        ddp_classes = _with_subclasses(torch.nn.parallel.DistributedDataParallel)
+        found = _live(_with_subclasses(torch.amp.GradScaler) + ddp_classes)
+        ours = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        # An enabled scaler that has scaled a loss has its scale tensor; a disabled one scales nothing.
+        scalers = [o for o in found if type(o) not in ddp_classes
+                   and getattr(o, "_enabled", False) and getattr(o, "_scale", None) is not None]  # fmt: skip
+        ddps = [o for o in found if type(o) in ddp_classes and any(id(p) in ours for p in o.module.parameters())]
+        return scalers, ddps
+
+    def _optimizer_stepped(self, step: bool = False) -> None:
+        """``optimizer.step()`` (``step=True``) or ``zero_grad()`` was called: one training step
+        is over. ``step()`` also steps the gradients no hook stepped."""
+        if step:
+            if hasattr(self.optimizer, "found_inf"):  # set by GradScaler.step just before it calls step()
+                for key in ("found_inf", "grad_scale"):  # GradScaler deletes them only after a step
+                    self.optimizer.__dict__.pop(key, None)
+                raise ValueError(_SCALER_REFUSAL)
+            self._step_unconsumed()
         self._loop_calls_step = True
         self._seen.clear()
+        self._forget_backward()  # a backward that raised left its bookkeeping
+        self._hook_params()
 
     def remove(self) -> None:
-        for handle in self._handles:
+        for handle in self._handles.values():
             handle.remove()
         self._handles.clear()
+        self._forget_backward()
         if getattr(self.optimizer, "_gradient_release", None) is self:
             self.optimizer._gradient_release = None
+            self.optimizer.__dict__.pop("_step_supports_amp_scaling", None)
 
     def __enter__(self) -> GradientRelease:
         return self
@@ -82,10 +260,22 @@ class GradientRelease:
         self.remove()
 
 
+_SCALER_REFUSAL = (
+    "leanopt.release_gradients does not work with an AMP GradScaler: the hooks would step the scaled (possibly inf) "
+    "gradients inside backward, and skipping a step on inf needs every gradient before any param is stepped; "
+    "train without the GradScaler (bf16 autocast needs none) or without release"
+)
+_FSDP2_REFUSAL = (
+    "release_gradients does not work with FSDP2 (DTensor params): their gradients are reduce-scattered "
+    "outside autograd's accumulation, where no hook sees them"
+)
+
+
 def release_gradients(model: torch.nn.Module | Iterable[torch.Tensor], optimizer: torch.optim.Optimizer) -> GradientRelease:
     """Step each param of ``optimizer`` inside ``backward`` and free its gradient at once.
 
-    ``optimizer.step()`` and ``optimizer.zero_grad()`` become no-ops while released, so existing
+    ``optimizer.step()`` and ``optimizer.zero_grad()`` keep their place in the loop: ``step()``
+    steps only gradients no hook stepped (set by hand, from ``torch.autograd.grad``), so existing
     loops, LR schedulers, Trainer and Accelerate keep working (schedulers change ``lr`` between
     steps as before). Returns a handle: ``handle.remove()`` ends the release.
 
@@ -99,8 +289,9 @@ def release_gradients(model: torch.nn.Module | Iterable[torch.Tensor], optimizer
     >>> handle.remove()
 
     Raises ``ValueError`` for an optimizer that is not leanopt's, one already released, a model
-    wrapped in DDP, or DTensor (FSDP2) params; see the module for gradient accumulation and
-    clipping.
+    wrapped in DDP, or DTensor (FSDP2) params; and at the first released gradient for a
+    GradScaler in use or a DDP holding the params. See the module for what else is stepped or
+    refused.
     """
     if not isinstance(optimizer, LeanOptimizer):
         raise ValueError(
@@ -116,8 +307,5 @@ def release_gradients(model: torch.nn.Module | Iterable[torch.Tensor], optimizer
     for group in optimizer.param_groups:
         for p in group["params"]:
             if is_dtensor(p):
-                raise ValueError(
-                    "release_gradients does not work with FSDP2 (DTensor params): their gradients are reduce-scattered "
-                    "outside autograd's accumulation, where no hook sees them"
-                )
+                raise ValueError(_FSDP2_REFUSAL)
     return GradientRelease(optimizer)
