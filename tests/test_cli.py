@@ -537,3 +537,178 @@ def test_top_level_help_lists_every_subcommand_on_one_line(monkeypatch, capsys: 
         following = lines[lines.index(row) + 1]
         assert not following.startswith(" " * 10), f"{name}'s description wraps:\n{out}"
     assert "--version" in out
+
+
+# ---- hostile configs: bounded before building, one line for every bad value (issue 20, items 14-15)
+TINY_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64,
+              "intermediate_size": 128, "num_attention_heads": 4, "vocab_size": 100}
+
+
+def _config(tmp_path: Path, name: str = "config.json", **values) -> Path:
+    """TINY_LLAMA with ``values``; another ``model_type`` is written as given (a Llama field such
+    as num_hidden_layers would be an alias of one of its own)."""
+    path = tmp_path / name
+    path.write_text(json.dumps(values if "model_type" in values else {**TINY_LLAMA, **values}))
+    return path
+
+
+@pytest.mark.parametrize(
+    "values,field",
+    [({"num_hidden_layers": 10**9}, "num_hidden_layers"), ({"num_hidden_layers": 10_001}, "num_hidden_layers"),
+     ({"model_type": "switch_transformers", "architectures": ["SwitchTransformersForConditionalGeneration"],
+       "num_layers": 2, "num_decoder_layers": 2, "d_model": 64, "d_ff": 128, "num_heads": 4, "d_kv": 16,
+       "num_experts": 10**6, "num_sparse_encoder_layers": 2, "num_sparse_decoder_layers": 2}, "num_experts"),
+     # 600 layers of 256 experts, each expert its own modules: 780,615 modules, counted from the
+     # one- and two-layer probes and refused before the build (which would take minutes).
+     ({"model_type": "switch_transformers", "architectures": ["SwitchTransformersForConditionalGeneration"],
+       "num_layers": 300, "num_decoder_layers": 300, "d_model": 64, "d_ff": 128, "num_heads": 4, "d_kv": 16,
+       "num_experts": 256, "num_sparse_encoder_layers": 300, "num_sparse_decoder_layers": 300}, "modules")],
+    ids=["1e9-layers", "10001-layers", "1e6-experts", "780k-modules"],
+)
+def test_a_hostile_config_is_refused_at_once(
+    values: dict, field: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A 250-byte config asking for 10^9 layers (or a million experts) used to build a Python
+    module per layer until the memory ran out; it is refused before anything is built."""
+    pytest.importorskip("transformers")
+    import signal
+
+    config = _config(tmp_path, **values)
+    assert config.stat().st_size < 512
+    commands = [["estimate", str(config), "--optimizers", "adamw"]]
+    if values.get("num_hidden_layers") == 10**9:  # plan reads the model the same way
+        commands.append(["plan", str(config), "--batch", "1", "--seq", "8"])
+
+    def hung(signum, frame):
+        raise AssertionError("still building after 60 s")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    try:
+        for command in commands:
+            signal.alarm(60)  # a hang fails the test instead of the suite (the CLI turns it into one line)
+            code, out, err = run(capsys, *command)
+            signal.alarm(0)
+            assert_one_line_error(code, out, err, field, str(config))
+            assert "internal error" not in err, err
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_too_many_parameters_are_refused_before_building(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """200 layers of width 65,536: 14 T parameters, more than the 10 T bound, counted from one
+    layer (the layers are alike) and refused naming the config's sizes, before the 200 are built."""
+    pytest.importorskip("transformers")
+    from transformers.models.llama import modeling_llama
+
+    config = _config(tmp_path, num_hidden_layers=200, hidden_size=65536, intermediate_size=262144,
+                     num_attention_heads=512, vocab_size=32000)
+    layers = []
+    real = modeling_llama.LlamaDecoderLayer.__init__
+    monkeypatch.setattr(modeling_llama.LlamaDecoderLayer, "__init__",
+                        lambda self, *args, **kwargs: layers.append(1) or real(self, *args, **kwargs))
+    code, out, err = run(capsys, "estimate", str(config), "--optimizers", "adamw")
+    assert_one_line_error(code, out, err, "num_hidden_layers=200", "hidden_size=65536", "parameters", str(config))
+    assert "internal error" not in err
+    assert len(layers) < 10, len(layers)  # the one- and two-layer probes, not the 200
+
+
+def test_a_llama_3_405b_config_builds_exactly_and_fast(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The largest real dense config passes the bounds: 126 layers of width 16,384 built on meta
+    (0.3-0.5 s here), every parameter counted."""
+    pytest.importorskip("transformers")
+    config = _config(tmp_path, hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
+                     num_attention_heads=128, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
+                     tie_word_embeddings=False)
+    resolve_model(str(_config(tmp_path, "warm.json")))  # transformers' lazy imports, once
+    start = time.monotonic()
+    source = resolve_model(str(config))
+    assert time.monotonic() - start < 10
+    assert (source.param_count, source.tensors) == (405_853_388_800, 1137)
+
+
+@pytest.mark.parametrize(
+    "values,argv,words",
+    [({"num_attention_heads": 0}, [], ["num_attention_heads", "0"]),
+     ({"num_key_value_heads": 0}, [], ["num_key_value_heads"]),
+     ({"hidden_size": -64}, [], ["hidden_size", "-64"]),
+     ({"hidden_size": 64.5}, [], ["hidden_size", "64.5"]),
+     ({"hidden_size": True}, [], ["hidden_size"]),
+     ({"vocab_size": "100"}, [], ["vocab_size"]),
+     ({"rms_norm_eps": "small"}, [], ["rms_norm_eps"]),
+     ({"text_config": {"num_hidden_layers": -1}}, [], ["text_config.num_hidden_layers"]),
+     ({}, ["plan", "--batch", "1", "--seq", "8", "--budget", "9" * 400], ["--budget", "too large"])],
+    ids=["heads-0", "kv-heads-0", "width-negative", "width-fraction", "width-bool", "vocab-string", "eps-string",
+         "nested-layers-negative", "budget-400-digits"],
+)
+def test_bad_config_values_and_sizes_are_one_line(
+    values: dict, argv: list[str], words: list[str], tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Exit 2 and exactly one line on stderr, no traceback, no "internal error"; a config's bad
+    value is named with its field and file."""
+    pytest.importorskip("transformers")
+    config = _config(tmp_path, **values)
+    command = [argv[0], str(config), *argv[1:]] if argv else ["estimate", str(config), "--optimizers", "adamw"]
+    code = main(command)
+    out, err = capfd.readouterr()
+    lines = err.strip().splitlines()
+    assert code == 2 and out == "", (code, out[-500:])
+    assert len(lines) == 1 and lines[0].startswith("leanopt: error: "), err[-3000:]
+    assert "Traceback" not in err and "internal error" not in err, err
+    for word in words:
+        assert word in lines[0], lines[0]
+    if values and not argv:
+        assert str(config) in lines[0], lines[0]
+
+
+def test_a_sequence_too_long_to_trace_is_one_line_without_torchs_log(tmp_path: Path) -> None:
+    """Eager attention at seq 10^9: the seq x seq scores overflow a meta kernel, which torch's
+    fake-tensor mode logs with its traceback (24 lines) before plan's one-line error. Run as a
+    user runs it: torch's log handler writes to the process's stderr, which pytest cannot see."""
+    pytest.importorskip("transformers")
+    config = _config(tmp_path, attn_implementation="eager")
+    proc = subprocess.run(
+        [sys.executable, "-m", "leanopt", "plan", str(config), "--batch", "1", "--seq", "1000000000",
+         "--optimizers", "adamw", "--precisions", "fp32", "--grad-release", "off"],
+        capture_output=True, text=True, timeout=300,
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout[-500:]
+    assert len(lines) == 1 and lines[0].startswith("leanopt: error: ") and "seq 1000000000" in lines[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "internal error" not in proc.stderr
+
+
+def test_the_one_and_two_layer_probe_counts_every_preset_exactly() -> None:
+    """What the bound on parameters reads before building: from one- and two-layer models, the
+    count of the whole one, for every preset's architecture (T5's first layer differs: still exact)."""
+    transformers = pytest.importorskip("transformers")
+    import leanopt.memory.presets as presets
+
+    for name, preset in PRESETS.items():
+        config = getattr(transformers, preset.config_class)(**preset.config)
+        cls = getattr(transformers, preset.model_class)
+        params, modules = presets._probe(cls, config)
+        model = presets._guarded_build(cls, config)
+        assert (params, modules) == (preset.params, sum(1 for _ in model.modules())), name
+
+
+@pytest.mark.slow  # 820 config classes built: ~6-11 s
+def test_no_config_class_of_transformers_is_refused_by_the_value_checks() -> None:
+    """The checks refuse only what no real model has: every config class of transformers, with
+    its defaults (820 of them here; per-stage lists, head_dim 0, a whole 1200.0 included), passes."""
+    pytest.importorskip("transformers")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    import leanopt.memory.presets as presets
+
+    checked = 0
+    for model_type in list(CONFIG_MAPPING.keys()):
+        try:
+            values = CONFIG_MAPPING[model_type]().to_dict()
+        except Exception:  # a config class that needs arguments (or an extra) to exist at all
+            continue
+        presets._check_config_values(values, model_type)
+        checked += 1
+    assert checked > 500

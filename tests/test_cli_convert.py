@@ -212,3 +212,50 @@ def test_convert_failed_write_removes_its_temporary(tmp_path, capsys, monkeypatc
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "permission denied" in err[0].lower(), err
     assert _leftovers(tmp_path, "optimizer.pt", "out.pt") == []
+
+
+# ---- a disk that fills during the write: torch's writer raises RuntimeError (issue 20, item 18) ----
+# Tests of this block: D's. Torch's zip writer turns the failed write() into "[enforce fail at
+# inline_container.cc:672] unexpected pos ..."; the cause must still be named, from the errno.
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 64 KiB tmpfs at tmp_path/small (skipped where mounting is not permitted)."""
+    from tmpfs import mounted
+
+    with mounted(tmp_path / "small") as folder:
+        yield folder
+
+
+def test_convert_onto_a_full_tmpfs_names_the_cause(small_tmpfs, tmp_path, capsys) -> None:
+    _, src = saved_adamw(tmp_path)  # an fp32 AdamW state of ~75 KB: more than the 64 KiB there
+    dst = small_tmpfs / "optimizer.pt"
+    dst.write_bytes(b"old")
+    assert main(["convert", str(src), str(dst), "--to", "adamw", "--force"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("leanopt: error: "), err
+    assert "no space left on" in err[0] and str(dst) in err[0] and str(small_tmpfs) in err[0], err[0]
+    assert "internal error" not in err[0] and "enforce fail" not in err[0], err[0]
+    assert dst.read_bytes() == b"old" and sorted(p.name for p in small_tmpfs.iterdir()) == ["optimizer.pt"]
+
+
+def test_convert_over_the_file_size_limit_names_the_cause(tmp_path) -> None:
+    """Unprivileged, the same writer failure: RLIMIT_FSIZE (ulimit -f) in a child process, with
+    SIGXFSZ ignored so that write() returns EFBIG instead of killing it."""
+    import subprocess
+    import sys
+
+    _, src = saved_adamw(tmp_path)
+    dst = tmp_path / "out.pt"
+    script = (
+        "import resource, signal, sys\n"
+        "from leanopt.cli import main\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (16384, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))\n"
+        f"sys.exit(main(['convert', {str(src)!r}, {str(dst)!r}, '--to', 'adamw']))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("leanopt: error: "), proc.stderr[-2000:]
+    assert "file too large" in lines[0] and "16,384" in lines[0] and str(dst) in lines[0], lines[0]
+    assert "internal error" not in lines[0]
+    assert not dst.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["optimizer.pt"]

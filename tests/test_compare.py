@@ -598,3 +598,272 @@ def test_modes_through_the_trainer() -> None:
         assert row["status"] == "ok", (name, row.get("reason"))
     assert by_name["adamw+bf16-kahan"]["param_dtypes"] == ["bfloat16"]
     assert by_name["adamw+release"]["step_ms_median"] is None
+
+
+# ---- hf: tasks ask the Hub that huggingface_hub would ask, or none (issue 20, item 16) -----------
+class _Mirror:
+    """A Hub mirror on 127.0.0.1 (HF_ENDPOINT=http://127.0.0.1:<port>): answers every HEAD, and
+    "no such repository" (404, X-Error-Code: RepoNotFound) to every GET; records the requests."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        seen = self.seen = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _answer(self, status: int, head_only: bool) -> None:
+                seen.append(f"{self.command} {self.path}")
+                body = b'{"error": "Repository Not Found"}'
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                if status == 404:
+                    self.send_header("X-Error-Code", "RepoNotFound")
+                self.end_headers()
+                if not head_only:
+                    self.wfile.write(body)
+
+            def do_HEAD(self) -> None:
+                self._answer(200, True)
+
+            def do_GET(self) -> None:
+                self._answer(404, False)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def hub_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """No Hub variables set, and `datasets` importable: the hf: task's first requirement, not the
+    subject of these tests (it is not installed everywhere)."""
+    import sys
+    import types
+
+    for name in ("HF_ENDPOINT", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setitem(sys.modules, "datasets", sys.modules.get("datasets") or types.ModuleType("datasets"))
+    pytest.importorskip("transformers")
+    return monkeypatch
+
+
+def test_hub_check_asks_the_configured_endpoint(hub_env: pytest.MonkeyPatch) -> None:
+    from leanopt.compare import TaskUnavailable
+
+    mirror = _Mirror()
+    try:
+        hub_env.setenv("HF_ENDPOINT", mirror.url)  # http, and a port of its own: not <host>:443
+        with pytest.raises(TaskUnavailable, match="no model 'some-model' on the Hugging Face Hub"):
+            get_task("hf:some-model:some-dataset").check()
+    finally:
+        mirror.close()
+    assert mirror.seen and mirror.seen[0].startswith("HEAD /"), mirror.seen
+    assert any(s.startswith("GET /api/models/some-model") for s in mirror.seen), mirror.seen
+
+
+@pytest.mark.parametrize("variable,value", [("HF_HUB_OFFLINE", "ON"), ("HF_HUB_OFFLINE", "1"), ("HF_HUB_OFFLINE", "true"),
+                                            ("HF_HUB_OFFLINE", "yes"), ("HF_HUB_OFFLINE", "On"), ("TRANSFORMERS_OFFLINE", "1")])
+def test_hub_offline_opens_no_connection(variable: str, value: str, hub_env: pytest.MonkeyPatch) -> None:
+    import socket
+
+    from leanopt.compare import TaskUnavailable
+
+    def no_network(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError(f"a connection was opened with {variable}={value}")
+
+    hub_env.setenv(variable, value)
+    hub_env.setattr(socket, "create_connection", no_network)
+    hub_env.setattr(socket.socket, "connect", no_network)
+    hub_env.setattr(socket.socket, "connect_ex", no_network)
+    with pytest.raises(TaskUnavailable, match="offline"):
+        get_task("hf:some-model:some-dataset").check()
+
+
+@pytest.mark.parametrize("hub,transformers", [("ON", None), ("on", None), (" 1", None), ("0", "1"), ("", "yes"),
+                                              (None, "TRUE"), ("false", None), ("2", None), (None, None)])
+def test_hub_offline_is_read_as_huggingface_hub_reads_it(hub: str | None, transformers: str | None,
+                                                         hub_env: pytest.MonkeyPatch) -> None:
+    import os
+
+    from huggingface_hub import constants
+
+    from leanopt.memory.presets import hub_offline
+
+    for name, value in (("HF_HUB_OFFLINE", hub), ("TRANSFORMERS_OFFLINE", transformers)):
+        if value is not None:
+            hub_env.setenv(name, value)
+    # huggingface_hub's own expression (constants.py), evaluated now rather than at its import
+    assert hub_offline() == constants._is_true(os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE"))
+
+
+# ---- --out DIR: leanopt's folder, results.json first, every run on disk as it ends (issue 20, item 17)
+# digits, AdamW at a 2-point grid and 2 seeds, 2 steps, in this process: 3 runs in about a second.
+SMALL = ["--task", "digits", "--quick", "--steps", "2", "--device", "cpu", "--optimizers", "adamw",
+         "--lr-grid", "1,3", "--seeds", "2", "--threads", "1"]
+OLD_FILES = ("results.json", "report.md", "loss_curves.png", "memory_vs_loss.png", "lr_sweep.png")
+
+
+def _compare(out: Path, *extra: str) -> int:
+    threads = torch.get_num_threads()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            return main([*SMALL, "--out", str(out), *extra])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _runs_log(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+
+
+def test_a_rerun_replaces_leanopts_files_and_leaves_the_rest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An earlier run's plots beside a new report that says "No plots" (here: no matplotlib)."""
+    import sys
+
+    for name in OLD_FILES:
+        (tmp_path / name).write_bytes(b"an earlier comparison's")
+    (tmp_path / "notes.txt").write_text("mine")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    assert _compare(tmp_path, "--no-isolate") == 0
+    assert "No plots: matplotlib is not installed" in (tmp_path / "report.md").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "report.md", "results.json", "runs.jsonl"]
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["plots"] == [] and rows(data)["adamw"]["runs"] == 3
+
+
+def test_results_json_is_written_before_the_plots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A disk that fills while the plots are drawn keeps every measured number in results.json."""
+    import errno
+
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    def disk_full(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", disk_full)
+    assert _compare(tmp_path, "--no-isolate") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "loss_curves.png" in err[0] and "no space left on" in err[0], err
+    data = json.loads((tmp_path / "results.json").read_text())
+    adamw = rows(data)["adamw"]
+    assert adamw["status"] == "ok" and len(adamw["val_losses"]) == 2 and adamw["state_bytes"] > 0
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_disk_that_fills_after_training_is_one_line_and_keeps_the_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A real full filesystem (a tmpfs, filled once training is over): results.json cannot be
+    written, which is said in one line naming the disk; runs.jsonl holds the measured runs."""
+    import leanopt.compare.command as command
+    from tmpfs import fill, mounted
+
+    real = command.compare
+
+    def train_then_fill(*args: Any, **kwargs: Any) -> Any:
+        result = real(*args, **kwargs)
+        fill(out)
+        return result
+
+    monkeypatch.setattr(command, "compare", train_then_fill)
+    with mounted(tmp_path / "small", "256k") as out:
+        assert _compare(out, "--no-isolate") == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("leanopt compare: error: cannot write "), err
+        assert "results.json" in err[0] and f"no space left on {out} (tmpfs" in err[0], err[0]
+        runs = [line for line in _runs_log(out) if line.get("event") == "run"]
+        assert len(runs) == 3 and all(math.isfinite(r["row"]["val_loss"]) for r in runs)
+        assert sorted(p.name for p in out.iterdir()) == ["filler", "runs.jsonl"]
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A comparison stopped (KeyboardInterrupt) right after its first run."""
+    from leanopt.compare.progress import RunLines
+
+    out = tmp_path_factory.mktemp("interrupted")
+    real = RunLines.event
+
+    def interrupt_after_a_run(self, name: str, event: dict[str, Any]) -> None:
+        real(self, name, event)
+        if event["event"] == "run":
+            raise KeyboardInterrupt
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(RunLines, "event", interrupt_after_a_run)
+        assert _compare(out, "--no-isolate") == 130
+    return out
+
+
+def test_an_interrupted_comparison_keeps_its_finished_runs(interrupted: Path) -> None:
+    lines = _runs_log(interrupted)
+    assert lines[0]["format"] == "leanopt-compare-runs/1" and lines[0]["settings"]["plan"]["steps"] == 2
+    runs = [line for line in lines if line.get("event") == "run"]
+    assert len(runs) == 1 and runs[0]["optimizer"] == "adamw"
+    row = runs[0]["row"]
+    assert (row["phase"], row["seed"], row["lr"]) == ("grid", 0, lines[0]["settings"]["plan"]["lr"])  # the grid's first
+    assert math.isfinite(row["val_loss"])
+    assert not (interrupted / "results.json").exists()
+
+
+def _copy(folder: Path, to: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(folder, to / "out"))
+
+
+def test_resume_trains_only_the_runs_not_on_disk(interrupted: Path, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    import leanopt.compare.runner as runner
+
+    out = _copy(interrupted, tmp_path)
+    first = next(line["row"] for line in _runs_log(out) if line.get("event") == "run")
+    with open(out / "runs.jsonl", "a") as log:  # the line being written when it was stopped
+        log.write('{"optimizer": "adamw", "event": "ru')
+    trained = []
+    real = runner.run_one
+    monkeypatch.setattr(runner, "run_one", lambda entry, workload, plan, *a, **k:
+                        trained.append((plan.lr, plan.seed)) or real(entry, workload, plan, *a, **k))
+    assert _compare(out, "--no-isolate", "--resume") == 0
+    assert len(trained) == 2 and (first["lr"], 0) not in trained, trained
+    adamw = rows(json.loads((out / "results.json").read_text()))["adamw"]
+    assert adamw["runs"] == 3 and adamw["grid_val_loss"][0] == first["val_loss"]
+    assert adamw["runs_detail"][0]["wall_s"] == first["wall_s"]  # the run on disk, not a new one
+    assert len([line for line in _runs_log(out) if line.get("event") == "run"]) == 3
+    assert "1 run(s) were resumed from `runs.jsonl`" in (out / "report.md").read_text()
+
+
+def test_resume_in_worker_processes(interrupted: Path, tmp_path: Path) -> None:
+    """The runs on disk go to the optimizer's process, which trains only the others."""
+    out = _copy(interrupted, tmp_path)
+    first = next(line["row"] for line in _runs_log(out) if line.get("event") == "run")
+    assert _compare(out, "--resume") == 0
+    adamw = rows(json.loads((out / "results.json").read_text()))["adamw"]
+    assert adamw["status"] == "ok" and adamw["runs"] == 3
+    assert adamw["runs_detail"][0]["wall_s"] == first["wall_s"]
+    new = [line["row"] for line in _runs_log(out) if line.get("event") == "run"][1:]
+    assert [(r["phase"], r["seed"]) for r in new] == [("grid", 0), ("seed", 1)]
+
+
+def test_resume_refuses_runs_of_other_settings(interrupted: Path, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    out = _copy(interrupted, tmp_path)
+    before = (out / "runs.jsonl").read_bytes()
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main([*SMALL[:4], "3", *SMALL[5:], "--out", str(out), "--no-isolate", "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--resume" in err[0] and "steps" in err[0] and "runs.jsonl" in err[0], err
+    assert (out / "runs.jsonl").read_bytes() == before  # nothing replaced

@@ -16,14 +16,11 @@ Every error exits with status 2 and one line on stderr. ``--json`` output is str
 from __future__ import annotations
 
 import argparse
-import contextlib
-import errno
 import json
 import logging
 import math
 import os
 import sys
-import tempfile
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -35,6 +32,7 @@ from leanopt.memory.estimate import MiB, OPTIMIZER_NAMES, available_optimizers, 
 from leanopt.memory.inspect import StateDictReport, inspect_file, inspect_state_dict, load_optimizer_state
 from leanopt.memory.presets import ModelSource, resolve_model, shape_dependent
 from leanopt.memory.training import TRAINING_MODES, TrainingMemory, supports_training_modes, training_memory
+from leanopt.writing import write_atomically
 
 TABLE_PRECISIONS = ("fp32", "bf16-mixed")
 NOTES = (
@@ -213,6 +211,9 @@ def _quiet_peer_import_warnings() -> None:
     # Python logs one warning per missing extension, which is noise on a CLI's stderr.
     for name in ("torchao", "torch.utils._pytree"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    # A meta kernel that fails under fake tensors (a size that overflows at --seq 10^9) is logged
+    # by torch with its traceback (24 lines) before it raises; plan reports it in one line.
+    logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
 
 
 def _mb(nbytes: int | None) -> str:
@@ -392,7 +393,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from leanopt.memory.plan import KINDS, parse_bytes, plan, recommend
 
     _quiet_peer_import_warnings()
-    budget = parse_bytes(args.budget) if args.budget is not None else None
+    try:
+        budget = parse_bytes(args.budget) if args.budget is not None else None
+    except OverflowError:  # more digits than a float holds: float("9" * 400) is inf
+        shown = args.budget if len(args.budget) <= 24 else args.budget[:21] + "..."
+        raise CliError(f"--budget {shown}: too large a number (24GiB, 500MiB or a number of bytes)") from None
     rows = plan(
         args.model,
         batch=args.batch,
@@ -495,45 +500,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-# errno -> the words of a one-line message (os.strerror's vary by platform).
-_WRITE_ERRORS = {
-    errno.ENOSPC: "no space left on device",
-    errno.EDQUOT: "disk quota exceeded",
-    errno.EACCES: "permission denied",
-    errno.EPERM: "permission denied",
-    errno.EROFS: "read-only file system",
-    errno.ENOENT: "no such folder",
-    errno.ENOTDIR: "no such folder",
-    errno.EISDIR: "it is a folder",
-}
-
-
-def _write_error(err: OSError) -> str:
-    return _WRITE_ERRORS.get(err.errno or 0) or (err.strerror or str(err) or type(err).__name__).lower()
-
-
 def _save_atomically(obj: Any, dst: str) -> None:
     """``torch.save`` into a new temporary file in DST's folder, then rename it to DST: DST is
-    either left as it was or is the whole new file, and no other file is touched or left."""
+    either left as it was or is the whole new file, and no other file is touched or left. A
+    failed write is one line naming DST and its cause (a full disk, the file size limit)."""
     import torch
 
-    folder = os.path.dirname(dst) or "."
-    tmp = None
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(dst)}.", suffix=".tmp", dir=folder)
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # the mode torch.save(obj, dst) would give (mkstemp's is 0600)
-        os.replace(tmp, dst)
-        tmp = None
-    except OSError as err:
-        raise CliError(f"cannot write {dst}: {_write_error(err)}") from None
-    finally:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+    write_atomically(dst, lambda f: torch.save(obj, f))
 
 
 def cmd_compare(args: argparse.Namespace) -> int:

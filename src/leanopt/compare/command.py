@@ -15,11 +15,12 @@ import torch
 from rich.console import Console
 
 from leanopt.compare.contenders import DEFAULT_CONTENDERS, MODES, PRECISIONS, contender
-from leanopt.compare.plots import write_plots
+from leanopt.compare.output import RunLog, claim, read_runs, settings, write_results
 from leanopt.compare.progress import LoadMonitor, RemainingTime, RunBars, RunLines, eta_check, load_summary
-from leanopt.compare.report import command_line, markdown, print_table, to_json, write_json
-from leanopt.compare.runner import compare, runs_planned
+from leanopt.compare.report import command_line, print_table, to_json
+from leanopt.compare.runner import compare, runs_left
 from leanopt.compare.tasks import BUILTIN_TASKS, DEFAULT_TASK, LR_MULTIPLIERS, SEEDS, TaskUnavailable, get_task
+from leanopt.kernels.cpu import compile_disabled
 
 PROG = "leanopt compare"
 
@@ -56,7 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=None, help="training steps (default: the task's)")
     parser.add_argument("--device", default=None,
                         help="cpu or cuda (default: cuda when available); on CUDA the task sizes scale up")
-    parser.add_argument("--out", default="out/compare", help="output directory (default: %(default)s)")
+    parser.add_argument("--out", default="out/compare",
+                        help="output directory: runs.jsonl as each run ends, then results.json, report.md, the plots; "
+                        "an earlier comparison's files of these names there are replaced, others left alone "
+                        "(default: %(default)s)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the runs that --out's runs.jsonl holds from an interrupted or failed comparison "
+                        "with the same settings, and train only the others")
     parser.add_argument("--quick", action="store_true",
                         help=f"small sizes, a {len(LR_MULTIPLIERS[True])}-point lr grid and {SEEDS[True]} seeds: "
                         "the default task and optimizers (on the CPU: leanopt's AdamW and Adafactor families and the peers, "
@@ -177,34 +184,53 @@ def _run(args: argparse.Namespace) -> int:
     skip = {}
     if args.optimizers is None and plan.quick and device == "cpu":
         skip = {n: c.slow_on_cpu for n in names if (c := contender(n)).slow_on_cpu}
+    out = Path(args.out)
+    run_settings = settings(plan.to_dict())
+    try:
+        resumed = read_runs(out, run_settings) if args.resume else {}
+    except ValueError as e:
+        return fail(str(e))
+    claim(out, resume=args.resume)
+    log = RunLog(out, run_settings, resume=args.resume)
 
     # Piped output keeps the whole table instead of squeezing it to 80 columns.
     tty = sys.stdout.isatty()
     console = Console(highlight=False, width=None if tty else 150)
     runnable = [n for n in names if n not in skip and contender(n).unavailable() is None]
-    planned = {n: runs_planned(plan, contender(n)) for n in runnable}
+    planned = {n: runs_left(plan, contender(n), (resumed.get(n) or {}).get("runs") or []) for n in runnable}
     total = sum(planned.values())
+    kept = sum(len(r["runs"]) for n, r in resumed.items() if n in runnable)
     grid_text = "lr fixed at " + f"{plan.lr:g}" if plan.fixed_lr else (
         f"lr grid x{_multipliers(plan.lr_multipliers)} of each optimizer's usual lr"
         + (" + Adafactor's relative step" if plan.relative_step else ""))
     precision = "" if plan.precision == "fp32" else f" ({plan.precision} unless a name says otherwise)"
     console.print(f"[bold]{PROG}[/bold]: {task.name} — {task.description}; {plan.steps} steps on {device}{precision}; "
                   f"{grid_text}; seeds {','.join(map(str, plan.seeds))}; {total} runs of {len(runnable)} optimizers"
-                  f"{' (quick)' if plan.quick else ''}")
+                  f"{' (quick)' if plan.quick else ''}{f', {kept} more resumed from {log.path}' if kept else ''}")
     start = time.perf_counter()
     compiles = {n: contender(n).cpu_compile_s for n in runnable} if device == "cpu" else {}
-    if os.environ.get("LEANOPT_NO_COMPILE", "") not in ("", "0"):  # leanopt's own update runs eagerly
+    if compile_disabled():  # leanopt's own update runs eagerly
         compiles = {n: s for n, s in compiles.items() if contender(n).origin != "leanopt"}
     estimate = RemainingTime(planned, jobs=args.jobs, compile_s=compiles)
     display = RunBars(total, estimate, console) if tty else RunLines(total, estimate)
     threads = (args.threads or torch.get_num_threads()) * min(args.jobs, max(1, len(runnable)))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    with LoadMonitor() as load, display:
-        result = compare(plan, names, isolate=args.isolate, jobs=args.jobs, skip=skip, on_start=display.begin,
-                         on_event=display.event, on_row=display.row)
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    def on_event(name: str, event: dict) -> None:
+        log.record(name, event)  # on disk before anything else sees it
+        display.event(name, event)
+
+    try:
+        with LoadMonitor() as load, display:
+            result = compare(plan, names, isolate=args.isolate, jobs=args.jobs, skip=skip, on_start=display.begin,
+                             on_event=on_event, on_row=display.row, resumed=resumed)
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted; {log.runs} finished run(s) of this comparison are in {log.path} "
+              "(the same command with --resume trains only the others)", file=sys.stderr)
+        raise
+    finally:
+        log.close()
+
     command = command_line(result, args.out, lr_given=args.lr is not None, threads=args.threads,
                            names_given=args.optimizers is not None, seeds_given=args.seeds is not None,
                            grid_given=args.lr_grid is not None, jobs=args.jobs)
@@ -212,16 +238,14 @@ def _run(args: argparse.Namespace) -> int:
     data["load"] = load_summary(load.samples, cores, threads if device == "cpu" else 1)
     data["eta"] = {"log": [[round(a, 2), round(b, 2)] for a, b in display.log],
                    "check": eta_check(display.log, result.wall_s)}
-    plots, note = write_plots(data, out)
-    data.update(plots=plots, plot_note=note)
-    write_json(data, out / "results.json")
-    (out / "report.md").write_text(markdown(data))
+    data["resumed_runs"] = kept
+    plots, note = write_results(data, out)
     print_table(data, console)
     if data["load"].get("warning"):
         console.print(f"[yellow]warning[/yellow]: {data['load']['warning']}")
     if note:
         console.print(f"no plots: {note}")
-    written = ", ".join(str(out / f) for f in ["results.json", "report.md", *plots])
+    written = ", ".join(str(out / f) for f in ["runs.jsonl", "results.json", "report.md", *plots])
     console.print(f"wrote {written} in {time.perf_counter() - start:.0f} s")
     return 0 if any(r["status"] == "ok" for r in result.rows) else 1
 

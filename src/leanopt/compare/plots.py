@@ -6,10 +6,13 @@ import math
 from pathlib import Path
 from typing import Any
 
+from leanopt.writing import write_atomically
+
 MiB = 1024**2
 LOSS_CURVES = "loss_curves.png"
 MEMORY_VS_LOSS = "memory_vs_loss.png"
 LR_SWEEP = "lr_sweep.png"
+PLOTS = (LOSS_CURVES, MEMORY_VS_LOSS, LR_SWEEP)
 
 
 def _smooth(values: list[float | None], window: int) -> list[float]:
@@ -113,7 +116,7 @@ def write_plots(data: dict[str, Any], out_dir: Path) -> tuple[list[str], str | N
         if tail:
             tops.append(max(tail))
             bottoms.append(min(tail))
-    if tops:
+    if tops and max(tops) > min(bottoms):  # one flat point (a 2-step run): matplotlib's own limits
         span = max(tops) - min(bottoms)
         ax.set_ylim(min(bottoms) - 0.05 * span, max(tops) + 0.05 * span)
     ax.set_xlabel("step")
@@ -123,7 +126,7 @@ def write_plots(data: dict[str, Any], out_dir: Path) -> tuple[list[str], str | N
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig(out_dir / LOSS_CURVES)
+    _save(fig, out_dir / LOSS_CURVES)
     plt.close(fig)
     files.append(LOSS_CURVES)
 
@@ -145,7 +148,7 @@ def write_plots(data: dict[str, Any], out_dir: Path) -> tuple[list[str], str | N
         fig.suptitle(f"{task}: memory vs validation loss {at} (circles: leanopt, triangles: peers)",
                      fontsize=10)
         fig.tight_layout()
-        fig.savefig(out_dir / MEMORY_VS_LOSS)
+        _save(fig, out_dir / MEMORY_VS_LOSS)
         plt.close(fig)
         files.append(MEMORY_VS_LOSS)
 
@@ -180,10 +183,15 @@ def write_plots(data: dict[str, Any], out_dir: Path) -> tuple[list[str], str | N
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7, ncol=2)
         fig.tight_layout()
-        fig.savefig(out_dir / LR_SWEEP)
+        _save(fig, out_dir / LR_SWEEP)
         plt.close(fig)
         files.append(LR_SWEEP)
     return files, None
+
+
+def _save(fig: Any, path: Path) -> None:
+    """A PNG whole or not at all; a failed write is one line naming it (a full disk, ...)."""
+    write_atomically(path, lambda f: fig.savefig(f, format="png"))
 
 
 def _lr(lr: Any) -> str:

@@ -14,6 +14,7 @@ from leanopt.compare import stats
 from leanopt.compare.contenders import MODES
 from leanopt.compare.progress import duration, lr_text
 from leanopt.compare.runner import REFERENCES, Comparison, _finite
+from leanopt.writing import write_text_atomically
 
 MiB = 1024**2
 FORMAT = "leanopt-compare/2"
@@ -109,7 +110,9 @@ def to_json(comparison: Comparison, command: str, plots: list[str], plot_note: s
 
 
 def write_json(data: dict[str, Any], path: Path) -> None:
-    path.write_text(json.dumps(_finite(data), indent=1) + "\n")
+    """``results.json``, atomically: the old file or the whole new one (a :class:`WriteError`
+    naming the cause when it cannot be written)."""
+    write_text_atomically(path, json.dumps(_finite(data), indent=1) + "\n")
 
 
 # ---- formatting --------------------------------------------------------------------------------
@@ -264,6 +267,9 @@ def mode_note(data: dict[str, Any]) -> list[str]:
 def timing_note(data: dict[str, Any]) -> list[str]:
     load = data.get("load") or {}
     lines = []
+    if data.get("resumed_runs"):
+        lines += [f"{data['resumed_runs']} run(s) were resumed from `runs.jsonl` (`--resume`): measured by the "
+                  "interrupted comparison, under its load.", ""]
     if load.get("warning"):
         lines += [f"**Warning: {load['warning']}.**", ""]
     elif load.get("samples"):

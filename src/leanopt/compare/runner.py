@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from importlib import metadata
 from typing import Any
@@ -72,36 +72,73 @@ def lr_grid(plan: Plan, entry: Contender) -> list[LR]:
     return entry.lr_grid(float(plan.lr), plan.lr_multipliers, relative=plan.relative_step)
 
 
+def _key(phase: str, lr: LR, seed: int) -> tuple[str, str, int]:
+    return phase, json.dumps(lr), seed  # a float after a JSON round trip is the same float
+
+
+def _by_key(done: Sequence[dict[str, Any]]) -> dict[tuple[str, str, int], dict[str, Any]]:
+    return {_key(r.get("phase", "grid"), r["lr"], r["seed"]): r for r in done}
+
+
+def runs_left(plan: Plan, entry: Contender, done: Sequence[dict[str, Any]]) -> int:
+    """How many runs of the protocol are still to train, given the rows of those ``done``
+    (a resumed comparison's, read from its runs log); :func:`runs_planned` when none are."""
+    have = _by_key(done)
+    grid = lr_grid(plan, entry)
+    grid_rows = [have.get(_key("grid", lr, plan.seeds[0])) for lr in grid]
+    seeds = len(plan.seeds) - 1
+    if any(r is None for r in grid_rows):
+        return sum(r is None for r in grid_rows) + seeds
+    best = stats.pick([(lr, None if r.get("diverged") else r.get("val_loss")) for lr, r in zip(grid, grid_rows)])
+    if best is None:
+        return 0
+    return sum(_key("seed", grid[best], seed) not in have for seed in plan.seeds[1:])
+
+
 # ---- one optimizer, in whatever process runs it --------------------------------------------------
-def run_protocol(optimizer: str, plan: Plan, emit: Emit) -> None:
+def run_protocol(optimizer: str, plan: Plan, emit: Emit, done: Sequence[dict[str, Any]] = ()) -> None:
     """Tune ``optimizer``'s lr on its grid, then train the pick on every seed; emits events.
 
     Events: ``setup`` (once, after the warm-up), ``step`` (every training step), ``run`` (one
-    per finished run, with its row), and ``picked`` after the grid.
+    per finished run, with its row), and ``picked`` after the grid. The runs of ``done`` (rows
+    of an earlier, interrupted comparison with the same plan) are not trained again: their rows
+    stand in the grid and the pick as they are, and only the others emit ``run`` events.
     """
     entry = contender(optimizer)
+    if not runs_left(plan, entry, done):
+        return
     if plan.threads:
         torch.set_num_threads(plan.threads)
+    have = _by_key(done)
     workload = get_task(plan.task).prepare(plan)
     grid = lr_grid(plan, entry)
     centre = grid[len([x for x in grid if x != RELATIVE]) // 2]
     start = time.perf_counter()
     workload.warm_up(entry, centre)
     emit({"event": "setup", "setup_s": time.perf_counter() - start, "grid": grid, "runs": runs_planned(plan, entry)})
+    trained = 0
+
+    def row_of(phase: str, lr: LR, seed: int) -> dict[str, Any]:
+        nonlocal trained
+        row = have.get(_key(phase, lr, seed))
+        if row is None:
+            # fresh: this process's first run, whose peak memory is the one reported
+            row = run_one(entry, workload, replace(plan, lr=lr, seed=seed), emit, fresh=not trained)
+            row["phase"] = phase
+            trained += 1
+            emit({"event": "run", "row": row})
+        return row
+
     first_seed, points = plan.seeds[0], []
     for lr in grid:
-        row = run_one(entry, workload, replace(plan, lr=lr, seed=first_seed), emit, fresh=not points)
-        row["phase"] = "grid"
+        row = row_of("grid", lr, first_seed)
         points.append((lr, row.get("val_loss") if not row.get("diverged") else None))
-        emit({"event": "run", "row": row})
     best = stats.pick(points)
     emit({"event": "picked", "lr": None if best is None else grid[best]})
     if best is None:
         return
     for seed in plan.seeds[1:]:
-        row = run_one(entry, workload, replace(plan, lr=grid[best], seed=seed), emit, fresh=False)
-        row["phase"] = "seed"
-        emit({"event": "run", "row": row})
+        row_of("seed", grid[best], seed)
 
 
 def run_one(entry: Contender, workload: Workload, plan: Plan, emit: Emit, *, fresh: bool) -> dict[str, Any]:
@@ -171,7 +208,7 @@ def worker_main() -> int:
         events.write(EVENT_PREFIX + json.dumps(_finite(event)) + "\n")
 
     try:
-        run_protocol(spec["optimizer"], Plan(**spec["plan"]), emit)
+        run_protocol(spec["optimizer"], Plan(**spec["plan"]), emit, spec.get("done", []))
     except Exception as err:
         traceback.print_exc()
         emit({"event": "error", "reason": _one_line(err)})
@@ -181,9 +218,9 @@ def worker_main() -> int:
 
 
 # ---- the comparison ----------------------------------------------------------------------------
-def run_isolated(optimizer: str, plan: Plan, emit: Emit) -> str | None:
+def run_isolated(optimizer: str, plan: Plan, emit: Emit, done: Sequence[dict[str, Any]] = ()) -> str | None:
     """Run :func:`run_protocol` in a fresh process; returns why it failed (None: it finished)."""
-    spec = json.dumps({"optimizer": optimizer, "plan": plan.to_dict()})
+    spec = json.dumps({"optimizer": optimizer, "plan": plan.to_dict(), "done": list(done)})
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     with tempfile.TemporaryFile(mode="w+") as stderr:
         proc = subprocess.Popen(
@@ -197,19 +234,24 @@ def run_isolated(optimizer: str, plan: Plan, emit: Emit) -> str | None:
         assert proc.stdin is not None and proc.stdout is not None
         proc.stdin.write(spec)
         proc.stdin.close()
-        done, reason = False, None
-        for line in proc.stdout:
-            if not line.startswith(EVENT_PREFIX):
-                continue
-            event = json.loads(line[len(EVENT_PREFIX) :])
-            if event["event"] == "done":
-                done = True
-            elif event["event"] == "error":
-                reason = event["reason"]
-            else:
-                emit(event)
+        finished, reason = False, None
+        try:
+            for line in proc.stdout:
+                if not line.startswith(EVENT_PREFIX):
+                    continue
+                event = json.loads(line[len(EVENT_PREFIX) :])
+                if event["event"] == "done":
+                    finished = True
+                elif event["event"] == "error":
+                    reason = event["reason"]
+                else:
+                    emit(event)
+        except BaseException:  # Ctrl-C, or the runs log cannot be written: the child stops too
+            proc.kill()
+            proc.wait()
+            raise
         code = proc.wait()
-        if done:
+        if finished:
             return None
         if reason is None:
             stderr.seek(0)
@@ -219,9 +261,9 @@ def run_isolated(optimizer: str, plan: Plan, emit: Emit) -> str | None:
     return reason
 
 
-def run_in_process(optimizer: str, plan: Plan, emit: Emit) -> str | None:
+def run_in_process(optimizer: str, plan: Plan, emit: Emit, done: Sequence[dict[str, Any]] = ()) -> str | None:
     try:
-        run_protocol(optimizer, plan, lambda event: emit(_finite(event)))
+        run_protocol(optimizer, plan, lambda event: emit(_finite(event)), done)
     except Exception as err:
         return _one_line(err)
     return None
@@ -245,12 +287,16 @@ def compare(
     on_start: Callable[[str], None] = lambda name: None,
     on_event: OnEvent = lambda name, event: None,
     on_row: Callable[[dict[str, Any]], None] = lambda row: None,
+    resumed: dict[str, dict[str, Any]] | None = None,
 ) -> Comparison:
     """Run every optimizer's protocol; unavailable ones become ``skipped`` rows.
 
     ``skip`` maps names to a reason for leaving them out (they get a ``skipped`` row too).
     ``on_start(name)``, ``on_event(name, event)`` and ``on_row(row)`` are called from the
-    calling thread, one at a time, also when ``jobs`` > 1.
+    calling thread, one at a time, also when ``jobs`` > 1. ``resumed`` maps names to what an
+    earlier run of the same plan finished (``{"setup": event, "runs": [row, ...]}``, as
+    :func:`leanopt.compare.output.read_runs` reads them): those runs are not trained again, and
+    an optimizer with none left starts no process.
     """
     task = get_task(plan.task)
     result = Comparison(plan=plan, description=task.description, optimizers=list(optimizers), jobs=jobs)
@@ -259,14 +305,19 @@ def compare(
     runs: dict[str, list[dict[str, Any]]] = {}
     setups: dict[str, dict[str, Any]] = {}
     rows: dict[str, dict[str, Any]] = {}
-    todo = []
+    todo, finished = [], []
     for name in optimizers:
         reason = (skip or {}).get(name) or contender(name).unavailable()
+        earlier = (resumed or {}).get(name)
         if reason is not None:
             rows[name] = skipped_row(name, reason)
             on_row(rows[name])
-        else:
-            todo.append(name)
+            continue
+        if earlier:
+            runs[name] = list(earlier.get("runs") or [])
+            if earlier.get("setup"):
+                setups[name] = earlier["setup"]
+        (todo if runs_left(plan, contender(name), runs.get(name, [])) else finished).append(name)
 
     def handle(name: str, event: dict[str, Any]) -> None:
         if event["event"] == "run":
@@ -279,22 +330,24 @@ def compare(
         rows[name] = summarize(name, plan, setups.get(name), runs.get(name, []), reason)
         on_row(rows[name])
 
+    for name in finished:  # every run on disk already
+        finish(name, None)
     execute = run_isolated if isolate else run_in_process
     if jobs <= 1 or not isolate:
         for name in todo:
             on_start(name)
-            finish(name, execute(name, plan, lambda event, name=name: handle(name, event)))
+            finish(name, execute(name, plan, lambda event, name=name: handle(name, event), list(runs.get(name, []))))
     else:
         inbox: queue.Queue[tuple[str, str, Any]] = queue.Queue()
         slots = threading.Semaphore(jobs)
 
-        def work(name: str) -> None:
+        def work(name: str, done: list[dict[str, Any]]) -> None:
             with slots:
                 inbox.put(("start", name, None))
-                why = execute(name, plan, lambda event: inbox.put(("event", name, event)))
+                why = execute(name, plan, lambda event: inbox.put(("event", name, event)), done)
                 inbox.put(("end", name, why))
 
-        threads = [threading.Thread(target=work, args=(n,), daemon=True) for n in todo]
+        threads = [threading.Thread(target=work, args=(n, list(runs.get(n, []))), daemon=True) for n in todo]
         for t in threads:
             t.start()
         ended = 0

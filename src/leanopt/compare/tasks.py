@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import sysconfig
 import tempfile
 from abc import ABC, abstractmethod
@@ -33,7 +32,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import torch
 from torch import nn
@@ -692,16 +690,21 @@ class HubClassification(Task):
             import datasets  # noqa: F401
         except ImportError:
             raise TaskUnavailable(f"--task {self.name} needs the datasets package (pip install datasets)") from None
-        offline = TaskUnavailable(
-            f"--task {self.name} needs the Hugging Face Hub, which is not reachable from here (offline); "
-            "the built-in tasks need no download: " + ", ".join(BUILTIN_TASKS)
-        )
-        if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes") or not _hub_reachable():
-            raise offline
+        # huggingface_hub's own reading of HF_HUB_OFFLINE and HF_ENDPOINT (a mirror's scheme and port).
+        from leanopt.memory.presets import hub_endpoint, hub_offline, hub_unreachable
+
+        builtin = "the built-in tasks need no download: " + ", ".join(BUILTIN_TASKS)
+        if hub_offline():
+            raise TaskUnavailable(f"--task {self.name} needs the Hugging Face Hub, which is switched off here "
+                                  f"(offline: HF_HUB_OFFLINE); {builtin}")
+        why = hub_unreachable(timeout=3.0)
+        if why is not None:
+            raise TaskUnavailable(f"--task {self.name} needs the Hugging Face Hub, which is not reachable from here "
+                                  f"({hub_endpoint()}: {why}); {builtin}")
         from huggingface_hub import HfApi
         from huggingface_hub.errors import RepositoryNotFoundError
 
-        api = HfApi()
+        api = HfApi(endpoint=hub_endpoint())
         for kind, name, info in (("model", self.model_name, api.model_info), ("dataset", self.dataset_name, api.dataset_info)):
             try:
                 info(name, timeout=10)
@@ -764,15 +767,6 @@ class HubWorkload(TrainerWorkload):
         if model.config.pad_token_id is None:
             model.config.pad_token_id = self.pad_id
         return model
-
-
-def _hub_reachable(timeout: float = 3.0) -> bool:
-    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
-    try:
-        with socket.create_connection((host, 443), timeout=timeout):
-            return True
-    except OSError:
-        return False
 
 
 BUILTIN_TASKS: dict[str, type[Task]] = {t.name: t for t in (BytesGPT, Digits, DistilBertTrainer)}

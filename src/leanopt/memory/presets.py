@@ -10,7 +10,10 @@
 4. a Hugging Face Hub id, whose ``config.json`` is fetched (or read from the local cache).
 
 Models are built with transformers on the ``meta`` device: shapes without memory, no weights
-downloaded. A preset, a config or a Hub id needs transformers; a bare count does not. No
+downloaded. What a config asks for is bounded first (:data:`MAX_CONFIG_LAYERS`,
+:data:`MAX_CONFIG_PARAMS`, :data:`MAX_CONFIG_MODULES`; its sizes must be whole numbers), since
+each module costs Python time and memory even on ``meta``: a one-line ``ValueError`` names the
+field. A preset, a config or a Hub id needs transformers; a bare count does not. No
 model's own Python code is ever run: configs are read with ``trust_remote_code=False`` and
 stdin is not read (transformers would otherwise ask there whether to run a folder's code); a
 config that only custom code can build is a ``ValueError`` that says so.
@@ -26,12 +29,14 @@ factored state (Adafactor) depends on the matrix shapes, so it has no estimate f
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import json
 import os
 import re
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from decimal import Decimal, localcontext
 from pathlib import Path
@@ -39,7 +44,21 @@ from typing import Any
 
 import torch
 
-__all__ = ["MAX_PARAM_COUNT", "PRESETS", "ModelSource", "Preset", "parse_param_count", "resolve_model", "shape_dependent"]
+__all__ = [
+    "MAX_CONFIG_LAYERS",
+    "MAX_CONFIG_MODULES",
+    "MAX_CONFIG_PARAMS",
+    "MAX_PARAM_COUNT",
+    "PRESETS",
+    "ModelSource",
+    "Preset",
+    "hub_endpoint",
+    "hub_offline",
+    "hub_unreachable",
+    "parse_param_count",
+    "resolve_model",
+    "shape_dependent",
+]
 
 # Seconds to wait for the Hub before saying it is unreachable (huggingface_hub's own default
 # is 10 s per try with 5 retries: ~24 s with no network).
@@ -255,8 +274,190 @@ def _no_stdin() -> Iterator[None]:
         sys.stdin = saved
 
 
+# ---- what a config may ask for --------------------------------------------------------------
+# A config is a few hundred bytes of JSON from anywhere (a download, a Hub repo): what it asks
+# for is bounded before anything is built. Each module transformers builds costs Python time and
+# memory even on the meta device (~0.13 ms and ~4 KB here): 10^9 layers never finish.
+#
+# Layer counts: the deepest real transformers have a few hundred layers (Llama-3-405B: 126).
+MAX_CONFIG_LAYERS = 10_000
+# Parameters: 25x Llama-3-405B (405.9 B), 6x switch-c-2048 (1.57 T).
+MAX_CONFIG_PARAMS = 10**13
+# Modules, whatever field multiplies them (experts, labels' heads, sub-configs): switch-c-2048,
+# the largest real count known here, builds 307,844 (2,048 experts per layer; 23 s, 1.3 GB).
+MAX_CONFIG_MODULES = 500_000
+# Classes: PretrainedConfig makes an id2label entry per label before any check of ours runs.
+MAX_CONFIG_LABELS = 10**6
+# Experts per layer: real ones have up to 2,048 (switch-c-2048); some models build a module per
+# expert, so a million of them in one layer would take minutes to reach the module bound.
+MAX_CONFIG_EXPERTS = 16_384
+_EXPERT_FIELDS = frozenset({"num_experts", "num_local_experts", "n_routed_experts"})
+
+# The fields that count layers, in the names transformers' configs use.
+_LAYER_FIELDS = frozenset({
+    "num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_decoder_layers", "num_encoder_layers",
+    "encoder_layers", "decoder_layers",
+})
+# Fields that are sizes or counts wherever they appear: a whole number > 0 (or null: derived);
+# a layer count and head_dim may be 0 (GLM-5 Next's default head_dim: set from another field).
+_SIZE_FIELDS = frozenset({
+    "hidden_size", "n_embd", "dim", "d_model", "intermediate_size", "hidden_dim", "d_ff", "n_inner", "ffn_dim",
+    "encoder_ffn_dim", "decoder_ffn_dim", "moe_intermediate_size", "num_attention_heads", "n_head", "n_heads",
+    "num_heads", "num_key_value_heads", "encoder_attention_heads", "decoder_attention_heads", "head_dim", "d_kv",
+    "vocab_size", "max_position_embeddings", "n_positions", "num_labels", "num_experts", "num_local_experts",
+    "n_routed_experts", "num_experts_per_tok",
+})
+_MAY_BE_ZERO = _LAYER_FIELDS | {"head_dim"}
+
+
+def _check_config_values(values: Mapping[str, Any], what: str, prefix: str = "") -> None:
+    """Every size, count and layer count in ``values`` (a config's JSON, or its ``to_dict()``,
+    sub-configs included) is a whole number in range, or a list of them (per stage or layer:
+    CvT's ``num_heads``, Gemma 3n's ``intermediate_size``): a one-line ``ValueError`` naming the
+    field, not a ZeroDivisionError or a negative dimension from deep inside a model's code."""
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            _check_config_values(value, what, f"{name}.")
+        elif value is not None and (key in _LAYER_FIELDS or key in _SIZE_FIELDS):
+            for item in value if isinstance(value, (list, tuple)) else [value]:
+                _check_count(key, name, item, what)
+
+
+def _check_count(key: str, name: str, value: Any, what: str) -> None:
+    if isinstance(value, float) and value.is_integer():  # 1200.0: a default of transformers' own (musicflamingo)
+        value = int(value)
+    least = 0 if key in _MAY_BE_ZERO else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        shown = json.dumps(value)[:40] if isinstance(value, (int, float, str)) else type(value).__name__
+        raise ValueError(f"{what}: {name} is {shown}; it must be a whole number {'>= 0' if least == 0 else '> 0'}")
+    if key in _LAYER_FIELDS and value > MAX_CONFIG_LAYERS:
+        raise ValueError(f"{what}: {name} is {value:,}; leanopt builds at most {MAX_CONFIG_LAYERS:,} layers "
+                         "(the deepest real models have a few hundred)")
+    if key == "num_labels" and value > MAX_CONFIG_LABELS:
+        raise ValueError(f"{what}: {name} is {value:,}; leanopt builds at most {MAX_CONFIG_LABELS:,} labels")
+    if key in _EXPERT_FIELDS and value > MAX_CONFIG_EXPERTS:
+        raise ValueError(f"{what}: {name} is {value:,}; leanopt builds at most {MAX_CONFIG_EXPERTS:,} experts "
+                         "per layer (the most in a real model: 2,048)")
+
+
+def _is_config(value: Any) -> bool:
+    """A (sub-)config: text_config, vision_config, encoder, decoder, ..."""
+    return hasattr(value, "to_dict") and hasattr(value, "model_type")
+
+
+def _sizes(config: Any, prefix: str = "") -> list[str]:
+    """``["num_hidden_layers=200", "hidden_size=65536", ...]``: the config's sizes, for a message."""
+    out = []
+    for key, value in vars(config).items():
+        if _is_config(value):
+            out += _sizes(value, f"{prefix}{key}.")
+        elif (key in _LAYER_FIELDS or key in _SIZE_FIELDS) and isinstance(value, int) and not isinstance(value, bool):
+            out.append(f"{prefix}{key}={value}")
+    return out
+
+
+class _TooManyModules(Exception):
+    pass
+
+
+class _Refused(ValueError):
+    """A config asks for more than leanopt builds: no other model class would change that."""
+
+
+def _guarded_build(build: Callable[[Any], torch.nn.Module], config: Any) -> torch.nn.Module:
+    """``build(config)`` on the meta device, stopped once it has made :data:`MAX_CONFIG_MODULES`
+    modules (whatever field of the config multiplies them)."""
+    from torch.nn.modules.module import register_module_module_registration_hook
+
+    me, made = threading.get_ident(), [0]
+
+    def count(module: Any, name: str, submodule: Any) -> None:
+        if threading.get_ident() == me:  # the hook is global: other threads' modules are theirs
+            made[0] += 1
+            if made[0] > MAX_CONFIG_MODULES:
+                raise _TooManyModules
+
+    handle = register_module_module_registration_hook(count)
+    try:
+        # The default device, not from_pretrained: shapes only, no weights read or allocated,
+        # and the config's dtype is not applied (precision is the estimate's business).
+        with torch.device("meta"), _no_stdin():
+            return build(config)
+    finally:
+        handle.remove()
+
+
+def _layer_paths(config: Any, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], str, int]]:
+    """(sub-config path, field, count) of every layer count set in ``config`` and its sub-configs."""
+    out = []
+    for key, value in vars(config).items():
+        if _is_config(value):
+            out += _layer_paths(value, (*path, key))
+        elif key in _LAYER_FIELDS and isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            out.append((path, key, value))
+    return out
+
+
+def _with_layers(config: Any, layers: dict[tuple[tuple[str, ...], str], int]) -> Any:
+    probe = copy.deepcopy(config)
+    for (path, key), value in layers.items():
+        target = probe
+        for part in path:
+            target = getattr(target, part)
+        setattr(target, key, value)
+    return probe
+
+
+def _probe(build: Callable[[Any], torch.nn.Module], config: Any) -> tuple[int, int] | None:
+    """The (parameters, modules) ``build(config)`` would make, from models of one and two layers
+    (their layers are alike: what a second layer adds, every further one adds), without
+    building them all.
+
+    None when there is nothing to scale (no layer count, or one layer each) or when a reduced
+    config does not build (the full build then counts, within the bound on modules).
+    """
+    fields = {(path, key): n for path, key, n in _layer_paths(config)}
+    if not fields or all(n == 1 for n in fields.values()):
+        return None
+
+    def made(layers: dict[tuple[tuple[str, ...], str], int]) -> tuple[int, int]:
+        model = _guarded_build(build, _with_layers(config, layers))
+        return sum(p.numel() for p in model.parameters()), sum(1 for _ in model.modules())
+
+    try:
+        ones = dict.fromkeys(fields, 1)
+        base = made(ones)
+        params, modules = base
+        for field, n in fields.items():
+            more = made({**ones, field: 2})
+            params += (n - 1) * (more[0] - base[0])
+            modules += (n - 1) * (more[1] - base[1])
+    except _TooManyModules:  # one or two layers already make too many: so would the rest
+        raise
+    except Exception:  # noqa: BLE001 - a config that only builds whole: counted after the build
+        return None
+    return params, modules
+
+
+def _refuse_params(n: int, config: Any, what: str, about: str = "") -> None:
+    if n > MAX_CONFIG_PARAMS:
+        raise _Refused(
+            f"{what}: the config asks for {about}{n:.3g} parameters ({', '.join(_sizes(config)) or 'its sizes'}); "
+            f"leanopt builds at most {MAX_CONFIG_PARAMS:.0e} (Llama-3-405B has 4.06e+11): check its sizes"
+        )
+
+
+def _too_many_modules(config: Any, what: str) -> ValueError:
+    return _Refused(
+        f"{what}: the config asks for more than {MAX_CONFIG_MODULES:,} modules "
+        f"({', '.join(_sizes(config)) or 'its sizes'}); the largest real models build ~300,000: check its sizes"
+    )
+
+
 def _build_on_meta(config: Any, class_name: str | None, what: str) -> torch.nn.Module:
     transformers = _transformers(what)
+    _check_config_values(config.to_dict(), what)
     candidates: list[Any] = []
     if class_name:
         # Only a model class of transformers itself: a name from a config must not pick any
@@ -274,13 +475,29 @@ def _build_on_meta(config: Any, class_name: str | None, what: str) -> torch.nn.M
     errors = []
     for build in candidates:
         try:
-            # The default device, not from_pretrained: shapes only, no weights read or allocated,
-            # and the config's dtype is not applied (precision is the estimate's business).
-            with torch.device("meta"), _no_stdin():
-                return build(config)
-        except (ValueError, KeyError, TypeError, AttributeError) as err:
-            errors.append(str(err).splitlines()[0] if str(err) else type(err).__name__)
+            expected = _probe(build, config)
+            if expected is not None:
+                _refuse_params(expected[0], config, what, "about ")
+                if expected[1] > MAX_CONFIG_MODULES:
+                    raise _TooManyModules
+            model = _guarded_build(build, config)
+        except _TooManyModules:
+            raise _too_many_modules(config, what) from None
+        except _Refused:
+            raise
+        # Whatever a config's values make a model's code raise (a RuntimeError for a dimension
+        # no check here knows, a ZeroDivisionError): the config's fault, said in one line.
+        except Exception as err:  # noqa: BLE001
+            errors.append(_first_line(err))
+        else:
+            _refuse_params(sum(p.numel() for p in model.parameters()), config, what)
+            return model
     raise ValueError(f"{what}: transformers cannot build a model from this config ({'; '.join(errors)})")
+
+
+def _first_line(err: BaseException) -> str:
+    text = " ".join(str(err).split())  # a StrictDataclassFieldValidationError spans lines
+    return f"{type(err).__name__}: {text[:300]}" if text else type(err).__name__
 
 
 def _from_preset(name: str) -> torch.nn.Module:
@@ -311,46 +528,77 @@ def _from_config_path(path: Path) -> tuple[torch.nn.Module, str]:
     model_type = raw.get("model_type")
     if raw.get("auto_map") and not (isinstance(model_type, str) and model_type in CONFIG_MAPPING):
         raise ValueError(custom_code)
+    _check_config_values(raw, str(file))  # before transformers reads it (id2label per label, head sizes)
     try:
         with _no_stdin():
             config = transformers.AutoConfig.from_pretrained(
                 str(file.parent) if file.name == "config.json" else str(file), trust_remote_code=False
             )
-    except (OSError, ValueError, KeyError) as err:
+    except Exception as err:  # noqa: BLE001 - e.g. StrictDataclassFieldValidationError for a field's type
         if "trust_remote_code" in str(err):
             raise ValueError(custom_code) from None
-        raise ValueError(f"{file}: not a transformers config ({str(err).splitlines()[0]})") from None
+        raise ValueError(f"{file}: not a transformers config ({_first_line(err)})") from None
     architectures = raw.get("architectures")
     arch = architectures[0] if isinstance(architectures, list) and architectures and isinstance(architectures[0], str) else None
     return _build_on_meta(config, arch, str(file)), arch or type(config).__name__
 
 
-def _env_true(name: str) -> bool:
-    return os.environ.get(name, "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+# ---- the Hub, as huggingface_hub sees it ---------------------------------------------------------
+# huggingface_hub's own reading (constants.py: ``_is_true`` and ``HF_HUB_OFFLINE``): the value of
+# HF_HUB_OFFLINE, or of TRANSFORMERS_OFFLINE when that is unset or empty, upper-cased, is one
+# of these. Read the same way here so leanopt never tries the network the Hub library refuses
+# (nor calls offline what it would use).
+_HUB_TRUE = frozenset({"1", "ON", "YES", "TRUE"})
+_HUB_DEFAULT_ENDPOINT = "https://huggingface.co"
+
+
+def hub_offline() -> bool:
+    """Whether the Hugging Face Hub is switched off (``HF_HUB_OFFLINE``, ``TRANSFORMERS_OFFLINE``)."""
+    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE")
+    return value is not None and value.upper() in _HUB_TRUE
+
+
+def hub_endpoint() -> str:
+    """The Hub's address: ``HF_ENDPOINT`` (a mirror, with its own scheme and port) or huggingface.co."""
+    return os.getenv("HF_ENDPOINT", _HUB_DEFAULT_ENDPOINT).rstrip("/")
+
+
+def hub_unreachable(timeout: float = HUB_TIMEOUT_S) -> str | None:
+    """Why the Hub (:func:`hub_endpoint`) cannot be reached, or None when it answers.
+
+    One short HEAD request through huggingface_hub's own session (its proxies and headers), to
+    the endpoint's own scheme and port: any answer, an error status included, means reachable.
+    Offline (:func:`hub_offline`), no connection is opened at all.
+    """
+    if hub_offline():
+        return "offline (HF_HUB_OFFLINE)"
+    from huggingface_hub.utils import get_session
+
+    try:
+        get_session().head(hub_endpoint(), timeout=timeout)
+    except Exception as err:  # noqa: BLE001 - whatever the HTTP stack raises: not reachable
+        return type(err).__name__
+    return None
 
 
 def _from_hub(repo_id: str) -> tuple[torch.nn.Module, str]:
     _transformers(f"{repo_id!r} (not a preset, a local path or a count, so a Hub id)")
     from huggingface_hub import hf_hub_download
-    from huggingface_hub.utils import get_session
 
     what = f"{repo_id!r} is not a preset, a local path or a parameter count"
-    offline = _env_true("HF_HUB_OFFLINE") or _env_true("TRANSFORMERS_OFFLINE")
     try:
         file = hf_hub_download(repo_id, "config.json", local_files_only=True)
     except Exception:  # not cached, or not a valid repo id: decided below
         file = None
     if file is None:
-        if offline:
+        if hub_offline():
             raise ValueError(f"{what}, and the Hub is offline (HF_HUB_OFFLINE) with no cached config for it")
-        endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+        # One short request first: hf_hub_download retries unreachable hosts for ~24 s.
+        why = hub_unreachable()
+        if why is not None:
+            raise ValueError(f"{what}, and the Hub ({hub_endpoint()}) cannot be reached ({why})")
         try:
-            # One short request first: hf_hub_download retries unreachable hosts for ~24 s.
-            get_session().head(endpoint, timeout=HUB_TIMEOUT_S)
-        except Exception as err:
-            raise ValueError(f"{what}, and the Hub ({endpoint}) cannot be reached ({type(err).__name__})") from None
-        try:
-            file = hf_hub_download(repo_id, "config.json", etag_timeout=HUB_TIMEOUT_S)
+            file = hf_hub_download(repo_id, "config.json", etag_timeout=HUB_TIMEOUT_S, endpoint=hub_endpoint())
         except Exception as err:
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise ValueError(f"{what}, and the Hub has no config for it ({first})") from None
