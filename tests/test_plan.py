@@ -172,7 +172,7 @@ def _released_direct(model, optimizer, precision, rounding, ckpt, batch, seq) ->
     optimizer stepping inside backward (its state made by a first, plain step)."""
     import leanopt
     from leanopt.memory import plan as P
-    from leanopt.memory.plan_trace import LiveStorage, state_tensors, track_module, traced_forward_backward, traced_kernels
+    from leanopt.memory.plan_trace import LiveStorage, state_tensors, track_module, traced_batch, traced_forward_backward, traced_kernels
 
     fake_mode, tracker = P._fake_mode(), LiveStorage()
     model, params = P._fake_copy(model, fake_mode, P._PARAM_DTYPE[precision])
@@ -188,10 +188,7 @@ def _released_direct(model, optimizer, precision, rounding, ckpt, batch, seq) ->
             for st in opt.state.values():
                 for t in state_tensors(st):
                     tracker.track(t, "optimizer_state")
-            input_ids = torch.randint(0, P._vocab_size(model), (batch, seq))
-            labels = torch.randint(0, P._num_labels(model), (batch,)) if P._task(model) == "classification" else input_ids
-            tracker.track(input_ids)
-            tracker.track(labels)
+            input_ids, labels = traced_batch(tracker, P._task(model), P._vocab_size(model), P._num_labels(model), batch, seq)
             tracker.reset_peak()
             with leanopt.release_gradients(params, opt):
                 loss = traced_forward_backward(tracker, model, input_ids, labels, params, precision == "bf16-mixed", "model")

@@ -33,6 +33,7 @@ import os
 import sys
 import traceback
 
+import teardown
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -365,12 +366,7 @@ def main() -> None:
     if rank == 0:
         with open(os.path.join(out_dir, "results.json"), "w") as f:
             json.dump(results, f, indent=1)
-    dist.destroy_process_group()
-    # The results are written; skip the interpreter's teardown, where gloo's threads can abort a rank
-    # ("terminate called without an active exception", seen once in CI in a torchrun like this one).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    teardown.finish()
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import json
 import os
 import sys
 
+import teardown
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -98,11 +99,7 @@ def main() -> None:
     results = {case: run(case) for case in ("ddp", "release_then_wrap", "release_ddp_module", "own_model_per_rank")}
     with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(results, f, indent=1)
-    dist.destroy_process_group()
-    # As in parity.py: the results are written; skip the teardown, where gloo's threads can abort a rank.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    teardown.finish()
 
 
 if __name__ == "__main__":

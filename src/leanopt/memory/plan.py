@@ -70,6 +70,7 @@ from leanopt.memory.plan_trace import (
     rounded_step_peak,
     swapped_copy,
     track_module,
+    traced_batch,
     traced_forward_backward,
     traced_kernels,
     traced_param_steps,
@@ -288,10 +289,7 @@ def _trace_forward_backward(
         model.train()
         with fake_mode, tracker:
             track_module(tracker, model)
-            input_ids = torch.randint(0, vocab, (batch, seq))
-            labels = torch.randint(0, num_labels, (batch,)) if task == "classification" else input_ids
-            tracker.track(input_ids)
-            tracker.track(labels)
+            input_ids, labels = traced_batch(tracker, task, vocab, num_labels, batch, seq)
             loss = traced_forward_backward(
                 tracker, model, input_ids, labels, params, mixed, type(model).__name__, released=released, device=device
             )

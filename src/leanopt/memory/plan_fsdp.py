@@ -32,6 +32,7 @@ from leanopt.memory.plan_trace import (
     Peak,
     traced_kernels,
     track_module,
+    traced_batch,
     traced_forward_backward,
     traced_steps,
 )
@@ -128,10 +129,7 @@ def trace_forward_backward(
         params = [p for p in work.parameters() if p.requires_grad]
         with fake_mode, tracker:
             track_module(tracker, work)
-            input_ids = torch.randint(0, vocab, (batch, seq))
-            labels = torch.randint(0, num_labels, (batch,)) if task == "classification" else input_ids
-            tracker.track(input_ids)
-            tracker.track(labels)
+            input_ids, labels = traced_batch(tracker, task, vocab, num_labels, batch, seq)
             for it in range(2):
                 if it == 1:
                     for p in params:

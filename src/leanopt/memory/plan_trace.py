@@ -437,6 +437,16 @@ def track_module(tracker: LiveStorage, module: torch.nn.Module) -> None:
                 tracker.track(b, "other")
 
 
+def traced_batch(tracker: LiveStorage, task: str, vocab: int, num_labels: int, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch a traced step trains on, counted: random input ids and labels (a class per
+    sequence for ``task="classification"``, the ids themselves for a language model)."""
+    input_ids = torch.randint(0, vocab, (batch, seq))
+    labels = torch.randint(0, num_labels, (batch,)) if task == "classification" else input_ids
+    tracker.track(input_ids)
+    tracker.track(labels)
+    return input_ids, labels
+
+
 def traced_forward_backward(
     tracker: LiveStorage, model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
     params: list[torch.nn.Parameter], mixed: bool, name: str, *, released: bool = False, device: str = "cpu",
