@@ -2,7 +2,7 @@
 # Install leanopt (editable) into the current Python, with transformers (the model presets of
 # `leanopt estimate` build models from their configs), accelerate (transformers' Trainer needs
 # it), matplotlib (`leanopt compare` draws its plots) and ninja (the native CPU kernel is built
-# with it on first use): everything the README's examples use.
+# with it, here: `leanopt build-kernels`): everything the README's examples use.
 # With --test, also the test extras.
 #
 # torch: if none is installed and a CPU wheel of torch lies on this machine's disk (some
@@ -27,3 +27,7 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   fi
 fi
 "$PY" -m pip install -q -e ".${extras}"
+# The native CPU kernel of the low-bit optimizers, built now (~8 s, once per machine) rather than
+# in the background of the first training run; where it cannot be built, one line says why and
+# the install goes on (the optimizers run other CPU paths, with the same results).
+"$PY" -m leanopt build-kernels || true

@@ -59,6 +59,7 @@ def fresh_native(monkeypatch):
 
     monkeypatch.setattr(cpu_native, "_state", {})
     monkeypatch.setattr(cpu_native, "_build_extension", build)
+    monkeypatch.setattr(cpu_native, "_cached", lambda: True)  # a load, not a build: no "building" line
     return built
 
 
@@ -101,7 +102,7 @@ def compile_calls(monkeypatch):
         return fn
 
     monkeypatch.setattr(torch, "compile", fake_compile)
-    monkeypatch.setattr(cpu, "_told_eager", [], raising=False)
+    monkeypatch.setattr(cpu, "_told", set())
     return calls
 
 

@@ -7,6 +7,7 @@
     leanopt inspect optimizer.pt [--json]
     leanopt convert SRC DST --to NAME   (a leanopt optimizer of the same family: adamw8bit, lion4bit, ...)
     leanopt compare [--quick] [...]
+    leanopt build-kernels                (the native CPU kernel, now rather than on first use)
     leanopt --version
 
 Every error exits with status 2 and one line on stderr. ``--json`` output is strict JSON
@@ -156,6 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     comp.add_argument("rest", nargs=argparse.REMAINDER)
     comp.set_defaults(run=cmd_compare)
+
+    kern = sub.add_parser(
+        "build-kernels",
+        help="build the native CPU kernel now (else it builds in the background on first use)",
+        description="Build (or load from the cache) the native CPU kernel of the low-bit optimizers, and say "
+        "where it is: once per machine, ~8 s. Without it, the first training run builds it in the background.",
+    )
+    kern.set_defaults(run=cmd_build_kernels)
     return parser
 
 
@@ -514,6 +523,23 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     # compare checks its own arguments (--lr, --steps, --out) before any training starts.
     return compare_main([a for a in args.rest if a != "--"])
+
+
+def cmd_build_kernels(args: argparse.Namespace) -> int:
+    from leanopt.kernels import cpu_native
+
+    quiet = logging.getLogger("leanopt")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # the cause is this command's one line, not a warning too
+    try:
+        seconds = cpu_native.build()
+    except RuntimeError as err:
+        raise CliError(str(err)) from None
+    finally:
+        quiet.setLevel(level)
+    avx = "AVX-512 loops" if cpu_native.vectorized() else "portable loops"
+    print(f"native CPU kernel ready ({avx}) in {seconds:.1f} s: {cpu_native.build_folder()}")
+    return 0
 
 
 def _short(value: Any) -> str:

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import shlex
+import shutil
 import threading
 import types
 from collections.abc import Callable
@@ -33,13 +36,47 @@ def compile_disabled() -> bool:
     return flag("LEANOPT_NO_COMPILE")
 
 
-# Set once the eager fallback has been announced: one line per process, not one per rule.
-_told_eager: list[bool] = []
+def cxx_compiler() -> str | None:
+    """The path of the C++ compiler that torch's builds use (``$CXX``, else ``c++``), or None
+    where there is none (a slim container): then neither Inductor nor the native kernel can
+    build, and asking them only prints torch's banners and failures."""
+    cxx = os.environ.get("CXX", "").strip()
+    name = shlex.split(cxx)[0] if cxx else "c++"
+    return shutil.which(name)
+
+
+# What was announced once (one line per process, not one per rule or graph).
+_told: set[str] = set()
+
+
+def tell_once(key: str, message: str, *args: Any) -> None:
+    if key not in _told:
+        _told.add(key)
+        log.warning(message, *args)
+
+
+def can_compile() -> bool:
+    """Whether the rules are compiled: not turned off, a C++ compiler present, no compile failed
+    before. Otherwise every graph runs eagerly (the same functions, the same results), said once."""
+    if compile_disabled():
+        # Silence here once cost a 5-7x slower low-bit step nobody could see (issue 20).
+        tell_once("disabled", "leanopt: LEANOPT_NO_COMPILE is set: the CPU update rules run eagerly, several "
+                  "times slower than compiled (unset it, or set it to 0, to compile them)")  # fmt: skip
+        return False
+    if COMPILE_ERROR is not None:
+        return False
+    if cxx_compiler() is None:
+        tell_once("no-compiler", "leanopt: no C++ compiler (%s not found): the native CPU kernel cannot be built and "
+                  "the CPU update rules run eagerly, several times slower (install g++ or clang)",
+                  os.environ.get("CXX") or "c++")  # fmt: skip
+        return False
+    return True
 
 
 def compiled(fn: Callable[..., Any], dynamic: bool | None = True) -> Callable[..., Any]:
     """``fn`` compiled on first call (``dynamic=True``: every size symbolic; ``None``: static
-    except dims the caller marks dynamic); ``fn`` itself if compiling fails."""
+    except dims the caller marks dynamic); ``fn`` itself where the rules are not compiled
+    (:func:`can_compile`) or compiling fails."""
     state: dict[str, Any] = {}
 
     @functools.wraps(fn)
@@ -47,22 +84,15 @@ def compiled(fn: Callable[..., Any], dynamic: bool | None = True) -> Callable[..
         global COMPILE_ERROR
         impl = state.get("impl")
         if impl is None:
-            impl = fn
-            if not compile_disabled():
-                impl = torch.compile(fn, dynamic=dynamic, fullgraph=True)
-            elif not _told_eager:
-                _told_eager.append(True)
-                # Silence here once cost a 5-7x slower low-bit step nobody could see (issue 20).
-                log.warning("leanopt: LEANOPT_NO_COMPILE is set: the CPU update rules run eagerly, "
-                            "several times slower than compiled (unset it, or set it to 0, to compile them)")
-            state["impl"] = impl
+            impl = state["impl"] = torch.compile(fn, dynamic=dynamic, fullgraph=True) if can_compile() else fn
         if impl is fn:
             return fn(*args, **kwargs)
         try:
             return impl(*args, **kwargs)
-        except Exception as err:  # no C++ compiler, unsupported platform...
+        except Exception as err:  # an unsupported platform, a broken toolchain...
             COMPILE_ERROR = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-            log.warning("leanopt: compiling %s failed, using the reference (%s)", fn.__name__, COMPILE_ERROR)
+            tell_once("compile-failed", "leanopt: compiling the CPU update rules failed; they run eagerly, several "
+                      "times slower (%s)", COMPILE_ERROR)  # fmt: skip
             state["impl"] = fn
             return fn(*args, **kwargs)
 

@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from leanopt import tracing
 from leanopt.kernels import cpu_native, reference
-from leanopt.kernels.cpu import compiled, compiled_per_dtypes, own_code
+from leanopt.kernels.cpu import can_compile, compiled, compiled_per_dtypes, own_code
 from leanopt.kernels.rules import ADAMW, Rule, skipped_elements
 from leanopt.quant import codebooks
 from leanopt.quant.formats import decay_rounded, dither, may_hold_true
@@ -73,14 +73,15 @@ def _traced_quantized(bits: int) -> Callable[..., None]:
 
 # ---- dense states ---------------------------------------------------------------------------
 _DENSE: dict[tuple, Callable[..., Any]] = {}
+_DENSE_UPDATES: dict[tuple, Callable[..., Any]] = {}
 
 
-def _dense_graph(rule: Rule, flags: tuple, safe: bool, maximize: bool, n: int) -> Callable[..., Any]:
-    if tracing.active() is not None:  # a compiled graph cannot take fake tensors
-        return _traced_dense
+def _dense_update(rule: Rule, flags: tuple, safe: bool, maximize: bool, n: int) -> Callable[..., Any]:
+    """The dense update as a function of tensors: what the compiled graph compiles and the
+    eager path runs (in chunks)."""
     key = (rule.name, flags, safe, maximize, n)
-    graph = _DENSE.get(key)
-    if graph is None:
+    update = _DENSE_UPDATES.get(key)
+    if update is None:
 
         def update(p: Tensor, g: Tensor, states: list[Tensor], c: list[Tensor]) -> None:
             pf = p.to(_compute_dtype(p.dtype))
@@ -94,9 +95,44 @@ def _dense_graph(rule: Rule, flags: tuple, safe: bool, maximize: bool, n: int) -
             for s, v in zip(states, new):
                 s.copy_(v)
 
+        _DENSE_UPDATES[key] = update
+    return update
+
+
+def _dense_graph(rule: Rule, flags: tuple, safe: bool, maximize: bool, n: int) -> Callable[..., Any]:
+    if tracing.active() is not None:  # a compiled graph cannot take fake tensors
+        return _traced_dense
+    key = (rule.name, flags, safe, maximize, n)
+    graph = _DENSE.get(key)
+    if graph is None:
         variant = f"{rule.name}_dense{'_safe' if safe else ''}{'_max' if maximize else ''}_" + "_".join(map(str, map(int, flags)))
-        graph = _DENSE[key] = compiled_per_dtypes(own_code(update, variant))
+        graph = _DENSE[key] = compiled_per_dtypes(own_code(_dense_update(rule, flags, safe, maximize, n), variant))
     return graph
+
+
+# ---- the eager path ---------------------------------------------------------------------------
+# Where the rules are not compiled (no C++ compiler, LEANOPT_NO_COMPILE, a failed compile) and
+# while the native kernel builds in the background, the steps run the very functions the graphs
+# compile, eagerly, over chunks of EAGER_CHUNK elements (whole blocks): each op's temporaries
+# then stay in cache and the allocator reuses them, where whole-tensor eager ops made ~200
+# passes over fresh memory (5.5 s for a 4096 x 4096 AdamW8bit step, 100x the native kernel).
+# The results are the compiled graphs' and the native kernel's, to the bit (rules.lerp,
+# rules.sqrt; tests/test_cpu_paths.py), so a step may take either.
+EAGER_CHUNK = 1 << 16
+
+
+def _eager(eligible_native: bool) -> bool:
+    """Whether a param runs the eager path: the rules are not compiled here, or the native
+    kernel that would take it is still building (compiling a graph now would stall the step)."""
+    return not can_compile() or (eligible_native and cpu_native.pending())
+
+
+def _dense_eager(update: Callable[..., Any], p: Tensor, g: Tensor, states: Sequence[Tensor], c: list[Tensor]) -> None:
+    flat = [t.view(-1) for t in (p, g, *states)]
+    n = flat[0].numel()
+    for lo in range(0, n, EAGER_CHUNK):
+        hi = min(lo + EAGER_CHUNK, n)
+        update(flat[0][lo:hi], flat[1][lo:hi], [t[lo:hi] for t in flat[2:]], c)
 
 
 def _fusable(rule: Rule, safe: bool, p: Tensor, g: Tensor, states: Sequence[Tensor]) -> bool:
@@ -114,11 +150,17 @@ def dense(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mapping[s
         if _fusable(rule, safe, p, grads[i], states[i]):
             fused.setdefault(p.dtype, []).append(i)
             continue
-        if cpu_native.takes_dense(rule, p, grads[i], states[i], hp):
+        eligible = cpu_native.eligible_dense(rule, p, grads[i], states[i], hp)
+        if eligible and cpu_native.takes_dense(rule, p, grads[i], states[i], hp):
             cpu_native.dense(rule, p, grads[i], states[i], steps[i], hp, safe)
             continue
+        scalars = _as_tensors(rule.scalars(hp, steps[i], safe))
+        if _eager(eligible) and tracing.active() is None:
+            update = _dense_update(rule, flags, safe, hp["maximize"], len(states[i]))
+            _dense_eager(update, p, grads[i].contiguous(), states[i], scalars)
+            continue
         graph = _dense_graph(rule, flags, safe, hp["maximize"], len(states[i]))
-        graph(p, grads[i], list(states[i]), _as_tensors(rule.scalars(hp, steps[i], safe)))
+        graph(p, grads[i], list(states[i]), scalars)
     for idx in fused.values():
         pick = lambda k: [states[i][k] for i in idx]  # noqa: E731
         amsgrad = hp["amsgrad"]
@@ -181,17 +223,16 @@ def _pack(index: Tensor, rows: int, block: int, bits: int) -> Tensor:
 # the flat index of element 0 in the whole tensor), then the rule's scalars.
 _PER_STATE = 4
 _QUANTIZED: dict[tuple, Callable[..., Any]] = {}
+_QUANTIZED_UPDATES: dict[tuple, Callable[..., Any]] = {}
 
 
-def _quantized_graph(rule: Rule, flags: tuple, maximize: bool, bits: int, kinds: tuple, zeros: tuple,
-                     lasts: tuple) -> Callable[..., Any]:  # fmt: skip
-    # One graph per (rule, flags, bits, state kinds, zero codes); the block size is a static
-    # dimension of the 2-D inputs and only the number of blocks is dynamic, so loops vectorise.
-    if tracing.active() is not None:  # a compiled graph cannot take fake tensors
-        return _traced_quantized(bits)
+def _quantized_update(rule: Rule, flags: tuple, maximize: bool, bits: int, kinds: tuple, zeros: tuple,
+                      lasts: tuple) -> Callable[..., Any]:  # fmt: skip
+    """The block-quantized update as a function of tensors (``p``/``g`` as [blocks, block]):
+    what the compiled graph compiles and the eager path runs (in chunks of whole blocks)."""
     key = (rule.name, flags, maximize, bits, kinds, zeros, lasts)
-    graph = _QUANTIZED.get(key)
-    if graph is None:
+    update = _QUANTIZED_UPDATES.get(key)
+    if update is None:
         n = len(kinds)
 
         def update(p: Tensor, g: Tensor, *rest: Tensor) -> None:
@@ -220,10 +261,43 @@ def _quantized_graph(rule: Rule, flags: tuple, maximize: bool, bits: int, kinds:
                 codes.copy_(_pack(index, rows, block, bits))
                 absmax.copy_(scale)
 
+        _QUANTIZED_UPDATES[key] = update
+    return update
+
+
+def _quantized_graph(rule: Rule, flags: tuple, maximize: bool, bits: int, kinds: tuple, zeros: tuple,
+                     lasts: tuple) -> Callable[..., Any]:  # fmt: skip
+    # One graph per (rule, flags, bits, state kinds, zero codes); the block size is a static
+    # dimension of the 2-D inputs and only the number of blocks is dynamic, so loops vectorise.
+    if tracing.active() is not None:  # a compiled graph cannot take fake tensors
+        return _traced_quantized(bits)
+    key = (rule.name, flags, maximize, bits, kinds, zeros, lasts)
+    graph = _QUANTIZED.get(key)
+    if graph is None:
         variant = f"{rule.name}_quantized_{bits}bit{'_max' if maximize else ''}_{len(_QUANTIZED)}"
-        graph = compiled(own_code(update, variant), dynamic=None)
+        graph = compiled(own_code(_quantized_update(rule, flags, maximize, bits, kinds, zeros, lasts), variant), dynamic=None)
         _QUANTIZED[key] = graph
     return graph
+
+
+def _quantized_eager(rule: Rule, flags: tuple, maximize: bool, bits: int, kinds: tuple, zeros: tuple, lasts: tuple,
+                     p2: Tensor, g2: Tensor, tensors: list[Tensor], step: int, offset: int, c: list[Tensor]) -> None:  # fmt: skip
+    """:func:`_quantized_update` over chunks of whole blocks; the decay rounding only in chunks
+    whose gradient holds an exact 0 (elsewhere it changes nothing)."""
+    rows, block = p2.shape
+    per_chunk = max(1, EAGER_CHUNK // block)
+    plain = _quantized_update(rule, flags, maximize, bits, (False,) * len(kinds), zeros, lasts)
+    rounding = _quantized_update(rule, flags, maximize, bits, kinds, zeros, lasts) if any(kinds) else plain
+    step_t = torch.tensor(step, dtype=torch.int64)
+    for lo in range(0, rows, per_chunk):
+        hi = min(lo + per_chunk, rows)
+        chunk = []
+        for k in range(0, len(tensors), _PER_STATE):
+            codes, absmax, values, table = tensors[k : k + _PER_STATE]
+            chunk += [codes[lo:hi], absmax[lo:hi], values, table]
+        g = g2[lo:hi]
+        update = rounding if rounding is not plain and bool((g == 0).any()) else plain
+        update(p2[lo:hi], g, *chunk, step_t, torch.tensor(offset + lo * block, dtype=torch.int64), *c)
 
 
 def _any_zero(g: Tensor) -> Tensor:
@@ -273,6 +347,15 @@ def quantized(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mappi
                 tensors += [q.codes[: rows * row_bytes].view(rows, row_bytes), q.absmax[:rows], book.values, table]
             p2 = p.view(-1)[:full].view(rows, bs)
             g2 = grads[i].reshape(-1)[:full].view(rows, bs)
+            zeros_ = tuple(b.zero_index for b in books)
+            lasts = tuple(b.thresholds.numel() for b in books)
+            scalars = _as_tensors(rule.scalars(hp, steps[i], True))
+            if _eager(cpu_native.eligible(rule, p, grads[i], qs, hp)) and tracing.active() is None:
+                _quantized_eager(rule, flags, hp["maximize"], fmt.bits, kinds, zeros_, lasts, p2, g2, tensors, steps[i],
+                                 offsets[i], scalars)  # fmt: skip
+                if full < n:
+                    reference.partial_block(rule, p.view(-1), grads[i].reshape(-1), qs, steps[i], hp, offsets[i], full)
+                continue
             # The views the graph takes, not their bases: a base's size would be traced as a
             # constant and the first graph compiled for one shape only (then a second, dynamic one).
             for t in (p2, g2, *tensors[0::_PER_STATE], *tensors[1::_PER_STATE]):
@@ -280,10 +363,9 @@ def quantized(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mappi
             # The decay rounding changes only elements whose gradient is exactly 0: without any,
             # the graph without it stores the same codes (and skips the dither: ~30% of the step).
             decays = kinds if not any(kinds) or _has_zero(g2) else (False,) * len(kinds)
-            graph = _quantized_graph(rule, flags, hp["maximize"], fmt.bits, decays, tuple(b.zero_index for b in books),
-                                     tuple(b.thresholds.numel() for b in books))  # fmt: skip
+            graph = _quantized_graph(rule, flags, hp["maximize"], fmt.bits, decays, zeros_, lasts)
             key = [torch.tensor(steps[i], dtype=torch.int64), torch.tensor(offsets[i], dtype=torch.int64)]
-            graph(p2, g2, *tensors, *key, *_as_tensors(rule.scalars(hp, steps[i], True)))
+            graph(p2, g2, *tensors, *key, *scalars)
         if full < n:
             reference.partial_block(rule, p.view(-1), grads[i].reshape(-1), qs, steps[i], hp, offsets[i], full)
 

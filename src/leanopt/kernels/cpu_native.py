@@ -51,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib.resources
 import json
 import logging
 import os
@@ -82,575 +83,8 @@ from leanopt.quant.formats import DECAY_GROWTH_RATIO, DECAY_PROGRESS
 
 log = logging.getLogger(__name__)
 
-_SOURCE = r"""
-#include <pybind11/pybind11.h>
-#include <pybind11/stl.h>
-#include <ATen/Parallel.h>
-#include <algorithm>
-#include <stdexcept>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <vector>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#define LEANOPT_AVX512 1
-constexpr bool kAvx512 = true;
-#else
-constexpr bool kAvx512 = false;
-#endif
-
-namespace {
-
-constexpr int MAXS = 3;
-
-struct Book {
-  uint8_t* codes;          // this param's codes (whole blocks)
-  float* absmax;           // one scale per block
-  const float* values;     // 2^bits decode values
-  const float* thr;        // midpoints, padded with +inf to >= 256 entries
-  const float* eyt;        // midpoints as a complete binary search tree (Eytzinger order, from 1)
-  const uint8_t* bucket;   // midpoints below each bucket (bucket_key), + 3 bytes of padding
-  int lo, rows;            // bucket_key's exponent rows: lo .. lo + rows - 1
-  int zero, last;
-  bool decays;
-};
-
-struct Consts {
-  float c[16];
-  float progress, growth;
-  uint32_t step_term;
-  int64_t offset;
-  bool vec;                // run the AVX-512 loops (false where not compiled in, and in tests' portable())
-};
-
-inline uint32_t fbits(float x) { uint32_t b; std::memcpy(&b, &x, 4); return b; }
-inline float bitsf(uint32_t b) { float x; std::memcpy(&x, &b, 4); return x; }
-inline bool finite(float x) { return (fbits(x) & 0x7F800000u) != 0x7F800000u; }
-
-inline uint32_t step_term(int64_t step) { return (uint32_t)((uint64_t)step * 0x85EBCA77ull); }
-
-// leanopt.quant.formats.dither, bit for bit.
-inline float dither(int64_t index, uint32_t step_term) {
-  uint64_t ui = (uint64_t)index;
-  uint32_t h = (uint32_t)(ui & 0xFFFFFFFFu) ^ ((uint32_t)(ui >> 32) * 0x9E3779B9u);
-  h = h * 0x9E3779B1u + step_term;
-  h ^= h >> 16; h *= 0x7FEB352Du; h ^= h >> 15; h *= 0x846CA68Bu; h ^= h >> 16;
-  return (float)(h >> 8) * (1.0f / 16777216.0f);
-}
-
-// ---- rules: one element, fp32, torch's operation order -------------------------------------
-// rule ids: 0 AdamW, 1 AdamW+amsgrad, 2 Lion, 3 AdEMAMix
-template <int RULE> struct R;
-
-template <> struct R<0> {
-  static constexpr int NS = 2;
-  static inline float apply(float p, float g, float o0, float o1, float o2, float& n0, float& n1, float& n2, const float* c) {
-    // decay, w1, b2, 1-b2, eps, step size, sqrt(bc2), floor
-    float pn = p * c[0];
-    float m = std::fma(c[1], g - o0, o0);  // torch.lerp, weight < 0.5 (ATen's vectorised lerp)
-    float v = o1 * c[2] + (c[3] * g) * g;
-    float f = (m * m) / c[7];
-    v = v < f ? f : v;
-    n0 = m; n1 = v;
-    return pn - c[5] * (m / (std::sqrt(v) / c[6] + c[4]));
-  }
-};
-
-template <> struct R<1> {
-  static constexpr int NS = 3;
-  static inline float apply(float p, float g, float o0, float o1, float o2, float& n0, float& n1, float& n2, const float* c) {
-    float pn = p * c[0];
-    float m = std::fma(c[1], g - o0, o0);
-    float v = o1 * c[2] + (c[3] * g) * g;
-    float f = (m * m) / c[7];
-    v = v < f ? f : v;
-    float vm = o2 < v ? v : o2;
-    n0 = m; n1 = v; n2 = vm;
-    return pn - c[5] * (m / (std::sqrt(vm) / c[6] + c[4]));
-  }
-};
-
-template <> struct R<2> {
-  static constexpr int NS = 1;
-  static inline float apply(float p, float g, float o0, float o1, float o2, float& n0, float& n1, float& n2, const float* c) {
-    // decay, b1, 1-b1, b2, 1-b2, lr
-    float d = o0 * c[1] + c[2] * g;
-    float s = (float)((d > 0.0f) - (d < 0.0f));
-    n0 = o0 * c[3] + c[4] * g;
-    return p * c[0] - c[5] * s;
-  }
-};
-
-template <> struct R<3> {
-  static constexpr int NS = 3;
-  static inline float apply(float p, float g, float o0, float o1, float o2, float& n0, float& n1, float& n2, const float* c) {
-    // decay, b1, 1-b1, b3, 1-b3, b2, 1-b2, bc1, alpha, sqrt(bc2), eps, lr, floor fast, floor slow
-    float m1 = o0 * c[1] + c[2] * g;
-    float m2 = o1 * c[3] + c[4] * g;
-    float nu = o2 * c[5] + (c[6] * g) * g;
-    float f1 = (m1 * m1) / c[12];
-    nu = nu < f1 ? f1 : nu;
-    float f2 = (m2 * m2) / c[13];
-    nu = nu < f2 ? f2 : nu;
-    n0 = m1; n1 = m2; n2 = nu;
-    return p * c[0] - c[11] * ((m1 / c[7] + c[8] * m2) / (std::sqrt(nu) / c[9] + c[10]));
-  }
-};
-
-// ---- per-block pieces -----------------------------------------------------------------------
-#ifdef LEANOPT_AVX512
-// table[ix] for 16 lanes of indices 0..255 without a gather (a gather loads lane by lane):
-// eight two-register permutes, each covering 32 entries, and a three-level blend on bits 5-7.
-inline __m512 lookup256(__m512i ix, const float* __restrict table) {
-  __m512 r[8];
-  for (int j = 0; j < 8; ++j)
-    r[j] = _mm512_permutex2var_ps(_mm512_loadu_ps(table + 32 * j), ix, _mm512_loadu_ps(table + 32 * j + 16));
-  const __mmask16 b5 = _mm512_test_epi32_mask(ix, _mm512_set1_epi32(32));
-  const __mmask16 b6 = _mm512_test_epi32_mask(ix, _mm512_set1_epi32(64));
-  const __mmask16 b7 = _mm512_test_epi32_mask(ix, _mm512_set1_epi32(128));
-  __m512 a = _mm512_mask_blend_ps(b6, _mm512_mask_blend_ps(b5, r[0], r[1]), _mm512_mask_blend_ps(b5, r[2], r[3]));
-  __m512 b = _mm512_mask_blend_ps(b6, _mm512_mask_blend_ps(b5, r[4], r[5]), _mm512_mask_blend_ps(b5, r[6], r[7]));
-  return _mm512_mask_blend_ps(b7, a, b);
-}
-
-// The number of midpoints below each of 16 y (torch.searchsorted) for a 4-bit code: a
-// branch-free descent of its 15 midpoints laid out as a complete binary tree (node j's
-// children 2j, 2j + 1), all in one register, so every step is a permute, not a load. (For
-// 8-bit codes the eight steps, 12 permutes, measured slower than the bucket table.)
-inline __m512i search4(__m512 yv, const float* __restrict tree) {
-  const __m512i one = _mm512_set1_epi32(1);
-  const __m512 nodes = _mm512_loadu_ps(tree);  // entry 0 unused
-  __m512i j = one;
-  for (int d = 0; d < 4; ++d) {
-    __m512i twice = _mm512_add_epi32(j, j);
-    j = _mm512_mask_add_epi32(twice, _mm512_cmp_ps_mask(_mm512_permutexvar_ps(j, nodes), yv, _CMP_LT_OQ), twice, one);
-  }
-  return _mm512_sub_epi32(j, _mm512_set1_epi32(16));
-}
-
-// A code book's value (or midpoint) table at 16 indices: one permute for 4-bit codes.
-template <int BITS>
-inline __m512 lookup(__m512i ix, const float* __restrict table) {
-  return BITS == 4 ? _mm512_permutexvar_ps(ix, _mm512_loadu_ps(table)) : lookup256(ix, table);
-}
-
-inline __m512 vabs(__m512 x) { return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7FFFFFFF))); }
-
-// dither() of the 16 indices index .. index + 15.
-inline __m512 dither16(int64_t index, uint32_t step_term) {
-  const uint32_t lo0 = (uint32_t)((uint64_t)index & 0xFFFFFFFFu), hi0 = (uint32_t)((uint64_t)index >> 32);
-  const __m512i base = _mm512_set1_epi32((int)lo0);
-  __m512i lo = _mm512_add_epi32(base, _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-  __m512i hi = _mm512_set1_epi32((int)hi0);
-  hi = _mm512_mask_add_epi32(hi, _mm512_cmplt_epu32_mask(lo, base), hi, _mm512_set1_epi32(1));  // carry
-  __m512i h = _mm512_xor_si512(lo, _mm512_mullo_epi32(hi, _mm512_set1_epi32((int)0x9E3779B9u)));
-  h = _mm512_add_epi32(_mm512_mullo_epi32(h, _mm512_set1_epi32((int)0x9E3779B1u)), _mm512_set1_epi32((int)step_term));
-  h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
-  h = _mm512_mullo_epi32(h, _mm512_set1_epi32((int)0x7FEB352Du));
-  h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 15));
-  h = _mm512_mullo_epi32(h, _mm512_set1_epi32((int)0x846CA68Bu));
-  h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
-  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(h, 8)), _mm512_set1_ps(1.0f / 16777216.0f));
-}
-#endif
-
-// Each has an AVX-512 loop over 16 lanes (when compiled in and k.vec) and the portable loop for
-// the rest; both compute the same fp32 operations, so they agree bit for bit (tests).
-template <int BITS>
-inline void decode(const uint8_t* __restrict codes, const float* __restrict values, float scale,
-                   float* __restrict out, int bs, bool vec) {
-  int i = 0;
-#ifdef LEANOPT_AVX512
-  if (vec) {
-    const __m512 s = _mm512_set1_ps(scale);
-    if (BITS == 8) {
-      for (; i + 16 <= bs; i += 16) {
-        __m512i ix = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(codes + i)));
-        _mm512_storeu_ps(out + i, _mm512_mul_ps(lookup<8>(ix, values), s));
-      }
-    } else {
-      const __m128i nib = _mm_set1_epi8(15);
-      for (; i + 16 <= bs; i += 16) {
-        __m128i b = _mm_loadl_epi64((const __m128i*)(codes + i / 2));
-        __m128i pairs = _mm_unpacklo_epi8(_mm_and_si128(b, nib), _mm_and_si128(_mm_srli_epi16(b, 4), nib));
-        __m512i ix = _mm512_cvtepu8_epi32(pairs);
-        _mm512_storeu_ps(out + i, _mm512_mul_ps(lookup<4>(ix, values), s));
-      }
-    }
-  }
-#endif
-  if (BITS == 8) {
-    for (; i < bs; ++i) out[i] = values[codes[i]] * scale;
-  } else {
-    for (int j = i / 2; j < bs / 2; ++j) {
-      uint8_t b = codes[j];
-      out[2 * j] = values[b & 15] * scale;
-      out[2 * j + 1] = values[b >> 4] * scale;
-    }
-  }
-}
-
-// The bucket of a finite y with |y| <= 1: sign, exponent clamped to the table's rows, top 7
-// mantissa bits. Exponents below the rows all share the bottom row's answer (cpu_native.tables).
-inline int32_t bucket_key(uint32_t b, int32_t lo, int32_t rows) {
-  int32_t e = (int32_t)((b >> 23) & 0xFFu);
-  e = e < lo ? lo : (e > lo + rows - 1 ? lo + rows - 1 : e);
-  return (int32_t)(b >> 31) * (rows << 7) + ((e - lo) << 7) + (int32_t)((b >> 16) & 0x7Fu);
-}
-
-template <int BITS>
-inline void nearest(const float* __restrict x, float scale, const Book& bk, int32_t* __restrict idx,
-                    float* __restrict y, int bs, bool vec) {
-  const uint8_t* __restrict bucket = bk.bucket;
-  const float* __restrict thr = bk.thr;
-  int i = 0;
-#ifdef LEANOPT_AVX512
-  if (vec && BITS == 4) {  // four permute steps down the midpoint tree
-    const __m512 s = _mm512_set1_ps(scale);
-    for (; i + 16 <= bs; i += 16) {
-      __m512 yv = _mm512_div_ps(_mm512_loadu_ps(x + i), s);
-      _mm512_storeu_ps(y + i, yv);
-      _mm512_storeu_si512((void*)(idx + i), search4(yv, bk.eyt));
-    }
-  } else if (vec) {  // one gather from the bucket table (in L1), one permuted read of the midpoint above
-    const __m512 s = _mm512_set1_ps(scale);
-    const __m512i lo = _mm512_set1_epi32(bk.lo), hi = _mm512_set1_epi32(bk.lo + bk.rows - 1);
-    const __m512i ff = _mm512_set1_epi32(0xFF), m7 = _mm512_set1_epi32(0x7F), one = _mm512_set1_epi32(1);
-    const __m512i half = _mm512_set1_epi32(bk.rows << 7), zero = _mm512_setzero_si512();
-    for (; i + 16 <= bs; i += 16) {
-      __m512 yv = _mm512_div_ps(_mm512_loadu_ps(x + i), s);
-      _mm512_storeu_ps(y + i, yv);
-      __m512i b = _mm512_castps_si512(yv);
-      __m512i e = _mm512_min_epi32(_mm512_max_epi32(_mm512_and_si512(_mm512_srli_epi32(b, 23), ff), lo), hi);
-      __m512i key = _mm512_add_epi32(_mm512_slli_epi32(_mm512_sub_epi32(e, lo), 7),
-                                     _mm512_and_si512(_mm512_srli_epi32(b, 16), m7));
-      key = _mm512_mask_add_epi32(key, _mm512_cmplt_epi32_mask(b, zero), key, half);
-      __m512i k = _mm512_and_si512(_mm512_i32gather_epi32(key, (const void*)bucket, 1), ff);
-      __mmask16 up = _mm512_cmp_ps_mask(lookup<BITS>(k, thr), yv, _CMP_LT_OQ);
-      _mm512_storeu_si512((void*)(idx + i), _mm512_mask_add_epi32(k, up, k, one));
-    }
-  }
-#endif
-  if (BITS == 4) {  // count the 15 midpoints below y: no table reads at all, and it vectorises
-    for (; i < bs; ++i) {
-      float yi = x[i] / scale;
-      y[i] = yi;
-      int32_t below = 0;
-      for (int t = 0; t < 15; ++t) below += thr[t] < yi ? 1 : 0;  // +inf past the last
-      idx[i] = below;
-    }
-    return;
-  }
-  // Two loops: the first vectorises (the byte loads of the second would keep it scalar).
-  const int32_t lo = bk.lo, rows = bk.rows;
-  for (int j = i; j < bs; ++j) {
-    y[j] = x[j] / scale;
-    idx[j] = bucket_key(fbits(y[j]), lo, rows);
-  }
-  for (; i < bs; ++i) {
-    int32_t k = bucket[idx[i]];
-    idx[i] = k + (thr[k] < y[i] ? 1 : 0);
-  }
-}
-
-// leanopt.quant.formats.decay_rounded on one element, without branches (the block's loop over
-// it vectorises: every lane computes, the selects keep the reference's choice bit for bit).
-inline int32_t decay_round(int32_t idx, float y, float prev_y, float u, const float* __restrict values, int32_t zero,
-                           int32_t last, float progress, float growth) {
-  float near = std::fabs(values[idx]);
-  bool keep = near < prev_y * progress;
-  bool over = (near > std::fabs(y)) & (idx != zero);
-  int32_t toward = (idx > zero) - (idx < zero);
-  int32_t a = over ? idx - toward : idx;
-  int32_t b = a + (y < 0.0f ? -1 : 1);
-  b = b < 0 ? 0 : (b > last ? last : b);
-  float va = std::fabs(values[a]), vb = std::fabs(values[b]);
-  float gap = vb - va;
-  float frac = gap > 0.0f ? (std::fabs(y) - va) / gap : 0.0f;  // a lane's 0/0 is selected away
-  bool up = (u < frac) & !((vb * progress > prev_y) & (vb > va * growth));
-  int32_t r = up ? b : a;
-  return keep ? idx : r;
-}
-
-// The dither of one block's elements (base .. base + bs - 1): the same for every state.
-inline void dither_block(float* __restrict u, int64_t base, uint32_t step_term, int bs, bool vec) {
-  int i0 = 0;
-#ifdef LEANOPT_AVX512
-  if (vec)
-    for (; i0 + 16 <= bs; i0 += 16) _mm512_storeu_ps(u + i0, dither16(base + i0, step_term));
-#endif
-#pragma omp simd
-  for (int i = i0; i < bs; ++i) u[i] = dither(base + i, step_term);
-}
-
-// The decay rounding over one block, where the gradient is exactly 0. The AVX-512 loop reads
-// the dither from u (dither_block, once per block for all states); the portable loop computes
-// it inline (on AVX2, a separate dither pass made the 4-bit decay 1.75x slower).
-template <int BITS>
-inline void decay_block(int32_t* __restrict idx, const float* __restrict y, const float* __restrict old,
-                        const float* __restrict gbuf, const float* __restrict u, float safe, int64_t base,
-                        const Book& bk, const Consts& k, int bs) {
-  const uint32_t step_term = k.step_term;
-  const float* __restrict values = bk.values;
-  const int32_t zero = bk.zero, last = bk.last;
-  const float progress = k.progress, growth = k.growth;
-  int i0 = 0;
-#ifdef LEANOPT_AVX512
-  if (k.vec) {  // decay_round on 16 lanes, its three table reads by permutes
-    const __m512i vzero = _mm512_set1_epi32(zero), one = _mm512_set1_epi32(1);
-    const __m512i vlast = _mm512_set1_epi32(last), nil = _mm512_setzero_si512();
-    const __m512 vsafe = _mm512_set1_ps(safe), vprog = _mm512_set1_ps(progress), vgrow = _mm512_set1_ps(growth);
-    const __m512 fzero = _mm512_setzero_ps();
-    for (; i0 + 16 <= bs; i0 += 16) {
-      const __mmask16 z = _mm512_cmp_ps_mask(_mm512_loadu_ps(gbuf + i0), fzero, _CMP_EQ_OQ);
-      if (!z) continue;
-      const __m512i ix = _mm512_loadu_si512((const void*)(idx + i0));
-      const __m512 yv = _mm512_loadu_ps(y + i0), ay = vabs(yv);
-      const __m512 prev = _mm512_div_ps(vabs(_mm512_loadu_ps(old + i0)), vsafe);
-      const __m512 near = vabs(lookup<BITS>(ix, values));
-      const __mmask16 keep = _mm512_cmp_ps_mask(near, _mm512_mul_ps(prev, vprog), _CMP_LT_OQ);
-      const __mmask16 over = _mm512_cmp_ps_mask(near, ay, _CMP_GT_OQ) & _mm512_cmpneq_epi32_mask(ix, vzero);
-      __m512i a = _mm512_mask_sub_epi32(ix, over & _mm512_cmpgt_epi32_mask(ix, vzero), ix, one);
-      a = _mm512_mask_add_epi32(a, over & _mm512_cmplt_epi32_mask(ix, vzero), a, one);
-      __m512i b = _mm512_mask_sub_epi32(_mm512_add_epi32(a, one), _mm512_cmp_ps_mask(yv, fzero, _CMP_LT_OQ), a, one);
-      b = _mm512_min_epi32(_mm512_max_epi32(b, nil), vlast);
-      const __m512 va = vabs(lookup<BITS>(a, values)), vb = vabs(lookup<BITS>(b, values));
-      const __m512 gap = _mm512_sub_ps(vb, va);
-      const __m512 frac = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(gap, fzero, _CMP_GT_OQ), _mm512_sub_ps(ay, va), gap);
-      const __mmask16 held = _mm512_cmp_ps_mask(_mm512_mul_ps(vb, vprog), prev, _CMP_GT_OQ) &
-                             _mm512_cmp_ps_mask(vb, _mm512_mul_ps(va, vgrow), _CMP_GT_OQ);
-      const __mmask16 up = _mm512_cmp_ps_mask(_mm512_loadu_ps(u + i0), frac, _CMP_LT_OQ) & (__mmask16)~held;
-      const __m512i r = _mm512_mask_blend_epi32(keep, _mm512_mask_blend_epi32(up, a, b), ix);
-      _mm512_storeu_si512((void*)(idx + i0), _mm512_mask_blend_epi32(z, ix, r));
-    }
-  }
-#endif
-#pragma omp simd
-  for (int i = i0; i < bs; ++i) {
-    float prev_y = std::fabs(old[i]) / safe;
-    int32_t r = decay_round(idx[i], y[i], prev_y, dither(base + i, step_term), values, zero, last, progress, growth);
-    idx[i] = gbuf[i] == 0.0f ? r : idx[i];
-  }
-}
-
-template <int BITS>
-inline void pack(const int32_t* __restrict idx, uint8_t* __restrict codes, int bs) {
-  if (BITS == 8) {
-    for (int i = 0; i < bs; ++i) codes[i] = (uint8_t)idx[i];
-  } else {
-    for (int j = 0; j < bs / 2; ++j) codes[j] = (uint8_t)(idx[2 * j] | (idx[2 * j + 1] << 4));
-  }
-}
-
-// The rule over one block: params in place, new states (0 where skipped) into nw, their
-// largest magnitude (as fp32 bits: non-negative floats order as integers) into mx, the
-// gradient (negated under maximize) into gbuf; returns how many gradients are exactly 0.
-// SAFE false (dense states outside safe mode): nothing is skipped.
-template <int RULE, bool SAFE = true>
-inline int element_loop(float* __restrict P, const float* __restrict G, float* const* old, float* const* nw,
-                        float* __restrict gbuf, int bs, float gsign, const float* cin, uint32_t* mx_out) {
-  constexpr int NS = R<RULE>::NS;
-  float c[16];  // a local copy: stores through P/n*/gbuf cannot alias it, so it stays in registers
-  for (int k = 0; k < 16; ++k) c[k] = cin[k];
-  const float* __restrict o0 = old[0];
-  const float* __restrict o1 = old[NS > 1 ? 1 : 0];
-  const float* __restrict o2 = old[NS > 2 ? 2 : 0];
-  float* __restrict n0 = nw[0];
-  float* __restrict n1 = nw[NS > 1 ? 1 : 0];
-  float* __restrict n2 = nw[NS > 2 ? 2 : 0];
-  uint32_t mx0 = 0, mx1 = 0, mx2 = 0;
-  int zeros = 0;
-#pragma omp simd reduction(max : mx0, mx1, mx2) reduction(+ : zeros)
-  for (int i = 0; i < bs; ++i) {
-    float gi = G[i] * gsign;
-    float pi = P[i];
-    float x0 = 0.0f, x1 = 0.0f, x2 = 0.0f;
-    float pn = R<RULE>::apply(pi, gi, o0[i], NS > 1 ? o1[i] : 0.0f, NS > 2 ? o2[i] : 0.0f, x0, x1, x2, c);
-    bool ok = finite(gi * gi) & finite(x0);
-    if (NS > 1) ok = ok & finite(x1);
-    if (NS > 2) ok = ok & finite(x2);
-    if (!SAFE) ok = true;
-    P[i] = ok ? pn : pi;
-    float a0 = ok ? x0 : 0.0f;
-    n0[i] = a0;
-    uint32_t b0 = fbits(a0) & 0x7FFFFFFFu;
-    mx0 = mx0 < b0 ? b0 : mx0;
-    if (NS > 1) {
-      float a1 = ok ? x1 : 0.0f;
-      n1[i] = a1;
-      uint32_t b1 = fbits(a1) & 0x7FFFFFFFu;
-      mx1 = mx1 < b1 ? b1 : mx1;
-    }
-    if (NS > 2) {
-      float a2 = ok ? x2 : 0.0f;
-      n2[i] = a2;
-      uint32_t b2 = fbits(a2) & 0x7FFFFFFFu;
-      mx2 = mx2 < b2 ? b2 : mx2;
-    }
-    gbuf[i] = gi;
-    zeros += gi == 0.0f ? 1 : 0;
-  }
-  mx_out[0] = mx0; mx_out[1] = mx1; mx_out[2] = mx2;
-  return zeros;
-}
-
-template <int BITS, int RULE>
-void run(float* p, const float* g, Book* books, int64_t nblocks, int bs, bool maximize, const Consts& k) {
-  constexpr int NS = R<RULE>::NS;
-  const int cb = BITS == 8 ? bs : bs / 2;
-  int64_t grain = std::max<int64_t>(1, 16384 / bs);
-  at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
-    std::vector<float> buf((2 * NS + 3) * bs + 64);
-    std::vector<int32_t> ibuf(bs + 16);
-    float* old[MAXS]; float* nw[MAXS];
-    for (int s = 0; s < NS; ++s) { old[s] = buf.data() + s * bs; nw[s] = buf.data() + (NS + s) * bs; }
-    float* gbuf = buf.data() + 2 * NS * bs;
-    float* y = gbuf + bs;
-    float* u = y + bs;
-    int32_t* idx = ibuf.data();
-    float c[16];
-    for (int i = 0; i < 16; ++i) c[i] = k.c[i];
-    for (int64_t blk = b0; blk < b1; ++blk) {
-      float* __restrict P = p + blk * bs;
-      const float* __restrict G = g + blk * bs;
-      for (int s = 0; s < NS; ++s)
-        decode<BITS>(books[s].codes + blk * cb, books[s].values, books[s].absmax[blk], old[s], bs, k.vec);
-      uint32_t mx[MAXS] = {0, 0, 0};
-      int zeros = element_loop<RULE>(P, G, old, nw, gbuf, bs, maximize ? -1.0f : 1.0f, c, mx);
-      bool dithered = false;
-      for (int s = 0; s < NS; ++s) {
-        const Book& bk = books[s];
-        float scale = bitsf(mx[s]);
-        float safe = scale > 0.0f ? scale : 1.0f;
-        nearest<BITS>(nw[s], safe, bk, idx, y, bs, k.vec);
-        if (bk.decays && zeros) {
-          if (!dithered && k.vec) dither_block(u, k.offset + blk * bs, k.step_term, bs, true);
-          dithered = true;
-          decay_block<BITS>(idx, y, old[s], gbuf, u, safe, k.offset + blk * bs, bk, k, bs);
-        }
-        pack<BITS>(idx, bk.codes + blk * cb, bs);
-        bk.absmax[blk] = scale;
-      }
-    }
-  });
-}
-
-// ---- dense fp32 states ------------------------------------------------------------------------
-// The same rules over fp32 states stored as they are (a low-bit optimizer's small params; Lion
-// and AdEMAMix in fp32): chunks of 256 elements, the new states through a local buffer (the
-// element loop reads old and writes new states through distinct pointers), then copied back.
-template <int RULE, bool SAFE>
-void run_dense(float* p, const float* g, float* const* st, int64_t n, bool maximize, const Consts& k) {
-  constexpr int NS = R<RULE>::NS;
-  constexpr int CH = 256;
-  const int64_t chunks = (n + CH - 1) / CH;
-  at::parallel_for(0, chunks, std::max<int64_t>(1, 16384 / CH), [&](int64_t c0, int64_t c1) {
-    alignas(64) float nbuf[MAXS][CH];
-    alignas(64) float gbuf[CH];
-    float* nw[MAXS] = {nbuf[0], nbuf[1], nbuf[2]};
-    float c[16];
-    for (int i = 0; i < 16; ++i) c[i] = k.c[i];
-    for (int64_t ch = c0; ch < c1; ++ch) {
-      const int64_t off = ch * CH;
-      const int len = (int)std::min<int64_t>(CH, n - off);
-      float* old[MAXS];
-      for (int s = 0; s < NS; ++s) old[s] = st[s] + off;
-      uint32_t mx[MAXS];
-      element_loop<RULE, SAFE>(p + off, g + off, old, nw, gbuf, len, maximize ? -1.0f : 1.0f, c, mx);
-      for (int s = 0; s < NS; ++s) std::memcpy(st[s] + off, nw[s], sizeof(float) * len);
-    }
-  });
-}
-
-}  // namespace
-
-// ---- entry points --------------------------------------------------------------------------
-// Tensors arrive as addresses (Tensor.data_ptr()); leanopt.kernels.cpu_native checks their
-// dtype, layout and size before calling. Only pybind11 and ATen/Parallel.h are included, not
-// torch/extension.h: the cold build takes ~8 s instead of ~18 s.
-#define LEANOPT_CHECK(cond, msg) do { if (!(cond)) throw std::invalid_argument(msg); } while (0)
-
-template <typename T> inline T* at_addr(int64_t a) { return reinterpret_cast<T*>(static_cast<uintptr_t>(a)); }
-
-inline int states_of(int64_t rule) { return rule == 2 ? 1 : (rule == 0 ? 2 : 3); }
-
-void step_dense(int64_t rule, bool maximize, bool safe, int64_t p, int64_t g, int64_t n, std::vector<int64_t> states,
-                std::vector<double> scalars) {
-  LEANOPT_CHECK(rule >= 0 && rule <= 3, "unknown rule");
-  LEANOPT_CHECK((int)states.size() == states_of(rule), "wrong number of states for the rule");
-  LEANOPT_CHECK(scalars.size() <= 16 && n >= 0, "too many scalars, or a negative size");
-  float* st[MAXS] = {nullptr, nullptr, nullptr};
-  for (size_t s = 0; s < states.size(); ++s) st[s] = at_addr<float>(states[s]);
-  Consts k{};
-  for (int i = 0; i < 16; ++i) k.c[i] = i < (int)scalars.size() ? (float)scalars[i] : 0.0f;
-  float* pp = at_addr<float>(p);
-  const float* gp = at_addr<const float>(g);
-#define LEANOPT_DENSE(RL) (safe ? run_dense<RL, true>(pp, gp, st, n, maximize, k) : run_dense<RL, false>(pp, gp, st, n, maximize, k))
-  switch (rule) { case 0: LEANOPT_DENSE(0); break; case 1: LEANOPT_DENSE(1); break;
-                  case 2: LEANOPT_DENSE(2); break; default: LEANOPT_DENSE(3); break; }
-#undef LEANOPT_DENSE
-}
-
-void step_blocks(int64_t rule, int64_t bits, int64_t block, bool maximize, int64_t p, int64_t g, int64_t nblocks,
-                 std::vector<int64_t> codes, std::vector<int64_t> absmax, std::vector<int64_t> values,
-                 std::vector<int64_t> thresholds, std::vector<int64_t> trees, std::vector<int64_t> buckets,
-                 std::vector<int64_t> lows, std::vector<int64_t> zeros, std::vector<int64_t> lasts,
-                 std::vector<int64_t> decays, int64_t step, int64_t offset, std::vector<double> scalars,
-                 double progress, double growth, bool vec) {
-  LEANOPT_CHECK(rule >= 0 && rule <= 3, "unknown rule");
-  LEANOPT_CHECK(bits == 8 || (bits == 4 && block % 2 == 0), "8-bit, or 4-bit with an even block size");
-  LEANOPT_CHECK(block >= 1 && nblocks >= 0 && scalars.size() <= 16, "bad block size or count, or too many scalars");
-  const size_t ns = codes.size();
-  LEANOPT_CHECK((int)ns == states_of(rule), "wrong number of states for the rule");
-  for (const auto* v : {&absmax, &values, &thresholds, &trees, &buckets, &lows, &zeros, &lasts, &decays})
-    LEANOPT_CHECK(v->size() == ns, "one entry per state in every list");
-  Book books[MAXS];
-  for (size_t s = 0; s < ns; ++s) {
-    LEANOPT_CHECK(lows[s] >= 0 && lows[s] < 128 && lasts[s] >= 1 && lasts[s] < (1 << bits) && zeros[s] >= 0 &&
-                  zeros[s] <= lasts[s], "tables");
-    books[s] = Book{at_addr<uint8_t>(codes[s]), at_addr<float>(absmax[s]), at_addr<const float>(values[s]),
-                    at_addr<const float>(thresholds[s]), at_addr<const float>(trees[s]),
-                    at_addr<const uint8_t>(buckets[s]), (int)lows[s], (int)(128 - lows[s]), (int)zeros[s],
-                    (int)lasts[s], decays[s] != 0};
-  }
-  Consts k;
-  for (int i = 0; i < 16; ++i) k.c[i] = i < (int)scalars.size() ? (float)scalars[i] : 0.0f;
-  k.progress = (float)progress;
-  k.growth = (float)growth;
-  k.step_term = step_term(step);
-  k.offset = offset;
-  k.vec = vec && kAvx512;
-  float* pp = at_addr<float>(p);
-  const float* gp = at_addr<const float>(g);
-  int bs = (int)block;
-#define LEANOPT_RUN(B, RL) run<B, RL>(pp, gp, books, nblocks, bs, maximize, k)
-  if (bits == 8) {
-    switch (rule) { case 0: LEANOPT_RUN(8, 0); break; case 1: LEANOPT_RUN(8, 1); break;
-                    case 2: LEANOPT_RUN(8, 2); break; default: LEANOPT_RUN(8, 3); break; }
-  } else {
-    switch (rule) { case 0: LEANOPT_RUN(4, 0); break; case 1: LEANOPT_RUN(4, 1); break;
-                    case 2: LEANOPT_RUN(4, 2); break; default: LEANOPT_RUN(4, 3); break; }
-  }
-#undef LEANOPT_RUN
-}
-
-// dither_block's numbers for elements base .. base + n - 1 at a step, into out (tests).
-void dither_values(int64_t out, int64_t base, int64_t n, int64_t step, bool vec) {
-  LEANOPT_CHECK(n >= 0 && n < (1 << 30), "bad size");
-  dither_block(at_addr<float>(out), base, step_term(step), (int)n, vec && kAvx512);
-}
-
-bool avx512() { return kAvx512; }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  namespace py = pybind11;
-  m.def("step_blocks", &step_blocks, py::call_guard<py::gil_scoped_release>());
-  m.def("step_dense", &step_dense, py::call_guard<py::gil_scoped_release>());
-  m.def("dither_values", &dither_values);
-  m.def("avx512", &avx512);
-}
-"""
+# The kernel's C++ source, shipped beside this module (package data) and built from it.
+_SOURCE = (importlib.resources.files("leanopt.kernels") / "cpu_native.cpp").read_text()
 
 _CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"]
 # at::parallel_for is OpenMP in the header: without -fopenmp it runs serially. The libgomp.so.1
@@ -715,6 +149,9 @@ _MANIFEST_NAME = "leanopt_build.json"
 # How long to wait for another process's build (a cold one takes ~8 s) before running without
 # the kernel.
 _BUILD_WAIT_S = 120.0
+# How long the first step waits for the extension: a cached one loads in well under this, a build
+# takes ~8 s and goes on in the background.
+_FIRST_WAIT_S = 1.0
 # /proc/cpuinfo fields that differ between reads, cores or boots, none of which changes the code
 # the compiler makes: left out of the fallback cache key.
 _VARYING = {"processor", "cpu mhz", "bogomips", "core id", "apicid", "initial apicid", "siblings", "cpu cores",
@@ -776,7 +213,7 @@ def _name() -> str:
     return f"leanopt_cpu_native_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
-def _build_folder() -> str:
+def build_folder() -> str:
     """Where the extension is built and cached: ``$TORCH_EXTENSIONS_DIR`` (else torch's default
     root) / :func:`_name`."""
     from torch.utils.cpp_extension import get_default_build_root
@@ -784,29 +221,81 @@ def _build_folder() -> str:
     return os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root(), _name())
 
 
-def _module() -> Any | None:
-    if "module" in _state:
-        return _state["module"]
-    with _lock:
-        if "module" in _state:
-            return _state["module"]
+def _module(wait: bool = True) -> Any | None:
+    """The loaded extension, or None where it is unavailable (:func:`build_error` says why).
+    The first call decides: a cached build is loaded at once; else the build starts, in a
+    background thread, and ``wait=False`` returns None while it runs (the steps take the other
+    CPU paths meanwhile, with the same results), ``wait=True`` waits for it."""
+    if "module" not in _state:
+        with _lock:
+            if "module" not in _state and "thread" not in _state:
+                _start()
+                thread = _state.get("thread")
+                if thread is not None:  # a cached build loads within this; a build does not
+                    thread.join(timeout=_FIRST_WAIT_S)
+    thread = _state.get("thread")
+    if wait and thread is not None and "module" not in _state:
+        thread.join()
+    return _state.get("module")
+
+
+def _start() -> None:
+    """Decide how the extension comes (under ``_lock``): not at all (switched off, no compiler,
+    no ninja: one line saying so), loaded from the cache now, or built in a background thread."""
+    from torch.utils.cpp_extension import is_ninja_available
+
+    from leanopt.kernels import cpu
+
+    if flag("LEANOPT_NO_NATIVE"):
+        _state["error"] = "disabled by LEANOPT_NO_NATIVE"
+        log.warning("leanopt: LEANOPT_NO_NATIVE is set: the native CPU kernel is off and low-bit CPU steps run "
+                    "the compiled path, several times slower (unset it, or set it to 0, to use the kernel)")  # fmt: skip
+    elif cpu.cxx_compiler() is None:
+        _state["error"] = f"no C++ compiler ({os.environ.get('CXX') or 'c++'} not found)"
+        cpu.can_compile()  # says it, once, for the kernel and the compiled rules together
+    elif not is_ninja_available():
+        _state["error"] = "ninja not found (pip install ninja)"
+        log.warning("leanopt: the native CPU kernel cannot be built: ninja not found (pip install ninja); low-bit "
+                    "CPU steps run the compiled path, several times slower")  # fmt: skip
+    if "error" in _state:
+        _state["module"] = None
+        return
+    # Even the cache key asks the compiler (what -march=native means here): all in the thread.
+    _state["thread"] = thread = threading.Thread(target=_build_now, name="leanopt-native-build", daemon=False)
+    thread.start()
+
+
+def _build_now() -> None:
+    if not _cached():
+        log.warning("leanopt: building the native CPU kernel in the background (once per machine, ~8 s); until it "
+                    "is ready, low-bit CPU steps run another CPU path, with the same results")  # fmt: skip
+    start = time.perf_counter()
+    try:
+        module = _build_extension()
+    except Exception as err:  # no headers, a broken toolchain, a build lock held too long...
+        text = str(err).strip().splitlines()
+        _state["error"] = f"{type(err).__name__}: {text[-1] if text else ''}"
+        log.warning("leanopt: the native CPU kernel is unavailable, low-bit CPU steps run the slower compiled "
+                    "path (%s)", _state["error"])  # fmt: skip
         module = None
-        if flag("LEANOPT_NO_NATIVE"):
-            _state["error"] = "disabled by LEANOPT_NO_NATIVE"
-            log.warning("leanopt: LEANOPT_NO_NATIVE is set: the native CPU kernel is off and low-bit CPU steps run "
-                        "the compiled path, several times slower (unset it, or set it to 0, to use the kernel)")  # fmt: skip
-        else:
-            start = time.perf_counter()
-            try:
-                module = _build_extension()
-                _state["build_seconds"] = time.perf_counter() - start
-            except Exception as err:  # no compiler, no headers, a broken toolchain, a build lock held too long...
-                text = str(err).strip().splitlines()
-                _state["error"] = f"{type(err).__name__}: {text[-1] if text else ''}"
-                log.warning("leanopt: the native CPU kernel is unavailable, low-bit CPU steps run the slower compiled "
-                            "path (%s)", _state["error"])  # fmt: skip
-        _state["module"] = module
-        return module
+    else:
+        _state["build_seconds"] = time.perf_counter() - start
+        if _state["build_seconds"] > _FIRST_WAIT_S:
+            log.info("leanopt: the native CPU kernel is ready (built in %.1f s)", _state["build_seconds"])
+    _state["module"] = module
+
+
+def _cached() -> bool:
+    """Whether a verified build of this source sits in the cache (loading it compiles nothing)."""
+    from torch.utils.cpp_extension import LIB_EXT
+
+    folder = build_folder()
+    try:
+        with open(os.path.join(folder, "cpu_native.cpp")) as f:
+            same = f.read() == _SOURCE
+    except OSError:
+        return False
+    return same and _verified(folder, os.path.join(folder, os.path.basename(folder) + LIB_EXT))
 
 
 def _build_extension() -> Any:
@@ -818,7 +307,7 @@ def _build_extension() -> Any:
     when the source does."""
     from torch.utils.cpp_extension import LIB_EXT, load
 
-    folder = _build_folder()
+    folder = build_folder()
     name = os.path.basename(folder)
     library = os.path.join(folder, name + LIB_EXT)
     os.makedirs(folder, exist_ok=True)
@@ -923,8 +412,30 @@ def _write_atomically(path: str, text: str) -> None:
 
 
 def available() -> bool:
-    """Whether the extension builds (or is cached) and loads here; builds it on first call."""
+    """Whether the extension builds (or is cached) and loads here; builds it on first call, and
+    waits for a build under way."""
     return _module() is not None
+
+
+def ready() -> bool:
+    """Whether the extension is loaded now; never waits (the first call starts the build in the
+    background, or loads the cached one). The steps ask this one."""
+    return _module(wait=False) is not None
+
+
+def pending() -> bool:
+    """Whether the extension is being built in the background now."""
+    thread = _state.get("thread")
+    return thread is not None and thread.is_alive() and "module" not in _state
+
+
+def build() -> float:
+    """Build (or load) the extension now, waiting for it: seconds it took; ``RuntimeError``
+    naming the cause where it cannot be built (``leanopt build-kernels``)."""
+    start = time.perf_counter()
+    if _module() is None:
+        raise RuntimeError(f"the native CPU kernel cannot be built: {build_error()}")
+    return time.perf_counter() - start
 
 
 def build_error() -> str | None:
@@ -1031,10 +542,10 @@ def _rule_id(rule: Any, hp: Mapping[str, Any]) -> int | None:
     return rid
 
 
-def takes(rule: Any, p: Tensor, g: Tensor, states: Sequence[Any], hp: Mapping[str, Any]) -> bool:
-    """Whether :func:`quantized` runs this param natively: a known rule, fp32 CPU param and
-    gradient, quantized states of one bit width and block size whose code books have bucket
-    tables (4-bit: even blocks), and the extension available (built on first call)."""
+def eligible(rule: Any, p: Tensor, g: Tensor, states: Sequence[Any], hp: Mapping[str, Any]) -> bool:
+    """Whether :func:`quantized` can run this param, once the extension is there: a known rule,
+    fp32 CPU param and gradient, quantized states of one bit width and block size whose code
+    books have bucket tables (4-bit: even blocks)."""
     from leanopt.quant import QuantizedState
 
     if _off or _rule_id(rule, hp) is None or p.device.type != "cpu" or p.dtype != torch.float32 or g.dtype != torch.float32:
@@ -1046,14 +557,18 @@ def takes(rule: Any, p: Tensor, g: Tensor, states: Sequence[Any], hp: Mapping[st
         return False
     if fmt.bits == 4 and fmt.block_size % 2:
         return False
-    if any(tables(q.format.book("cpu")) is None for q in states):
-        return False
-    return available()
+    return all(tables(q.format.book("cpu")) is not None for q in states)
 
 
-def takes_dense(rule: Any, p: Tensor, g: Tensor, states: Sequence[Tensor], hp: Mapping[str, Any]) -> bool:
-    """Whether :func:`dense` runs this param: a known rule, real (not fake) contiguous fp32 CPU
-    param, gradient and states of the param's size, and the extension available."""
+def takes(rule: Any, p: Tensor, g: Tensor, states: Sequence[Any], hp: Mapping[str, Any]) -> bool:
+    """Whether :func:`quantized` runs this param natively now: :func:`eligible`, and the
+    extension loaded (:func:`_usable`)."""
+    return eligible(rule, p, g, states, hp) and _usable()
+
+
+def eligible_dense(rule: Any, p: Tensor, g: Tensor, states: Sequence[Tensor], hp: Mapping[str, Any]) -> bool:
+    """Whether :func:`dense` can run this param, once the extension is there: a known rule,
+    real (not fake) contiguous fp32 CPU param, gradient and states of the param's size."""
     if _off or _rule_id(rule, hp) is None:
         return False
     for t in (p, g, *states):
@@ -1061,7 +576,18 @@ def takes_dense(rule: Any, p: Tensor, g: Tensor, states: Sequence[Tensor], hp: M
             return False
         if t.numel() != p.numel() or is_fake(t):
             return False
-    return available()
+    return True
+
+
+def takes_dense(rule: Any, p: Tensor, g: Tensor, states: Sequence[Tensor], hp: Mapping[str, Any]) -> bool:
+    """Whether :func:`dense` runs this param now: :func:`eligible_dense`, and the extension loaded."""
+    return eligible_dense(rule, p, g, states, hp) and _usable()
+
+
+def _usable() -> bool:
+    """The extension loaded, for a step: never waited for (:func:`ready`), except in a memory
+    trace, which plans the steps that run once it is there."""
+    return available() if tracing.active() is not None else ready()
 
 
 def _addr(t: Tensor, dtype: torch.dtype, numel: int, what: str) -> int:

@@ -1,0 +1,167 @@
+"""Every CPU path of a rule gives the same bits, so a step may take any of them (issue 23).
+
+An elementwise optimizer's fp32 params take, on the CPU, the native kernel where it is loaded,
+the compiled graph of the rule, or the same function run eagerly (no C++ compiler,
+``LEANOPT_NO_COMPILE``, or the native kernel still building in the background, where a compile
+would stall the step). The native kernel builds in a background thread on first use, so one
+run can switch paths between two steps: its results must not depend on when. Here every
+registered elementwise optimizer takes the same steps on each path, on fresh random inputs with
+exact-zero gradients (the decay rounding) and sizes that are not whole blocks or vector widths,
+and params and states are compared to the bit: native = compiled = eager, and, for the low-bit
+optimizers (safe mode: correctly rounded square roots on every path), = the reference.
+
+The background build itself runs in a subprocess with a fresh extensions cache and a compiler
+wrapper that sleeps first: the first steps must not wait for it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from leanopt.kernels import cpu_elementwise, cpu_native
+from leanopt.optim.elementwise import ElementwiseOptimizer
+from registry import OPTIMIZERS
+
+ELEMENTWISE = [c for c in OPTIMIZERS if issubclass(c.cls, ElementwiseOptimizer)]
+
+
+def _train(case, mode: str, shapes, steps: int = 5) -> list[torch.Tensor]:
+    """Params and state tensors after ``steps`` steps on ``mode``'s path."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    backend = "reference" if mode == "reference" else "cpu"
+    opt = case.cls(params, **{**case.kwargs, "backend": backend})
+    for _ in range(steps):
+        for p in params:
+            g = torch.randn(p.shape, generator=gen) * 1e-2
+            g[torch.rand(p.shape, generator=gen) < 0.3] = 0
+            p.grad = g
+        opt.step()
+    out = []
+    for p in params:
+        out.append(p.detach().clone())
+        for value in opt.state[p].values():
+            out += [t.clone() for t in ([value] if isinstance(value, torch.Tensor) else [value.codes, value.absmax])]
+    return out
+
+
+@pytest.fixture
+def paths(monkeypatch):
+    if not cpu_native.available():
+        pytest.skip(f"native CPU kernel unavailable: {cpu_native.build_error()}")
+
+    def run(case, mode, shapes):
+        if mode == "native":
+            return _train(case, mode, shapes)
+        with cpu_native.disabled():
+            if mode == "eager":
+                monkeypatch.setattr(cpu_elementwise, "can_compile", lambda: False)
+            try:
+                return _train(case, mode, shapes)
+            finally:
+                monkeypatch.undo()
+
+    return run
+
+
+# A param of whole blocks, one with a partial block and a size no vector width divides, and one
+# under min_quant_size (dense states in the low-bit optimizers).
+SHAPES = [(96, 512), (77, 259), (1000,)]
+
+
+@pytest.mark.parametrize("case", ELEMENTWISE, ids=str)
+def test_native_compiled_and_eager_paths_agree_to_the_bit(case, paths) -> None:
+    got = {mode: paths(case, mode, SHAPES) for mode in ("native", "compiled", "eager")}
+    modes = ["compiled", "eager"]
+    if case.cls.safe:  # the low-bit optimizers: the reference too
+        got["reference"] = paths(case, "reference", SHAPES)
+        modes.append("reference")
+    for mode in modes:
+        for i, (a, b) in enumerate(zip(got["native"], got[mode])):
+            same = torch.equal(a.view(torch.int32), b.view(torch.int32)) if a.dtype == torch.float32 else torch.equal(a, b)
+            assert same, f"{case}: tensor {i} ({tuple(a.shape)} {a.dtype}) differs between native and {mode}"
+
+
+# ---- the background build -------------------------------------------------------------------
+STEPS = textwrap.dedent("""
+    import json, sys, time, torch, leanopt
+    from leanopt.kernels import cpu_native
+    gen = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(256, 1024, generator=gen))
+    opt = leanopt.AdamW8bit([p], lr=1e-2)
+    times, pending = [], []
+    for step in range(6):
+        if step == 3 and sys.argv[1] == "wait":
+            cpu_native.available()  # the build done: the last steps run natively
+        p.grad = torch.randn(p.shape, generator=gen)
+        p.grad[:, ::4] = 0
+        start = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - start)
+        pending.append(cpu_native.pending())
+    print(json.dumps({"times": times, "pending": pending, "ready": cpu_native.ready(),
+                      "error": cpu_native.build_error(), "sum": p.double().sum().item(),
+                      "bits": p.detach().view(torch.int32).sum().item()}))
+""")
+
+
+def _run(tmp_path: Path, env: dict[str, str], how: str) -> tuple[dict, str]:
+    proc = subprocess.run([sys.executable, "-c", STEPS, how], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **env})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+@pytest.mark.slow
+def test_the_first_steps_never_wait_for_the_build(tmp_path: Path) -> None:
+    """A fresh extensions cache and a compiler that takes 10 s more than it should: the steps
+    run (eagerly, ~0.1 s here) while the kernel builds, then natively, with the bits of a run
+    that had the kernel from its first step."""
+    if not cpu_native.available():
+        pytest.skip(f"native CPU kernel unavailable: {cpu_native.build_error()}")
+    from leanopt.kernels.cpu import cxx_compiler
+
+    slow = tmp_path / "slow-c++"
+    slow.write_text(f"#!/bin/sh\nsleep 10\nexec {cxx_compiler()} \"$@\"\n")
+    slow.chmod(0o755)
+    fresh, stderr = _run(tmp_path, {"TORCH_EXTENSIONS_DIR": str(tmp_path / "cache"), "CXX": str(slow)}, "wait")
+    assert fresh["pending"][:3] == [True, True, True], fresh  # three steps done before the build was
+    assert max(fresh["times"][:3]) < 5.0, fresh["times"]  # none waited for the compiler (>= 10 s)
+    assert fresh["ready"] and fresh["pending"][3:] == [False] * 3, fresh
+    assert stderr.count("building the native CPU kernel in the background") == 1, stderr
+    warm, _ = _run(tmp_path, {}, "go")  # the machine's cache: the kernel from the first step
+    assert warm["ready"] and not any(warm["pending"]), warm
+    assert (fresh["bits"], fresh["sum"]) == (warm["bits"], warm["sum"])
+
+
+def test_without_a_compiler_one_line_and_the_same_bits(tmp_path: Path) -> None:
+    """No C++ compiler (a slim container): one line says so and what it costs, no torch
+    banners or per-graph failures, and the steps give the native kernel's bits."""
+    if not cpu_native.available():
+        pytest.skip(f"native CPU kernel unavailable: {cpu_native.build_error()}")
+    none, stderr = _run(tmp_path, {"CXX": str(tmp_path / "no-such-c++"), "TORCH_EXTENSIONS_DIR": str(tmp_path / "c")}, "go")
+    lines = [ln for ln in stderr.splitlines() if ln.strip() and "torchao" not in ln and "_pytree" not in ln]
+    assert len(lines) == 1 and "no C++ compiler" in lines[0] and "no-such-c++" in lines[0], stderr
+    assert not none["ready"] and "no C++ compiler" in none["error"]
+    warm, _ = _run(tmp_path, {}, "go")
+    assert (none["bits"], none["sum"]) == (warm["bits"], warm["sum"])
+
+
+def test_build_kernels_says_where_or_why_not(tmp_path: Path) -> None:
+    ok = subprocess.run([sys.executable, "-m", "leanopt", "build-kernels"], capture_output=True, text=True, timeout=600)
+    if not cpu_native.available():
+        pytest.skip(f"native CPU kernel unavailable: {cpu_native.build_error()}")
+    assert ok.returncode == 0 and "native CPU kernel ready" in ok.stdout and cpu_native.build_folder() in ok.stdout, ok
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-c++"), "TORCH_EXTENSIONS_DIR": str(tmp_path / "c")}
+    bad = subprocess.run([sys.executable, "-m", "leanopt", "build-kernels"], capture_output=True, text=True, timeout=600, env=env)
+    assert bad.returncode == 2 and not bad.stdout, bad
+    assert bad.stderr.strip().splitlines() == [f"leanopt: error: the native CPU kernel cannot be built: no C++ compiler "
+                                               f"({tmp_path / 'no-such-c++'} not found)"]  # fmt: skip
