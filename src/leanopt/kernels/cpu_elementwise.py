@@ -19,6 +19,7 @@ does not recompile.
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -118,7 +119,33 @@ def _dense_graph(rule: Rule, flags: tuple, safe: bool, maximize: bool, n: int) -
 # passes over fresh memory (5.5 s for a 4096 x 4096 AdamW8bit step, 100x the native kernel).
 # The results are the compiled graphs' and the native kernel's, to the bit (rules.lerp,
 # rules.sqrt; tests/test_cpu_paths.py), so a step may take either.
-EAGER_CHUNK = 1 << 16
+EAGER_CHUNK = 1 << 15
+
+
+def _over_chunks(run: Callable[[int], None], chunks: int) -> None:
+    """``run(k)`` for every chunk ``k``, spread over a few Python threads (torch releases the GIL
+    in its ops), each op on one intra-op thread. Eager ops on a chunk are too small for torch's
+    OpenMP regions, whose barriers wait for a descheduled partner on a busy machine: thousands of
+    regions made the eager step 20x slower at load 5 (measured). Chunks are independent: the same
+    bits in any order."""
+    workers = min(torch.get_num_threads(), chunks)
+    if workers <= 1:
+        for k in range(chunks):
+            run(k)
+        return
+    def worker(w: int) -> None:
+        with torch.no_grad():  # grad mode is per thread; the step runs under no_grad
+            for k in range(w, chunks, workers):
+                run(k)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            for _ in pool.map(worker, range(workers)):
+                pass
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _eager(eligible_native: bool) -> bool:
@@ -130,9 +157,12 @@ def _eager(eligible_native: bool) -> bool:
 def _dense_eager(update: Callable[..., Any], p: Tensor, g: Tensor, states: Sequence[Tensor], c: list[Tensor]) -> None:
     flat = [t.view(-1) for t in (p, g, *states)]
     n = flat[0].numel()
-    for lo in range(0, n, EAGER_CHUNK):
-        hi = min(lo + EAGER_CHUNK, n)
+
+    def chunk(k: int) -> None:
+        lo, hi = k * EAGER_CHUNK, min((k + 1) * EAGER_CHUNK, n)
         update(flat[0][lo:hi], flat[1][lo:hi], [t[lo:hi] for t in flat[2:]], c)
+
+    _over_chunks(chunk, -(-n // EAGER_CHUNK))
 
 
 def _fusable(rule: Rule, safe: bool, p: Tensor, g: Tensor, states: Sequence[Tensor]) -> bool:
@@ -289,15 +319,18 @@ def _quantized_eager(rule: Rule, flags: tuple, maximize: bool, bits: int, kinds:
     plain = _quantized_update(rule, flags, maximize, bits, (False,) * len(kinds), zeros, lasts)
     rounding = _quantized_update(rule, flags, maximize, bits, kinds, zeros, lasts) if any(kinds) else plain
     step_t = torch.tensor(step, dtype=torch.int64)
-    for lo in range(0, rows, per_chunk):
-        hi = min(lo + per_chunk, rows)
-        chunk = []
-        for k in range(0, len(tensors), _PER_STATE):
-            codes, absmax, values, table = tensors[k : k + _PER_STATE]
-            chunk += [codes[lo:hi], absmax[lo:hi], values, table]
+
+    def chunk(k: int) -> None:
+        lo, hi = k * per_chunk, min((k + 1) * per_chunk, rows)
+        views = []
+        for j in range(0, len(tensors), _PER_STATE):
+            codes, absmax, values, table = tensors[j : j + _PER_STATE]
+            views += [codes[lo:hi], absmax[lo:hi], values, table]
         g = g2[lo:hi]
         update = rounding if rounding is not plain and bool((g == 0).any()) else plain
-        update(p2[lo:hi], g, *chunk, step_t, torch.tensor(offset + lo * block, dtype=torch.int64), *c)
+        update(p2[lo:hi], g, *views, step_t, torch.tensor(offset + lo * block, dtype=torch.int64), *c)
+
+    _over_chunks(chunk, -(-rows // per_chunk))
 
 
 def _any_zero(g: Tensor) -> Tensor:
