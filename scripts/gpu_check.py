@@ -73,13 +73,16 @@ STAGES = [
     # Issue #12's planner check: 8 rows (two models x four configurations), each a plan and a
     # measured step; dry, 4 rows measured in two CPU processes.
     Stage("plan_check", 60, 120, "python3 -m leanopt.memory.plan_check, if present"),
+    # Issue 23: the host (CPU) step at one thread and at every core, the first step with a fresh
+    # kernel cache, and the path without a compiler -- what an offloaded optimizer's step stands on.
+    Stage("host_step", 90, 30, "benchmarks/step_time.py on the CPU at 1 and N threads; benchmarks/first_step.py"),
 ]
 # Whole run: issue #11 asks for <= 6 minutes on the GPU (<= 3 minutes dry), start to finish, for
 # its stages (335 s, 160 s dry); plan_check (issue #12) comes on top.
 PLAN_CHECK_EXTRA_S = 60.0 - 10.0  # plan_check's budget over the 10 s (10 s dry) it had in those totals
 DRY_PLAN_CHECK_EXTRA_S = 120.0 - 10.0
-TOTAL_BUDGET_S = 345.0 + PLAN_CHECK_EXTRA_S
-DRY_TOTAL_BUDGET_S = 170.0 + DRY_PLAN_CHECK_EXTRA_S
+TOTAL_BUDGET_S = 345.0 + PLAN_CHECK_EXTRA_S + 90.0  # + host_step
+DRY_TOTAL_BUDGET_S = 170.0 + DRY_PLAN_CHECK_EXTRA_S + 30.0
 GRACE_S = 5.0  # after a stage's budget, before it is killed (it stops itself at the budget)
 # Multiplies every budget (a loaded CI machine running the dry run); 1 on the GPU.
 BUDGET_SCALE = float(os.environ.get("GPU_CHECK_BUDGET_SCALE") or 1.0)
@@ -539,6 +542,7 @@ def stage_main(argv: list[str]) -> int:
         "timing_bfloat16": lambda a, p, d: stage_timing(a, p, d, "bfloat16"),
         "accuracy": stage_accuracy,
         "plan_check": stage_plan_check,
+        "host_step": stage_host_step,
     }[args.name]
     try:
         return fn(args, part, deadline) or 0
@@ -1303,6 +1307,40 @@ def stage_plan_check(args: argparse.Namespace, part: Part, deadline: float) -> i
     if r.returncode != 0:
         part.update(status="failed", error=f"exit status {r.returncode}")
         return 1
+    part.update(status="ok")
+    return 0
+
+
+HOST_STEP_OPTIMIZERS = "torch-adamw-fused,leanopt-adamw8bit,leanopt-adamw4bit,leanopt-lion8bit,leanopt-ademamix8bit,leanopt-adafactor,hf-adafactor"
+
+
+def stage_host_step(args: argparse.Namespace, part: Part, deadline: float) -> int:
+    """The CPU step as it scales with cores (issue 23): ``benchmarks/step_time.py --device cpu`` at
+    one thread and at every core of the machine (on a lent GPU machine, 16), and
+    ``benchmarks/first_step.py`` (a fresh kernel cache, a warm one, no compiler). Dry: two
+    optimizers, two rounds, 1 and 2 threads, no first-step run (a minute on 2 cores)."""
+    cores = os.cpu_count() or 1
+    counts = [1, 2] if args.dry_run else sorted({1, cores})
+    only = "torch-adamw-fused,leanopt-adamw8bit" if args.dry_run else HOST_STEP_OPTIMIZERS
+    rounds = "2" if args.dry_run else "15"
+    runs: dict[str, Any] = {}
+    for n in counts:
+        out = Path(os.environ.get("GPU_CHECK_WORK", tempfile.gettempdir())) / f"host_step_{n}.json"
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "step_time.py"), "--device", "cpu", "--threads", str(n),
+               "--rounds", rounds, "--only", only, "--json", str(out)]  # fmt: skip
+        subprocess.run(cmd, cwd=ROOT, check=True, timeout=max(1.0, deadline - time.time() - 1))
+        runs[str(n)] = json.loads(out.read_text())
+    scaling = {}
+    if len(counts) == 2:
+        one, many = ({r["optimizer"]: r["ms_per_step"] for r in runs[str(n)]["results"]} for n in counts)
+        scaling = {name: round(one[name] / many[name], 2) for name in one if name in many}
+    summary = f"speed-up 1 -> {counts[-1]} threads: " + ", ".join(f"{k.removeprefix('leanopt-')} {v}x" for k, v in scaling.items())
+    part.update(threads=counts, runs=runs, speedup=scaling, summary=summary)
+    if not args.dry_run:
+        out = Path(os.environ.get("GPU_CHECK_WORK", tempfile.gettempdir())) / "first_step.json"
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "first_step.py"), "--json", str(out)], cwd=ROOT,
+                       check=True, timeout=max(1.0, deadline - time.time() - 1))  # fmt: skip
+        part.update(first_step=json.loads(out.read_text()))
     part.update(status="ok")
     return 0
 
