@@ -5,7 +5,7 @@
     leanopt plan MODEL --batch B --seq S [--budget 24GiB] [--optimizers ...] [--precisions fp32,bf16-mixed,bf16]
                  [--roundings kahan,stochastic] [--grad-release off|on|both] [--json]
     leanopt inspect optimizer.pt [--json]
-    leanopt convert SRC DST --to NAME   (a leanopt optimizer of the same family: adamw8bit, lion4bit, ...)
+    leanopt convert SRC DST --to NAME   (of the same family: adamw8bit, lion4bit, ...; torch-adamw) [--rule lion]
     leanopt compare [--quick] [...]
     leanopt build-kernels                (the native CPU kernel, now rather than on first use)
     leanopt --version
@@ -30,7 +30,7 @@ from rich.table import Table
 
 from leanopt import __version__
 from leanopt.memory.estimate import MiB, OPTIMIZER_NAMES, available_optimizers, resolve_optimizer
-from leanopt.memory.inspect import StateDictReport, inspect_file, inspect_state_dict, load_optimizer_state
+from leanopt.memory.inspect import StateDictReport, inspect_file, inspect_state_dict
 from leanopt.memory.presets import ModelSource, resolve_model, shape_dependent
 from leanopt.memory.training import TRAINING_MODES, TrainingMemory, supports_training_modes, training_memory
 from leanopt.writing import write_atomically
@@ -125,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--json", action="store_true", help="print JSON instead of tables")
     ins.set_defaults(run=cmd_inspect)
 
+    from leanopt.checkpoint import TORCH_ADAMW
     from leanopt.optim.registry import REGISTRY
 
     families: dict[str, list[str]] = {}
@@ -133,16 +134,22 @@ def build_parser() -> argparse.ArgumentParser:
     conv = sub.add_parser(
         "convert",
         help="re-save a state for another optimizer of its family",
-        description="Read a saved optimizer state_dict (e.g. a Trainer optimizer.pt) and write it for another "
-        f"optimizer of the same family (the same rule): {', '.join('/'.join(f) for f in families.values() if len(f) > 1)}. "
-        "The source is the optimizer its param groups declare (\"optimizer\"); a file "
-        "without one (torch.optim.AdamW, older leanopt files) is read as the AdamW family. The result declares "
-        "--to and loads into it (an fp32 AdamW state also into torch.optim.AdamW). Another family is refused.",
+        description="Read a saved optimizer state_dict (e.g. a Trainer optimizer.pt, a DCP checkpoint folder) and "
+        f"write it for another optimizer of the same family (the same rule): {', '.join('/'.join(f) for f in families.values() if len(f) > 1)}, "
+        f"or for torch.optim.AdamW ({TORCH_ADAMW}). The source is the optimizer its param groups declare "
+        "(\"optimizer\"); a file without one is read as the family its states show: torch.optim.AdamW, older "
+        "leanopt files, bitsandbytes' AdamW8bit/Lion8bit/AdEMAMix8bit and torchao's AdamW8bit/AdamW4bit (dequantized "
+        "with their own code books and scales). The result declares --to and loads into it. Another family is refused.",
     )
-    conv.add_argument("src", help="the optimizer state_dict to read (optimizer.pt)")
+    conv.add_argument("src", help="the optimizer state_dict to read: optimizer.pt, a folder holding one, or a "
+                      "torch.distributed.checkpoint folder")  # fmt: skip
     conv.add_argument("dst", help="where to write the converted state_dict")
-    conv.add_argument("--to", required=True, type=str.lower, choices=list(REGISTRY), metavar="NAME",
-                      help=f"the optimizer to convert for, of the source's family; one of: {', '.join(REGISTRY)}")
+    conv.add_argument("--to", required=True, type=str.lower, choices=[*REGISTRY, TORCH_ADAMW], metavar="NAME",
+                      help=f"the optimizer to convert for, of the source's family; one of: {', '.join(REGISTRY)}, "
+                      f"{TORCH_ADAMW} (plain torch.optim.AdamW state, from any AdamW-family file)")  # fmt: skip
+    conv.add_argument("--rule", type=str.lower, choices=sorted(families), metavar="RULE",
+                      help="the rule the source's states run where they do not say: bitsandbytes' one-state files "
+                      "(Lion8bit and SGD8bit save the same keys): --rule lion")  # fmt: skip
     conv.add_argument("--block-size", type=int, help="elements per scale of a low-bit target (default: the class's, "
                       "256 for 8-bit, 128 for 4-bit)")
     conv.add_argument("--min-quant-size", type=int, default=4096, help="smaller params keep fp32 states (default 4096)")
@@ -487,7 +494,8 @@ def _family_note(name: str) -> str:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from leanopt.checkpoint import convert_state_dict, state_dict_layout
+    from leanopt.checkpoint import convert_checkpoint
+    from leanopt.checkpoint_files import read_checkpoint
 
     dst = os.fspath(args.dst)
     folder = os.path.dirname(dst) or "."
@@ -498,14 +506,19 @@ def cmd_convert(args: argparse.Namespace) -> int:
         raise CliError(f"cannot write {dst}: it is a folder")
     if os.path.exists(dst) and not args.force:
         raise CliError(f"{dst} exists (use --force to overwrite)")
-    state_dict = load_optimizer_state(args.src)  # one-line errors for missing / non-optimizer files
-    before = state_dict_layout(state_dict)
+    # One-line errors for missing / non-optimizer / hostile files; torchao and DCP read without their code.
+    state_dict = read_checkpoint(args.src)
     before_bytes = inspect_state_dict(state_dict).bytes
     # A state of another family (lion8bit -> adamw) is a one-line ValueError naming both.
-    converted = convert_state_dict(state_dict, args.to, block_size=args.block_size, min_quant_size=args.min_quant_size)
-    _save_atomically(converted, dst)
+    done = convert_checkpoint(state_dict, args.to, block_size=args.block_size, min_quant_size=args.min_quant_size,
+                              rule=args.rule)  # fmt: skip
+    _save_atomically(done.state_dict, dst)
     after = inspect_file(dst)
-    print(f"{args.src} ({before}, {_mb(before_bytes)} MB of state) -> {dst} ({after.optimizer}, {_mb(after.bytes)} MB of state)")
+    before = done.source if done.read_as == done.source else f"{done.read_as}, as {done.source}"
+    print(f"{args.src} ({before}, {_mb(before_bytes)} MB of state) -> {dst} ({after.optimizer or done.target}, "
+          f"{_mb(after.bytes)} MB of state)")  # fmt: skip
+    for note in done.notes:
+        print(f"note: {note}")
     return 0
 
 

@@ -5,7 +5,10 @@ leanopt's optimizers declare their registry name in every param group under ``"o
 transformers', bitsandbytes', torchao's, leanopt's own from before names were declared) is
 recognised from its state keys and group options (:func:`recognize_states`): the one
 recogniser that ``load_state_dict`` (a state loads only into its own family),
-:mod:`leanopt.checkpoint` (convert) and ``leanopt inspect`` share.
+:mod:`leanopt.checkpoint` (convert) and ``leanopt inspect`` share. For the peers' own formats
+(bitsandbytes' nested dict, torchao's tensor subclasses) it also says whose format the states
+are in and their bits (:attr:`Recognized.peer`, :attr:`Recognized.bits`): what convert reads
+them with.
 """
 
 from __future__ import annotations
@@ -19,6 +22,12 @@ import torch
 from leanopt.quant import QuantizedState
 
 BNB_KEY = "__bnb_optimizer_quant_state__"
+# torchao's optimizer-state tensor subclasses, by the class path a checkpoint names, and their bits.
+TORCHAO_STATES = {
+    "torchao.optim.subclass_8bit.OptimState8bit": 8,
+    "torchao.optim.subclass_4bit.OptimState4bit": 4,
+    "torchao.optim.subclass_fp8.OptimStateFp8": 8,
+}
 NO_STATE_YET = " (no state yet: saved before the first step)"
 # State keys of the rules with more than Lion's one momentum (exp_avg).
 _NOT_LION_KEYS = {"exp_avg_sq", "max_exp_avg_sq", "exp_avg_sq_row", "exp_avg_sq_col", "RMS", "exp_avg_fast", "exp_avg_slow",
@@ -62,10 +71,17 @@ class Recognized:
     leanopt runs no such rule (torch's Adafactor, SGD) or the states do not tell (bitsandbytes'
     one-state optimizers: Lion, momentum, RMSprop). A state_dict that declares no optimizer loads
     only into an optimizer of this family, and converts only within it.
+
+    ``peer`` is ``"bitsandbytes"`` or ``"torchao"`` for states in that library's own format
+    (what :mod:`leanopt.checkpoint` reads them with), None otherwise; ``bits`` is then the width
+    of their quantized states (8 or 4; 32 for bitsandbytes' fp32 ones): the member of the family
+    they convert as.
     """
 
     layout: str
     family: str | None = None
+    peer: str | None = None
+    bits: int | None = None
 
 
 def recognize_states(state_dict: Mapping[str, Any]) -> Recognized:
@@ -95,20 +111,32 @@ def _recognized(groups: list[Mapping[str, Any]], states: list[Mapping[str, Any]]
 
     if BNB_KEY in keys:
         nested = [s[BNB_KEY] for s in states if isinstance(s.get(BNB_KEY), Mapping)]
-        bits = "8-bit" if any(isinstance(n.get("state1"), torch.Tensor) and n["state1"].dtype == torch.uint8 for n in nested) else "32-bit"
+        eight = any(isinstance(n.get("state1"), torch.Tensor) and n["state1"].dtype == torch.uint8 for n in nested)
+        bits, peer = ("8-bit", 8) if eight else ("32-bit", 32)
         if betas == {3} or any(stacked_emas(n) for n in nested):
-            return Recognized(f"bitsandbytes {bits} (AdEMAMix, 3 states)", "ademamix")
+            return Recognized(f"bitsandbytes {bits} (AdEMAMix, 3 states)", "ademamix", "bitsandbytes", peer)
+        if any("unorm_vec" in n for n in nested):
+            # An update-norm clip (LAMB, or max_unorm > 0) is part of the rule: not AdamW's.
+            return Recognized(f"bitsandbytes {bits} (2 states, update-norm clipping: LAMB or max_unorm)", None, "bitsandbytes", peer)
         if any("state2" in n for n in nested):
-            return Recognized(f"bitsandbytes {bits} (Adam-family, 2 states)", "adamw")
-        return Recognized(f"bitsandbytes {bits} (1 state)")
-    subclasses = sorted(
-        {f"{type(v).__module__}.{type(v).__name__}" for s in states for v in s.values()
-         if isinstance(v, torch.Tensor) and type(v) not in (torch.Tensor, torch.nn.Parameter)}
-    )
+            return Recognized(f"bitsandbytes {bits} (Adam-family, 2 states)", "adamw", "bitsandbytes", peer)
+        # Lion, SGD momentum, RMSprop and Adagrad all save one state1 and the same options;
+        # only eps tells two of them apart (Lion and momentum save 0.0).
+        eps = {float(g["eps"]) for g in groups if isinstance(g.get("eps"), (int, float))}
+        if eps == {0.0}:
+            which = "Lion or SGD momentum"
+        elif eps and 0.0 not in eps:
+            which = "RMSprop or Adagrad"
+        else:
+            which = "Lion, SGD momentum, RMSprop or Adagrad"
+        return Recognized(f"bitsandbytes {bits} (1 state: {which})", None, "bitsandbytes", peer)
+    subclasses = sorted({name for s in states for v in s.values() if (name := tensor_subclass(v)) is not None})
     if any(name.startswith("torchao.") for name in subclasses):
         names = ", ".join(n.rsplit(".", 1)[-1] for n in subclasses)
         adam = "exp_avg_sq" in keys
-        return Recognized(f"torchao low-bit {'AdamW' if adam else 'optimizer'} ({names})", "adamw" if adam else None)
+        widths = {TORCHAO_STATES.get(n) for n in subclasses}  # None: a class convert does not read
+        return Recognized(f"torchao low-bit {'AdamW' if adam else 'optimizer'} ({names})", "adamw" if adam else None,
+                          "torchao", widths.pop() if len(widths) == 1 else None)  # fmt: skip
     bits = sorted({g["state_bits"] for g in groups if isinstance(g.get("state_bits"), int)})
     if {"exp_avg_fast", "exp_avg_slow"} <= keys or (not states and betas == {3} and "alpha" in options):
         if not states and not bits:
@@ -141,6 +169,15 @@ def _recognized(groups: list[Mapping[str, Any]], states: list[Mapping[str, Any]]
     if keys & {"row_var", "col_var", "variance"} or "beta2_decay" in options:
         return Recognized("torch.optim.Adafactor" + empty)
     return Recognized(f"unrecognized (state keys: {', '.join(sorted(keys)) or 'none'})")
+
+
+def tensor_subclass(value: Any) -> str | None:
+    """The class path of a tensor-subclass state (``"torchao.optim.subclass_8bit.OptimState8bit"``),
+    or None for anything else. A torchao state read without torchao
+    (:mod:`leanopt.checkpoint_files`) answers with the torchao class it stands in for."""
+    if not isinstance(value, torch.Tensor) or type(value) in (torch.Tensor, torch.nn.Parameter):
+        return None
+    return getattr(type(value), "torchao_class", None) or f"{type(value).__module__}.{type(value).__name__}"
 
 
 def stacked_emas(nested: Mapping[str, Any]) -> bool:
