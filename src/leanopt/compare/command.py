@@ -15,9 +15,10 @@ import torch
 from rich.console import Console
 
 from leanopt.compare.contenders import DEFAULT_CONTENDERS, MODES, PRECISIONS, contender
-from leanopt.compare.output import RunLog, claim, read_runs, settings, write_results
-from leanopt.compare.progress import LoadMonitor, RemainingTime, RunBars, RunLines, eta_check, load_summary
-from leanopt.compare.report import command_line, print_table, to_json
+from leanopt.compare.output import RunLog, claim, logged_plan, read_runs, settings, write_results
+from leanopt.compare.progress import (LoadMonitor, RemainingTime, RunBars, RunLines, eta_check, load_summary,
+                                      threads_for, threads_note)
+from leanopt.compare.report import command_line, print_recommendation, print_table, to_json
 from leanopt.compare.runner import compare, runs_left
 from leanopt.compare.tasks import BUILTIN_TASKS, DEFAULT_TASK, LR_MULTIPLIERS, SEEDS, TaskUnavailable, get_task
 from leanopt.kernels.cpu import compile_disabled
@@ -81,8 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--jobs", type=int, default=1,
                         help="optimizers trained at once, one process each (default 1: the steadiest timings)")
     parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads in each run (default: torch's; 1 gives steadier timings "
-                        "on a machine shared with other work)")
+                        help="torch CPU threads in each optimizer's process (default on the CPU: the cores the "
+                        "load average leaves free at the start, shared among --jobs, at least 1)")
     parser.add_argument("--no-isolate", dest="isolate", action="store_false",
                         help="run every optimizer in this process (faster start; CPU peaks then depend on order)")
     return parser
@@ -175,7 +176,18 @@ def _run(args: argparse.Namespace) -> int:
         plan = task.plan(device=device, quick=args.quick, seed=args.seed, steps=args.steps, lr=args.lr)
     except ValueError as e:
         return fail(str(e))
-    plan.threads = args.threads
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    load_at_start = LoadMonitor.read()
+    logged = logged_plan(Path(args.out)) if args.resume else None
+    if args.threads is not None:
+        plan.threads, threads_by = args.threads, "--threads"
+    elif logged is not None and logged.get("threads"):
+        # the runs on disk were trained with these; the thread count can move the last digits
+        plan.threads, threads_by = int(logged["threads"]), "the resumed runs"
+    elif device == "cpu":
+        plan.threads, threads_by = threads_for(cores, load_at_start, args.jobs), "the free cores"
+    else:
+        threads_by = "torch's default"
     plan.precision = args.precision
     if args.seeds is not None:
         plan.seeds = [plan.seed + i for i in range(args.seeds)]
@@ -183,7 +195,10 @@ def _run(args: argparse.Namespace) -> int:
         plan.lr_multipliers = sorted({float(x) for x in args.lr_grid.split(",") if x.strip()})
     skip = {}
     if args.optimizers is None and plan.quick and device == "cpu":
-        skip = {n: c.slow_on_cpu for n in names if (c := contender(n)).slow_on_cpu}
+        if task.quick_cpu_optimizers is not None:  # the task's own choice, for its own reason
+            skip = {n: task.quick_cpu_reason for n in names if n not in task.quick_cpu_optimizers}
+        else:
+            skip = {n: c.slow_on_cpu for n in names if (c := contender(n)).slow_on_cpu}
     out = Path(args.out)
     run_settings = settings(plan.to_dict())
     try:
@@ -196,6 +211,7 @@ def _run(args: argparse.Namespace) -> int:
     # Piped output keeps the whole table instead of squeezing it to 80 columns.
     tty = sys.stdout.isatty()
     console = Console(highlight=False, width=None if tty else 150)
+    thread_text = threads_note(plan.threads, args.jobs, threads_by, cores, load_at_start)
     runnable = [n for n in names if n not in skip and contender(n).unavailable() is None]
     planned = {n: runs_left(plan, contender(n), (resumed.get(n) or {}).get("runs") or []) for n in runnable}
     total = sum(planned.values())
@@ -206,15 +222,16 @@ def _run(args: argparse.Namespace) -> int:
     precision = "" if plan.precision == "fp32" else f" ({plan.precision} unless a name says otherwise)"
     console.print(f"[bold]{PROG}[/bold]: {task.name} — {task.description}; {plan.steps} steps on {device}{precision}; "
                   f"{grid_text}; seeds {','.join(map(str, plan.seeds))}; {total} runs of {len(runnable)} optimizers"
-                  f"{' (quick)' if plan.quick else ''}{f', {kept} more resumed from {log.path}' if kept else ''}")
+                  f"{' (quick)' if plan.quick else ''}{f', {kept} more resumed from {log.path}' if kept else ''}"
+                  f"{f'; {len(names) - len(runnable)} not run (listed at the end)' if len(names) > len(runnable) else ''}"
+                  f"{'' if plan.threads is None else f'; {thread_text}'}")
     start = time.perf_counter()
     compiles = {n: contender(n).cpu_compile_s for n in runnable} if device == "cpu" else {}
     if compile_disabled():  # leanopt's own update runs eagerly
         compiles = {n: s for n, s in compiles.items() if contender(n).origin != "leanopt"}
     estimate = RemainingTime(planned, jobs=args.jobs, compile_s=compiles)
     display = RunBars(total, estimate, console) if tty else RunLines(total, estimate)
-    threads = (args.threads or torch.get_num_threads()) * min(args.jobs, max(1, len(runnable)))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = (plan.threads or torch.get_num_threads()) * min(args.jobs, max(1, len(runnable)))
 
     def on_event(name: str, event: dict) -> None:
         log.record(name, event)  # on disk before anything else sees it
@@ -236,15 +253,18 @@ def _run(args: argparse.Namespace) -> int:
                            grid_given=args.lr_grid is not None, jobs=args.jobs)
     data = to_json(result, command, [], None)
     data["load"] = load_summary(load.samples, cores, threads if device == "cpu" else 1)
+    data["threads"] = {"per_process": plan.threads, "jobs": args.jobs, "chosen_by": threads_by, "cores": cores,
+                       "load_at_start": load_at_start, "note": thread_text}
     data["eta"] = {"log": [[round(a, 2), round(b, 2)] for a, b in display.log],
                    "check": eta_check(display.log, result.wall_s)}
     data["resumed_runs"] = kept
     plots, note = write_results(data, out)
-    print_table(data, console)
+    print_table(data, console, display.said)
     if data["load"].get("warning"):
         console.print(f"[yellow]warning[/yellow]: {data['load']['warning']}")
     if note:
         console.print(f"no plots: {note}")
+    print_recommendation(data, console)
     written = ", ".join(str(out / f) for f in ["runs.jsonl", "results.json", "report.md", *plots])
     console.print(f"wrote {written} in {time.perf_counter() - start:.0f} s")
     return 0 if any(r["status"] == "ok" for r in result.rows) else 1

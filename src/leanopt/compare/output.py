@@ -83,6 +83,18 @@ class RunLog:
         self._file.close()
 
 
+def logged_plan(out: Path) -> dict[str, Any] | None:
+    """The plan on the first line of ``out/runs.jsonl`` (None: no such file, or not a runs log;
+    :func:`read_runs` then says what is wrong)."""
+    try:
+        with open(out / RUNS, encoding="utf-8") as f:
+            first = json.loads(f.readline())
+    except (OSError, ValueError):
+        return None
+    plan = first.get("settings", {}).get("plan") if isinstance(first, dict) and isinstance(first.get("settings"), dict) else None
+    return plan if isinstance(plan, dict) else None
+
+
 def read_runs(out: Path, run_settings: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The runs ``out/runs.jsonl`` holds, by optimizer: ``{"setup": event | None, "runs": [row, ...]}``
     ({} when there is no such file). ``ValueError`` when they were made with other settings (a

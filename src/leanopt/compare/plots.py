@@ -29,43 +29,6 @@ def _smooth(values: list[float | None], window: int) -> list[float]:
     return out
 
 
-def _label_groups(points: list[tuple[float, float, dict[str, Any]]]) -> list[tuple[float, float, str]]:
-    """One label per cluster of points that would overprint (AdamW and torch's AdamW coincide)."""
-    if not points:
-        return []
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
-    dx, dy = (max(xs) - min(xs)) or 1.0, (max(ys) - min(ys)) or 1.0
-    groups: list[list[tuple[float, float, dict[str, Any]]]] = []
-    for p in points:
-        for g in groups:
-            if abs(p[0] - g[0][0]) / dx < 0.06 and abs(p[1] - g[0][1]) / dy < 0.06:
-                g.append(p)
-                break
-        else:
-            groups.append([p])
-    return [(g[0][0], g[0][1], ", ".join(q[2]["optimizer"] for q in g)) for g in groups]
-
-
-def _place_labels(groups: list[tuple[float, float, str]]) -> list[tuple[float, float, str, float]]:
-    """Vertical offsets (points) so that labels of nearby points don't overprint (a greedy guess)."""
-    if not groups:
-        return []
-    xs, ys = [g[0] for g in groups], [g[1] for g in groups]
-    dx, dy = (max(xs) - min(xs)) or 1.0, (max(ys) - min(ys)) or 1.0
-    placed: list[tuple[float, float, float]] = []  # normalized x-start, x-end, y of each label
-    out = []
-    for x, y, names in sorted(groups, key=lambda g: g[0]):
-        nx, ny = (x - min(xs)) / dx * 0.6, (y - min(ys)) / dy * 0.75  # axes fraction, with the margins
-        width = 0.02 * len(names)
-        for offset in (3.0, -10.0, 12.0, -19.0, 21.0, -28.0):
-            label_y = ny + offset / 200
-            if all(not (nx < x1 and x0 < nx + width and abs(label_y - ly) < 0.05) for x0, x1, ly in placed):
-                break
-        placed.append((nx, nx + width, label_y))
-        out.append((x, y, names, offset))
-    return out
-
-
 def _mean_band(curves: list[list[float | None]], window: int) -> tuple[list[float], list[float], list[float]]:
     """Per-step mean of the smoothed curves and mean ± std (the band) across seeds."""
     smoothed = [_smooth(c, window) for c in curves if c]
@@ -85,33 +48,60 @@ def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
-def write_plots(data: dict[str, Any], out_dir: Path) -> tuple[list[str], str | None]:
-    """Write the plots; returns (file names, None) or ([], why there are none)."""
-    try:
-        import matplotlib
+# Colours far apart (every pair at least 0.25 apart in RGB, so no two rows share a hue): tab10's
+# first five, then the farthest of Kelly's maximum-contrast set, picked one at a time.
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#000000", "#000080", "#a1caf1", "#f99379",
+           "#8db600", "#654522", "#00ced1", "#dcd300", "#b3446c", "#e377c2", "#7f7f7f", "#008856", "#c2b280")
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return [], "matplotlib is not installed (pip install matplotlib)"
+
+def colours(names: list[str]) -> dict[str, str]:
+    """A colour of :data:`PALETTE` per name, in order (more names than colours: they repeat)."""
+    return {name: PALETTE[i % len(PALETTE)] for i, name in enumerate(names)}
+
+
+def line_style(origin: str) -> dict[str, Any]:
+    """leanopt's rows wide and solid underneath, the peers' dashed and narrow on top: where a
+    peer trains exactly what leanopt's row trains (torch's AdamW and leanopt's), both show."""
+    if origin == "leanopt":
+        return {"ls": "-", "lw": 2.6, "zorder": 2, "alpha": 0.85}
+    return {"ls": "--", "lw": 1.3, "zorder": 3}
+
+
+def marker_style(origin: str) -> dict[str, Any]:
+    """Filled circles for leanopt, larger hollow triangles for the peers (a coinciding point shows both)."""
+    if origin == "leanopt":
+        return {"marker": "o", "ms": 6, "zorder": 2}
+    return {"marker": "^", "ms": 9, "mfc": "none", "mew": 1.4, "zorder": 3}
+
+
+def figures(data: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The plots as (file name, matplotlib Figure), legends beside the axes (never over the data
+    or each other). Raises ImportError without matplotlib."""
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import MaxNLocator
+
+    def no_corner_tick(ax: Any) -> None:
+        """No y tick label at the bottom corner, where it would overprint the first x tick label."""
+        ax.yaxis.set_major_locator(MaxNLocator(nbins="auto", prune="lower"))
+
     rows = [r for r in data["results"] if r["status"] == "ok" and r.get("loss_curves")]
-    if not rows:
-        return [], "no optimizer finished"
-    colors = {r["optimizer"]: plt.get_cmap("tab10")(i % 10) for i, r in enumerate(data["results"])}
+    colour = colours([r["optimizer"] for r in rows])
     task, steps = data["settings"]["task"], data["settings"]["steps"]
     n_seeds = len(data["settings"]["seeds"])
     at = f"at lr {data['settings']['lr']:g} (fixed)" if data["settings"].get("fixed_lr") else "at each tuned lr"
-    files = []
+    out = []
 
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=90)
+    fig = Figure(figsize=(9, 4.4), dpi=90, layout="constrained")
+    ax = fig.add_subplot()
     window = max(1, steps // 12)
     tops, bottoms = [], []
     for r in rows:
         mean, low, high = _mean_band(r["loss_curves"], window)
         x = range(1, len(mean) + 1)
-        style = "--" if r["origin"] != "leanopt" else "-"
-        ax.plot(x, mean, style, lw=1.4, color=colors[r["optimizer"]], label=f"{r['optimizer']} (lr {_lr(r['lr'])})")
-        ax.fill_between(x, low, high, color=colors[r["optimizer"]], alpha=0.15, lw=0)
+        ax.plot(x, mean, color=colour[r["optimizer"]], label=f"{r['optimizer']} (lr {_lr(r['lr'])})",
+                **line_style(r["origin"]))
+        ax.fill_between(x, low, high, color=colour[r["optimizer"]], alpha=0.12, lw=0)
         tail = [v for v in mean[max(1, steps // 8) :] if math.isfinite(v)]
         if tail:
             tops.append(max(tail))
@@ -119,73 +109,81 @@ def write_plots(data: dict[str, Any], out_dir: Path) -> tuple[list[str], str | N
     if tops and max(tops) > min(bottoms):  # one flat point (a 2-step run): matplotlib's own limits
         span = max(tops) - min(bottoms)
         ax.set_ylim(min(bottoms) - 0.05 * span, max(tops) + 0.05 * span)
+    no_corner_tick(ax)
     ax.set_xlabel("step")
     ax.set_ylabel(f"training loss (moving mean of {window})")
-    ax.set_title(f"{task}: training loss {at}, mean ± std over {n_seeds} seeds (dashed: peers)",
-                 fontsize=9)
+    ax.set_title(f"{task}: training loss {at}, mean ± std over {n_seeds} seeds (dashed: peers)", fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    _save(fig, out_dir / LOSS_CURVES)
-    plt.close(fig)
-    files.append(LOSS_CURVES)
+    fig.legend(loc="outside right upper", fontsize=7)
+    out.append((LOSS_CURVES, fig))
 
     scored = [r for r in rows if _finite(r.get("val_loss_mean"))]
     if scored:
-        fig, axes = plt.subplots(1, 2, figsize=(9, 4), dpi=90, sharey=True)
+        fig = Figure(figsize=(11, 4.2), dpi=90, layout="constrained")
+        axes = fig.subplots(1, 2, sharey=True)
         for ax, key, label in ((axes[0], "state_bytes", "optimizer state (MiB)"),
                                (axes[1], "peak_bytes", "peak training memory (MiB)")):
-            points = [(r[key] / MiB, r["val_loss_mean"], r) for r in scored if r.get(key) is not None]
-            for x, y, r in points:
-                ax.errorbar(x, y, yerr=r.get("val_loss_std") or 0.0, color=colors[r["optimizer"]], capsize=3,
-                            marker="o" if r["origin"] == "leanopt" else "^", ms=6, lw=1)
-            for x, y, names, dy in _place_labels(_label_groups(points)):
-                ax.annotate(names, (x, y), fontsize=7, xytext=(5, dy), textcoords="offset points")
-            ax.margins(x=0.3, y=0.12)
+            for r in scored:
+                if r.get(key) is not None:
+                    ax.errorbar(r[key] / MiB, r["val_loss_mean"], yerr=r.get("val_loss_std") or 0.0,
+                                color=colour[r["optimizer"]], capsize=3, lw=1, **marker_style(r["origin"]))
+            ax.margins(x=0.1, y=0.12)
             ax.set_xlabel(label)
             ax.grid(alpha=0.3)
+        no_corner_tick(axes[0])
         axes[0].set_ylabel(f"validation loss (mean ± std, {n_seeds} seeds)")
-        fig.suptitle(f"{task}: memory vs validation loss {at} (circles: leanopt, triangles: peers)",
-                     fontsize=10)
-        fig.tight_layout()
-        _save(fig, out_dir / MEMORY_VS_LOSS)
-        plt.close(fig)
-        files.append(MEMORY_VS_LOSS)
+        handles = [Line2D([], [], color=colour[r["optimizer"]], ls="", label=r["optimizer"], **marker_style(r["origin"]))
+                   for r in scored]
+        fig.legend(handles=handles, loc="outside right upper", fontsize=7)
+        fig.suptitle(f"{task}: memory vs validation loss {at} (circles: leanopt, triangles: peers)", fontsize=10)
+        out.append((MEMORY_VS_LOSS, fig))
 
     swept = [r for r in rows if len(r.get("lr_grid") or []) > 1]
     if swept:
-        fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=90)
+        fig = Figure(figsize=(9.5, 4.6), dpi=90, layout="constrained")
+        ax = fig.add_subplot()
         values = [v for r in swept for v in r.get("grid_val_loss") or [] if _finite(v)]
         for r in swept:
-            color = colors[r["optimizer"]]
-            style = "--" if r["origin"] != "leanopt" else "-"
-            pts = [(lr, v) for lr, v in zip(r["lr_grid"], r["grid_val_loss"]) if _finite(lr) and _finite(v)]
+            c = colour[r["optimizer"]]
+            pts = sorted((lr, v) for lr, v in zip(r["lr_grid"], r["grid_val_loss"]) if _finite(lr) and _finite(v))
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker=".", color=color, lw=1.2,
-                        label=r["optimizer"])
-            relative = [v for lr, v in zip(r["lr_grid"], r["grid_val_loss"]) if lr == "relative" and _finite(v)]
-            for v in relative:
-                ax.axhline(v, color=color, ls=":", lw=1)
-                ax.annotate(f"{r['optimizer']}: relative step", (1.0, v), xycoords=("axes fraction", "data"),
-                            xytext=(-4, 2), textcoords="offset points", ha="right", fontsize=6, color=color)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], color=c, label=r["optimizer"],
+                        **line_style(r["origin"]), **{k: v for k, v in marker_style(r["origin"]).items() if k != "zorder"})
+            for v in (v for lr, v in zip(r["lr_grid"], r["grid_val_loss"]) if lr == "relative" and _finite(v)):
+                ax.axhline(v, color=c, ls=":", lw=1.2, label=f"{r['optimizer']}: relative step")
             if _finite(r.get("lr")) and _finite(r.get("val_loss_mean")):
-                ax.errorbar([r["lr"]], [r["val_loss_mean"]], yerr=[r.get("val_loss_std") or 0.0], color=color,
-                            marker="*", ms=10, capsize=4, lw=1.2)
+                ax.errorbar([r["lr"]], [r["val_loss_mean"]], yerr=[r.get("val_loss_std") or 0.0], color=c,
+                            marker="*", ms=12, capsize=4, lw=1.2, zorder=4)
         if values:
             low, high = min(values), max(values)
             span = (high - low) or 0.1
             ax.set_ylim(low - 0.08 * span, high + 0.12 * span)
         ax.set_xscale("log")
+        no_corner_tick(ax)
         ax.set_xlabel("peak learning rate")
         ax.set_ylabel("validation loss (first seed)")
         ax.set_title(f"{task}: validation loss vs lr (star: the pick, mean ± std over {n_seeds} seeds; "
                      "dotted: relative step)", fontsize=8)
         ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7, ncol=2)
-        fig.tight_layout()
-        _save(fig, out_dir / LR_SWEEP)
-        plt.close(fig)
-        files.append(LR_SWEEP)
+        fig.legend(loc="outside right upper", fontsize=7)
+        out.append((LR_SWEEP, fig))
+    return out
+
+
+def write_plots(data: dict[str, Any], out_dir: Path) -> tuple[list[str], str | None]:
+    """Write the plots; returns (file names, None) or ([], why there are none)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+    except ImportError:
+        return [], "matplotlib is not installed (pip install matplotlib)"
+    if not any(r["status"] == "ok" and r.get("loss_curves") for r in data["results"]):
+        return [], "no optimizer finished"
+    files = []
+    for name, fig in figures(data):
+        _save(fig, out_dir / name)
+        files.append(name)
     return files, None
 
 

@@ -75,6 +75,10 @@ class RemainingTime:
     def step(self, name: str, fraction: float) -> None:
         self.fraction[name] = fraction
 
+    def more(self, name: str, runs: int = 1) -> None:
+        """``name``'s protocol grew (its lr grid was widened)."""
+        self.planned[name] = self.planned.get(name, 0) + runs
+
     def run(self, name: str) -> float:
         """A run of ``name`` finished; returns how long it took."""
         now = self.clock()
@@ -184,6 +188,31 @@ def load_summary(samples: list[float], cores: int, own_threads: int) -> dict[str
             "own_threads": own_threads, "loaded": loaded, "warning": warning}
 
 
+def threads_for(cores: int, load: float | None, jobs: int = 1) -> int:
+    """torch threads for each of ``jobs`` processes: the cores that other work leaves free.
+
+    ``load`` is the 1-minute load average before the comparison starts (None: unknown, every
+    core counted free). More threads than free cores is what slowed ``--quick`` 30-60x on a
+    loaded machine: each thread of a parallel region waits for the slowest, and a descheduled
+    one stalls the rest, so an oversubscribed process runs slower than with a single thread.
+    """
+    share = max(1, cores // max(1, jobs))
+    if load is None:
+        return share
+    return max(1, min(share, round((cores - load) / max(1, jobs))))
+
+
+def threads_note(threads: int | None, jobs: int, chosen_by: str, cores: int, load: float | None) -> str:
+    """``1 torch thread in each of 1 process, sized to the free cores (2 cores, load 1.3 at the start)``."""
+    if threads is None:
+        return f"torch's default threads in each of {jobs} process{'es' if jobs != 1 else ''}"
+    text = f"{threads} torch thread{'s' if threads != 1 else ''} in each of {jobs} process{'es' if jobs != 1 else ''}"
+    if chosen_by == "the free cores":
+        where = f"{cores} cores" + ("" if load is None else f", 1-minute load average {load:.1f} at the start")
+        return f"{text}, sized to the free cores ({where}; --threads sets it)"
+    return f"{text}, as {chosen_by} set"
+
+
 def run_line(name: str, row: dict[str, Any], done: int, total: int, elapsed: float, left: float | None) -> str:
     """``[ 3/30] adamw       lr 0.001 seed 0: val 2.953 (grid) ...``: one finished run."""
     width = len(str(total))
@@ -207,6 +236,7 @@ class RunLines:
         self.done = 0
         self.start = time.perf_counter()
         self.log: list[tuple[float, float]] = []
+        self.said: set[str] = set()  # optimizers whose failure was printed while it ran
 
     def __enter__(self) -> RunLines:
         return self
@@ -234,15 +264,23 @@ class RunLines:
             if left is not None:
                 self.log.append((elapsed, left))
             self.write(run_line(name, event["row"], self.done, self.total, elapsed, left))
+        elif kind == "widen":
+            self.estimate.more(name)
+            self.total += 1
+            self.write(f"{'':>{2 * len(str(self.total)) + 3}} {name}: lr {lr_text(event.get('edge'))} is the edge of "
+                       f"its grid: trying {lr_text(event.get('lr'))} too")
         elif kind == "picked":
             lr = event.get("lr")
             self.write(f"{'':>{2 * len(str(self.total)) + 3}} {name}: picked lr {lr_text(lr)}"
                        if lr is not None else f"{name}: every lr of the grid diverged")
 
     def row(self, row: dict[str, Any]) -> None:
+        """An optimizer's row is done. A failure is said as it happens; a skipped optimizer (known
+        before any run) is left to the list after the table, which names every one once."""
         self.estimate.end(row["optimizer"])
-        if row["status"] != "ok":
+        if row["status"] not in ("ok", "skipped"):
             self.write(f"{row['optimizer']}: {row['status']} — {row.get('reason')}")
+            self.said.add(row["optimizer"])
 
 
 class RunBars(RunLines):
@@ -298,6 +336,8 @@ class RunBars(RunLines):
         if kind == "step":
             return
         super().event(name, event)
+        if kind == "widen":
+            self.progress.update(self.overall, total=self.total)
         if kind == "setup" and bar is not None:
             self.progress.update(bar, description=f"{name}", completed=0)
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from leanopt.compare import stats
@@ -38,6 +39,9 @@ MEASURES = {
     "mode": "the training mode: the precision (fp32; bf16-mixed: fp32 weights under bf16 autocast; bf16: pure bf16 "
     "weights and gradients with the optimizer's rounding) and whether gradients are released (stepped inside "
     "backward; step_ms is then not measured, train_step_ms is)",
+    "peak_rss_bytes": "CPU: the process's peak anonymous resident set over the same steps, above the same baseline "
+    "(what the operating system sees, allocator included; it moves by several percent between identical runs, "
+    "which the tensor peak does not)",
     "kept_bytes_per_param": "(param_bytes + grad_bytes + state_bytes) / params: weights, the gradients alive between "
     "the first backward and its step (grad_bytes; 0 under gradient release) and the optimizer state",
 }
@@ -106,6 +110,7 @@ def to_json(comparison: Comparison, command: str, plots: list[str], plot_note: s
         "plots": plots,
         "plot_note": plot_note,
         "results": comparison.rows,
+        "recommendation": recommendation({"results": comparison.rows, "reference": comparison.reference}),
     })
 
 
@@ -137,12 +142,12 @@ def _pm(mean: Any, std: Any, digits: int = 3) -> str:
 
 
 COLUMNS = ["rank", "optimizer", "mode", "lr (pick)", "val loss (mean ± std)", "verdict vs AdamW", "val loss vs ref",
-           "final loss", "state MiB", "B/param", "vs AdamW", "weights+grads+state B/param", "peak MiB", "step ms median [IQR]",
-           "first step ms", "set-up s", "accuracy"]
+           "final loss", "state MiB", "B/param", "vs AdamW", "weights+grads+state B/param", "peak MiB", "process peak MiB",
+           "step ms median [IQR]", "first step ms", "set-up s", "accuracy", "F1 (macro)", "F1 vs AdamW"]
 TERMINAL_COLUMNS = {"rank", "optimizer", "mode", "lr (pick)", "val loss (mean ± std)", "verdict vs AdamW",
                     "val loss vs ref", "state MiB", "vs AdamW", "weights+grads+state B/param", "peak MiB", "step ms median [IQR]",
-                    "accuracy"}
-TEXT_COLUMNS = {"optimizer", "mode", "verdict vs AdamW", "lr (pick)"}
+                    "accuracy", "F1 (macro)", "F1 vs AdamW"}
+TEXT_COLUMNS = {"optimizer", "mode", "verdict vs AdamW", "lr (pick)", "F1 vs AdamW"}
 
 
 def _cells(r: dict[str, Any], ref: tuple[str, int] | None, digits: int = 3,
@@ -155,7 +160,7 @@ def _cells(r: dict[str, Any], ref: tuple[str, int] | None, digits: int = 3,
         step = _ms(r.get("step_ms_median"))
         if r.get("step_ms_q1") is not None:
             step += f" [{_ms(r['step_ms_q1'])}–{_ms(r['step_ms_q3'])}]"
-    acc = r.get("accuracy_mean")
+    acc, acc_std = r.get("accuracy_mean"), r.get("accuracy_std")
     return {
         "rank": str(r.get("rank", "-")),
         "optimizer": r["optimizer"],
@@ -172,10 +177,13 @@ def _cells(r: dict[str, Any], ref: tuple[str, int] | None, digits: int = 3,
         "vs AdamW": ratio,
         "weights+grads+state B/param": _num(r.get("kept_bytes_per_param"), 2),
         "peak MiB": _mib(r.get("peak_bytes")),
+        "process peak MiB": _mib(r.get("peak_rss_bytes")),
         "step ms median [IQR]": step,
         "first step ms": _ms(r.get("first_step_ms")),
         "set-up s": _num(r.get("setup_s"), 1),
-        "accuracy": "" if acc is None else f"{100 * acc:.1f}%",
+        "accuracy": "" if acc is None else f"{100 * acc:.1f}" + ("" if acc_std is None else f" ± {100 * acc_std:.1f}") + "%",
+        "F1 (macro)": _pm(r.get("f1_mean"), r.get("f1_std")),
+        "F1 vs AdamW": r.get("f1_verdict") or "",
     }
 
 
@@ -193,8 +201,12 @@ def columns(data: dict[str, Any]) -> list[str]:
     drop = {"mode", "val loss vs ref"} if not _has_modes(data) else set()
     if not has_acc:
         drop.add("accuracy")
+    if not any(r.get("f1_mean") is not None for r in ok):
+        drop |= {"F1 (macro)", "F1 vs AdamW"}
     if not has_kept:
         drop.add("weights+grads+state B/param")
+    if not any(r.get("peak_rss_bytes") is not None for r in ok):
+        drop.add("process peak MiB")
     return [c for c in COLUMNS if c not in drop]
 
 
@@ -209,12 +221,19 @@ def table_rows(data: dict[str, Any], *, markdown: bool = False) -> list[list[str
                                                     if r["status"] == "ok")]
 
 
-def not_run(data: dict[str, Any]) -> list[str]:
-    return [f"{r['optimizer']} ({r['status']}): {r.get('reason') or 'diverged at its pick'}"
-            for r in ordered(data["results"]) if r["status"] != "ok" or r.get("diverged")]
+def not_run(data: dict[str, Any], leave_out: set[str] | frozenset[str] = frozenset()) -> list[str]:
+    """One line per reason: the optimizers not ranked for it (``leave_out``: those already said)."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for r in ordered(data["results"]):
+        if (r["status"] != "ok" or r.get("diverged")) and r["optimizer"] not in leave_out:
+            key = (r["status"], r.get("reason") or "diverged at its pick")
+            groups.setdefault(key, []).append(r["optimizer"])
+    return [f"{', '.join(names)} ({status}): {reason}" for (status, reason), names in groups.items()]
 
 
-def print_table(data: dict[str, Any], console: Console) -> None:
+def print_table(data: dict[str, Any], console: Console, said: set[str] | frozenset[str] = frozenset()) -> None:
+    """The table, then each optimizer not ranked, once (``said``: those whose failure the
+    progress display printed already); :func:`print_recommendation` ends the output."""
     settings = data["settings"]
     table = Table(title=f"leanopt compare: {settings['task']} ({settings['steps']} steps, {settings['device']}, "
                         f"seeds {','.join(map(str, settings['seeds']))})")
@@ -227,8 +246,67 @@ def print_table(data: dict[str, Any], console: Console) -> None:
     for row in table_rows(data):
         table.add_row(*(row[i] for i in keep))
     console.print(table)
-    for line in not_run(data):
-        console.print(f"[yellow]not ranked[/yellow] {line}")
+    for line in not_run(data, said):
+        console.print(f"[yellow]not ranked[/yellow] {escape(line)}")
+
+
+def print_recommendation(data: dict[str, Any], console: Console) -> None:
+    if data.get("recommendation"):
+        console.print(f"[bold]What to use[/bold]: {escape(data['recommendation'])}")
+
+
+def kept_bytes(row: dict[str, Any]) -> int | None:
+    """What persists through a step: weights + the gradients alive before it + the state (the
+    state alone where the others are not known)."""
+    parts = [row.get(k) for k in ("param_bytes", "grad_bytes", "state_bytes")]
+    return sum(parts) if all(isinstance(p, int) for p in parts) else row.get("state_bytes")
+
+
+def _saving(mine: Any, theirs: Any) -> str:
+    if not (stats.finite(mine) and stats.finite(theirs)) or not theirs:
+        return ""
+    return f"{mine / MiB:.1f} MiB against {theirs / MiB:.1f} ({(mine - theirs) / MiB:+.1f} MiB, {100 * (mine - theirs) / theirs:+.0f} %)"
+
+
+def recommendation(data: dict[str, Any]) -> str | None:
+    """What to use: of the optimizers within noise of the reference (or better) by the verdict,
+    on the validation loss and, where the task scores one, on the F1 too, the one that keeps the
+    least memory (weights + gradients + state; then the lower peak), and what it saves."""
+    ok = {r["optimizer"]: r for r in data["results"] if r["status"] == "ok" and not r.get("diverged")}
+    ref = ok.get(data.get("reference") or "")
+    if ref is None:
+        return None
+
+    def level(r: dict[str, Any]) -> bool:
+        if r is ref:
+            return True
+        verdict, f1 = r.get("verdict") or "", r.get("f1_verdict") or ""
+        return (verdict == "within noise" or verdict.startswith("better")) and not f1.startswith(("worse", "untested"))
+
+    candidates = [r for r in ok.values() if level(r) and kept_bytes(r) is not None]
+    best = min(candidates, key=lambda r: (kept_bytes(r), r.get("peak_bytes") or math.inf, r["val_loss_mean"]))
+    untested = any((r.get("verdict") or "").startswith("untested") for r in ok.values())
+    if best is ref:
+        why = ("with one seed no verdict can be within noise (use --seeds 2 or more)" if untested else
+               "no optimizer that keeps less memory is within noise of it here")
+        return f"Use `{ref['optimizer']}`: {why}."
+    text = (f"Use `{best['optimizer']}` (lr {lr_text(best.get('lr'))}): within noise of `{ref['optimizer']}` on "
+            f"validation loss ({best['val_loss_mean']:.3f} ± {best.get('val_loss_std') or 0:.3f} against "
+            f"{ref['val_loss_mean']:.3f} ± {ref.get('val_loss_std') or 0:.3f})")
+    if stats.finite(best.get("f1_mean")) and stats.finite(ref.get("f1_mean")):
+        text += (f" and macro F1 ({best['f1_mean']:.3f} ± {best.get('f1_std') or 0:.3f} against "
+                 f"{ref['f1_mean']:.3f} ± {ref.get('f1_std') or 0:.3f})")
+    text += f", with the least memory of those: optimizer state {_saving(best.get('state_bytes'), ref.get('state_bytes'))}"
+    kept = _saving(kept_bytes(best), kept_bytes(ref))
+    if kept and kept_bytes(best) != best.get("state_bytes"):
+        text += f"; weights + gradients + state {kept}"
+    peak = _saving(best.get("peak_bytes"), ref.get("peak_bytes"))
+    if peak:
+        text += f"; peak {peak}"
+    text += "."
+    if best.get("lr_at_grid_edge"):
+        text += " Its lr is at the edge of its grid, so it may do better still outside it."
+    return text
 
 
 def grid_rows(data: dict[str, Any]) -> list[str]:
@@ -315,8 +393,11 @@ def markdown(data: dict[str, Any]) -> str:
     ]
     lines += ["| " + " | ".join(row) + " |" for row in table_rows(data)]
     lines.append("")
+    if data.get("recommendation"):
+        lines += [f"**What to use.** {data['recommendation']}", ""]
     if data.get("reference"):
-        lines.append(f"Verdict: against `{data['reference']}`. {stats.VERDICT_RULE}.")
+        lines.append(f"Verdict: against `{data['reference']}`. {stats.VERDICT_RULE}."
+                     + (" \"F1 vs AdamW\": the same rule on the macro F1, higher better." if "F1 vs AdamW" in cols else ""))
         lines.append("")
     lines += mode_note(data)
     if ref:
@@ -335,10 +416,11 @@ def markdown(data: dict[str, Any]) -> str:
         lines += [f"No plots: {data['plot_note']}.", ""]
     lines += ["## Timings", ""]
     lines += timing_note(data)
+    threads = (data.get("threads") or {}).get("note") or (f"{env.get('torch_threads')} torch thread(s) in each of "
+                                                          f"{data.get('jobs', 1)} process(es)")
     lines += ["Step times are medians over every timed step of all an optimizer's runs (grid and seeds); the "
               "bracket is the interquartile range. The first step and the set-up (warm-up, compilation) are "
-              f"apart. {data.get('jobs', 1)} optimizer(s) trained at a time, {env.get('torch_threads')} torch "
-              "thread(s) each.", ""]
+              f"apart. Threads: {threads}.", ""]
     lines += eta_note(data)
     lines += ["## What is measured", ""]
     lines += [f"- `{k}`: {v}" for k, v in data["measured"].items()]

@@ -80,16 +80,49 @@ def _by_key(done: Sequence[dict[str, Any]]) -> dict[tuple[str, str, int], dict[s
     return {_key(r.get("phase", "grid"), r["lr"], r["seed"]): r for r in done}
 
 
+# Grid points added, one at a time, beyond an edge the pick keeps landing on.
+MAX_WIDEN = 2
+
+
+def widened_lr(grid: Sequence[LR], losses: Sequence[float | None], planned: int) -> float | None:
+    """The lr to try next when the pick is at the edge of the grid, else None.
+
+    ``grid`` and ``losses`` are the points trained so far (the planned ``planned`` first, then
+    any added), in training order. One more point lies a grid step (the ratio of the two
+    outermost lrs on that side) beyond the edge, up to :data:`MAX_WIDEN` of them: a pick at
+    the edge says the best lr may lie outside, and one step further tells.
+    """
+    best = stats.pick(list(zip(grid, losses)))
+    if best is None or len(grid) - planned >= MAX_WIDEN or not stats.at_edge(grid, grid[best]):
+        return None
+    numeric = sorted(float(x) for x in grid if stats.finite(x))
+    lr = float(grid[best])
+    step = numeric[-1] / numeric[-2] if lr == numeric[-1] else numeric[0] / numeric[1]
+    return float(f"{lr * step:.6g}")
+
+
+def _loss(row: dict[str, Any]) -> float | None:
+    return None if row.get("diverged") else row.get("val_loss")
+
+
 def runs_left(plan: Plan, entry: Contender, done: Sequence[dict[str, Any]]) -> int:
     """How many runs of the protocol are still to train, given the rows of those ``done``
-    (a resumed comparison's, read from its runs log); :func:`runs_planned` when none are."""
+    (a resumed comparison's, read from its runs log); :func:`runs_planned` when none are.
+    A grid still to be widened counts the one point known to come."""
     have = _by_key(done)
     grid = lr_grid(plan, entry)
     grid_rows = [have.get(_key("grid", lr, plan.seeds[0])) for lr in grid]
     seeds = len(plan.seeds) - 1
     if any(r is None for r in grid_rows):
         return sum(r is None for r in grid_rows) + seeds
-    best = stats.pick([(lr, None if r.get("diverged") else r.get("val_loss")) for lr, r in zip(grid, grid_rows)])
+    losses = [_loss(r) for r in grid_rows]  # type: ignore[union-attr]
+    planned = len(grid)
+    while (lr := widened_lr(grid, losses, planned)) is not None:
+        row = have.get(_key("grid", lr, plan.seeds[0]))
+        if row is None:
+            return 1 + seeds
+        grid, losses = [*grid, lr], [*losses, _loss(row)]
+    best = stats.pick(list(zip(grid, losses)))
     if best is None:
         return 0
     return sum(_key("seed", grid[best], seed) not in have for seed in plan.seeds[1:])
@@ -129,11 +162,15 @@ def run_protocol(optimizer: str, plan: Plan, emit: Emit, done: Sequence[dict[str
             emit({"event": "run", "row": row})
         return row
 
-    first_seed, points = plan.seeds[0], []
+    first_seed, losses = plan.seeds[0], []
     for lr in grid:
-        row = row_of("grid", lr, first_seed)
-        points.append((lr, row.get("val_loss") if not row.get("diverged") else None))
-    best = stats.pick(points)
+        losses.append(_loss(row_of("grid", lr, first_seed)))
+    planned = len(grid)
+    while (lr := widened_lr(grid, losses, planned)) is not None:
+        emit({"event": "widen", "lr": lr, "edge": grid[stats.pick(list(zip(grid, losses)))]})  # type: ignore[index]
+        grid.append(lr)
+        losses.append(_loss(row_of("grid", lr, first_seed)))
+    best = stats.pick(list(zip(grid, losses)))
     emit({"event": "picked", "lr": None if best is None else grid[best]})
     if best is None:
         return
@@ -151,9 +188,12 @@ def run_one(entry: Contender, workload: Workload, plan: Plan, emit: Emit, *, fre
     if device.type == "cpu":
         use_mmap_for_large_blocks()
     recorder = Recorder(device, plan.steps, emit)
-    recorder.memory.reset()
+    recorder.start_memory()
     start = time.perf_counter()
-    trained = workload.run(entry, plan, recorder)
+    try:
+        trained = workload.run(entry, plan, recorder)
+    finally:
+        recorder.close()  # a profiler left running would slow every later run of this process
     train_s = time.perf_counter() - start
     state = leanopt.measure(trained.optimizer)
     params = [p for p in trained.model.parameters() if p.requires_grad]
@@ -177,10 +217,11 @@ def run_one(entry: Contender, workload: Workload, plan: Plan, emit: Emit, *, fre
         "state_bytes": state.bytes,
         "state_by_key": state.by_key,
         "estimated_state_bytes": _estimate(entry, trained.model, kwargs),
-        "memory_method": recorder.memory.method,
+        "memory_method": recorder.method,
         "train_s": train_s,
         "val_loss": None,
         "accuracy": None,
+        "f1": None,
     }
     row.update(recorder.summary())
     row.update(trained.metrics)
@@ -222,6 +263,8 @@ def run_isolated(optimizer: str, plan: Plan, emit: Emit, done: Sequence[dict[str
     """Run :func:`run_protocol` in a fresh process; returns why it failed (None: it finished)."""
     spec = json.dumps({"optimizer": optimizer, "plan": plan.to_dict(), "done": list(done)})
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    if plan.threads:  # OpenMP's pool is sized before torch.set_num_threads could shrink it
+        env["OMP_NUM_THREADS"] = str(plan.threads)
     with tempfile.TemporaryFile(mode="w+") as stderr:
         proc = subprocess.Popen(
             [sys.executable, "-m", "leanopt.compare.worker"],
@@ -378,17 +421,20 @@ def summarize(name: str, plan: Plan, setup: dict[str, Any] | None, runs: list[di
         return failed_row(name, reason or "no run finished")
     grid_runs = [r for r in runs if r.get("phase", "grid") == "grid"]
     grid = [r["lr"] for r in grid_runs]
-    points = [(r["lr"], None if r.get("diverged") else r.get("val_loss")) for r in grid_runs]
-    best = stats.pick(points)
+    points = [(r["lr"], _loss(r)) for r in grid_runs]
+    best = stats.pick(points)  # in training order, as the protocol picked
     first = runs[0]
+    # Shown by lr (a widened grid's added points were trained last), the relative step last.
+    shown = sorted(range(len(grid)), key=lambda i: (not stats.finite(grid[i]), grid[i] if stats.finite(grid[i]) else 0))
     row: dict[str, Any] = {
         "optimizer": name,
         "status": "ok",
         "origin": entry.origin,
         "lr": None if best is None else grid[best],
-        "lr_grid": grid,
-        "grid_val_loss": [p[1] for p in points],
+        "lr_grid": [grid[i] for i in shown],
+        "grid_val_loss": [points[i][1] for i in shown],
         "lr_at_grid_edge": best is not None and stats.at_edge(grid, grid[best]),
+        "lr_widened": max(0, len(grid) - len(lr_grid(plan, entry))),
         "lr_fixed": plan.fixed_lr,
     }
     if reason is not None:
@@ -400,19 +446,24 @@ def summarize(name: str, plan: Plan, setup: dict[str, Any] | None, runs: list[di
     else:
         at_pick = [r for r in runs if r["lr"] == grid[best] and (r.get("phase") == "seed" or r is grid_runs[best])]
     for key in ("class", "mode", "precision", "rounding", "release", "param_dtypes", "params", "param_bytes",
-                "grad_bytes", "state_bytes", "state_by_key", "estimated_state_bytes", "memory_method"):
+                "grad_bytes", "state_bytes", "state_by_key", "estimated_state_bytes"):
         row[key] = first.get(key)
     row["kwargs"] = (at_pick[0] if at_pick else first).get("kwargs")
+    row["memory_method"] = first.get("memory_method")
     row["state_bytes_per_param"] = row["state_bytes"] / row["params"] if row.get("params") else None
     # What persists through a step, per param: weights + the gradients alive before the step + state.
     kept = [row.get(k) for k in ("param_bytes", "grad_bytes", "state_bytes")]
     row["kept_bytes_per_param"] = (sum(kept) / row["params"]
                                    if row.get("params") and all(isinstance(k, int) for k in kept) else None)
     row["peak_bytes"] = first.get("peak_bytes") if first.get("fresh_process", True) else None
+    row["peak_rss_bytes"] = first.get("peak_rss_bytes") if first.get("fresh_process", True) else None
+    # The peak of every run (the tensor peak repeats across them; the resident set does not).
+    row["peak_bytes_runs"] = [r.get("peak_bytes") for r in runs]
     row["seeds"] = [r["seed"] for r in at_pick]
     # Per seed (a list) and its mean and std: val_losses, val_loss_mean, val_loss_std, ...
     for key, per_seed in (("val_loss", "val_losses"), ("final_loss", "final_losses"),
-                          ("initial_loss", "initial_losses"), ("accuracy", "accuracy_by_seed")):
+                          ("initial_loss", "initial_losses"), ("accuracy", "accuracy_by_seed"),
+                          ("f1", "f1_by_seed")):
         values = [r.get(key) for r in at_pick]
         row[per_seed] = values
         row[f"{key}_mean"], row[f"{key}_std"] = stats.mean_std([v for v in values if v is not None])
@@ -432,11 +483,11 @@ def summarize(name: str, plan: Plan, setup: dict[str, Any] | None, runs: list[di
     row["train_s"] = sum(r.get("wall_s") or 0.0 for r in runs)
     curves = [r.get("loss_curve") or [] for r in at_pick]
     row["loss_curves"] = curves
-    row["runs_detail"] = [{k: r.get(k) for k in ("phase", "lr", "seed", "val_loss", "final_loss", "accuracy",
+    row["runs_detail"] = [{k: r.get(k) for k in ("phase", "lr", "seed", "val_loss", "final_loss", "accuracy", "f1",
                                                  "diverged", "step_ms_median", "wall_s")} for r in runs]
     # Names kept from the single-run report: the means at the pick.
     row["val_loss"], row["final_loss"] = row["val_loss_mean"], row["final_loss_mean"]
-    row["accuracy"] = row["accuracy_mean"]
+    row["accuracy"], row["f1"] = row["accuracy_mean"], row["f1_mean"]
     return row
 
 
@@ -472,7 +523,17 @@ def judge(rows: list[dict[str, Any]]) -> str | None:
             row.update(verdict=stats.REFERENCE, delta=0.0, delta_std=None)
         else:
             row.update(stats.verdict(row["val_losses"], by_name[ref]["val_losses"]))
+        # Where the task scores an F1 (the Trainer tasks), the same rule on it, higher better.
+        theirs, ours = (by_name[ref].get("f1_by_seed") if ref else None), row.get("f1_by_seed")
+        if row["status"] == "ok" and ref is not None and _any_finite(ours) and _any_finite(theirs):
+            f1 = ({"verdict": stats.REFERENCE, "delta": 0.0, "delta_std": None} if row["optimizer"] == ref
+                  else stats.verdict(ours, theirs, higher_is_better=True))
+            row.update(f1_verdict=f1["verdict"], f1_delta=f1["delta"], f1_delta_std=f1["delta_std"])
     return ref
+
+
+def _any_finite(values: Any) -> bool:
+    return isinstance(values, list) and any(stats.finite(v) for v in values)
 
 
 def _rank(rows: list[dict[str, Any]]) -> None:

@@ -62,6 +62,23 @@ def pick(points: Sequence[tuple[Any, float | None]]) -> int | None:
     return best
 
 
+def macro_f1(predicted: Sequence[int], truth: Sequence[int]) -> float:
+    """The unweighted mean over classes of F1 = 2 TP / (2 TP + FP + FN), over every class that
+    occurs in ``truth`` or ``predicted`` (scikit-learn's ``f1_score(average="macro")``; a
+    class with no true or predicted example scores 0)."""
+    if len(predicted) != len(truth):
+        raise ValueError(f"macro_f1: {len(predicted)} predictions for {len(truth)} labels")
+    classes = sorted(set(truth) | set(predicted))
+    if not classes:
+        return 0.0
+    scores = []
+    for c in classes:
+        tp = sum(p == c and t == c for p, t in zip(predicted, truth))
+        wrong = sum((p == c) != (t == c) for p, t in zip(predicted, truth))  # FP + FN
+        scores.append(2 * tp / (2 * tp + wrong) if tp or wrong else 0.0)
+    return statistics.fmean(scores)
+
+
 def at_edge(grid: Sequence[Any], chosen: Any) -> bool:
     """Whether the pick is the smallest or the largest numeric lr of a grid of 3 or more.
 
@@ -98,10 +115,11 @@ def welch(a: Sequence[float], b: Sequence[float]) -> tuple[float, float | None, 
     return ma - mb, se, df
 
 
-def verdict(values: Sequence[float], reference: Sequence[float]) -> dict[str, Any]:
+def verdict(values: Sequence[float], reference: Sequence[float], *, higher_is_better: bool = False) -> dict[str, Any]:
     """The verdict of ``values`` (val losses over seeds) against the reference's; see VERDICT_RULE.
 
-    Returns ``{"verdict", "delta", "delta_std"}``; lower loss is better.
+    Returns ``{"verdict", "delta", "delta_std"}``; lower is better (a loss), or higher with
+    ``higher_is_better`` (an accuracy, an F1). ``delta`` is ``values`` minus ``reference`` either way.
     """
     if not any(finite(x) for x in values) or not any(finite(x) for x in reference):
         return {"verdict": "no comparison (no finite validation loss)", "delta": None, "delta_std": None}
@@ -112,5 +130,6 @@ def verdict(values: Sequence[float], reference: Sequence[float]) -> dict[str, An
     if abs(delta) <= threshold:
         word = "within noise"
     else:
-        word = f"{'worse' if delta > 0 else 'better'} by {abs(delta):.3f} ± {se:.3f}"
+        worse = delta < 0 if higher_is_better else delta > 0
+        word = f"{'worse' if worse else 'better'} by {abs(delta):.3f} ± {se:.3f}"
     return {"verdict": word, "delta": delta, "delta_std": se}

