@@ -2,6 +2,7 @@
 
     python benchmarks/first_step.py            # all three, ~1 minute on 2 idle cores
     python benchmarks/first_step.py --json out.json
+    python benchmarks/first_step.py --shape 2048x4096   # 8.4M params, the size of step_time.py's CPU set
 
 * **fresh cache**: a new ``TORCH_EXTENSIONS_DIR``, so the native kernel must be built: the
   first steps' times, how many steps ran before the kernel was ready, and when it was.
@@ -9,8 +10,8 @@
 * **no compiler**: ``CXX`` pointing nowhere (a slim container): the steady step of the path
   that runs then (every rule eager), next to the native kernel's in the warm process.
 
-Each process trains one 4096 x 4096 fp32 param with AdamW8bit (a third of the gradient exactly
-0, as after a ReLU) for 8 steps and reports each step's seconds; the median of steps 3-8 is
+Each process trains one fp32 param (4096 x 4096 unless ``--shape`` says) with AdamW8bit (a
+third of the gradient exactly 0, as after a ReLU) for 8 steps and reports each step's seconds; the median of steps 3-8 is
 the steady step. Every process ends with the same bits (the paths agree exactly).
 """
 
@@ -30,7 +31,7 @@ WORKER = textwrap.dedent("""
     import json, time, torch, leanopt
     from leanopt.kernels import cpu_native
     gen = torch.Generator().manual_seed(0)
-    p = torch.nn.Parameter(torch.randn(4096, 4096, generator=gen) * 0.02)
+    p = torch.nn.Parameter(torch.randn(*SHAPE, generator=gen) * 0.02)
     opt = leanopt.AdamW8bit([p], lr=1e-3)
     times, ready = [], []
     start = time.perf_counter()
@@ -48,8 +49,8 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def measure(env: dict[str, str]) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, "-c", WORKER], capture_output=True, text=True, env={**os.environ, **env},
+def measure(env: dict[str, str], shape: tuple[int, ...] = (4096, 4096)) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, "-c", f"SHAPE = {shape!r}\n{WORKER}"], capture_output=True, text=True, env={**os.environ, **env},
                           timeout=1200, check=False)  # fmt: skip
     if proc.returncode != 0:
         raise SystemExit(f"worker failed: {proc.stderr.strip()[-2000:]}")
@@ -62,12 +63,19 @@ def measure(env: dict[str, str]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--shape", default="4096x4096", help="the param's shape, e.g. 2048x4096 (default 4096x4096)")
     args = parser.parse_args(argv)
+    try:
+        shape = tuple(int(n) for n in args.shape.lower().split("x"))
+    except ValueError:
+        parser.error(f"--shape {args.shape!r}: expected sizes joined by x, e.g. 2048x4096")
+    if not shape or min(shape) < 1:
+        parser.error(f"--shape {args.shape!r}: every size must be >= 1")
     with tempfile.TemporaryDirectory() as tmp:
-        fresh = measure({"TORCH_EXTENSIONS_DIR": os.path.join(tmp, "fresh")})
-        warm = measure({})
-        bare = measure({"CXX": os.path.join(tmp, "no-such-c++"), "TORCH_EXTENSIONS_DIR": os.path.join(tmp, "none")})
-    report = {"fresh_cache": fresh, "warm_cache": warm, "no_compiler": bare,
+        fresh = measure({"TORCH_EXTENSIONS_DIR": os.path.join(tmp, "fresh")}, shape)
+        warm = measure({}, shape)
+        bare = measure({"CXX": os.path.join(tmp, "no-such-c++"), "TORCH_EXTENSIONS_DIR": os.path.join(tmp, "none")}, shape)
+    report = {"shape": list(shape), "fresh_cache": fresh, "warm_cache": warm, "no_compiler": bare,
               "no_compiler_over_native": bare["steady_ms"] / warm["steady_ms"],
               "same_bits": fresh["bits"] == warm["bits"] == bare["bits"]}  # fmt: skip
     before = sum(1 for r in fresh["ready"] if not r)

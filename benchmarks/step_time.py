@@ -16,6 +16,16 @@ that a noisy shared machine slows every optimizer alike. Columns:
   gradients read, state read and written (``numel * (2*param_bytes + grad_bytes) + 2*state``),
   next to the device's measured copy bandwidth.
 Peers that are not installed, or fail on this device, are listed as skipped with the reason.
+
+**The CPU allocator is pinned** (``--allocator pinned``, the default; glibc only): optimizers
+that allocate full-size temporaries every step (transformers' and torch's Adafactor, torch's
+foreach AdamW, the peers' 8-bit steps) ran at one of two speeds from one process to the next,
+because glibc's malloc moves its mmap threshold and trims its heap depending on the order of
+earlier frees: transformers' Adafactor on 16 x 512 x 1000 took 14-19 ms in some processes and
+30-37 ms in others (130k against 365k minor page faults per 21 steps), which alone moved
+leanopt's Adafactor ratio between 0.3 and 0.7. Pinned (``mallopt``: no mmap below 32 MiB, no
+heap trimming) every contender reuses its memory as in a long training run: the peers at their
+fastest, the same in every process. ``--allocator default`` leaves glibc's defaults.
 """
 
 from __future__ import annotations
@@ -46,6 +56,24 @@ def tinyllama_shapes(scale: str) -> list[tuple[int, ...]]:
         shapes += [(inter, hidden), (inter, hidden), (hidden, inter), (hidden,), (hidden,)]
     shapes += [(hidden,), (vocab, hidden)]
     return shapes
+
+
+def pin_allocator() -> str:
+    """glibc: serve allocations below 32 MiB from the heap and never trim it (see the module
+    docstring). Returns what was done, for the report."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return "default (no glibc mallopt here)"
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    if mallopt(m_mmap_threshold, 32 << 20) != 1 or mallopt(m_trim_threshold, 2**31 - 1) != 1:
+        return "default (mallopt refused)"
+    return "pinned (glibc: mmap threshold 32 MiB, no trimming)"
 
 
 def _sync(device: torch.device) -> None:
@@ -209,7 +237,7 @@ def print_table(report: dict[str, Any]) -> None:
     print(
         f"{report['device']}, torch {report['torch']}, {report['params']:,} {report['param_dtype']} params in "
         f"{report['tensors']} tensors, copy bandwidth {report['copy_bandwidth_GBps']} GB/s, "
-        f"median of {report['rounds']} interleaved rounds"
+        f"median of {report['rounds']} interleaved rounds, allocator {report.get('allocator', 'default')}"
     )
     head = f"{'optimizer':22s} {'ms/step':>9s} {'x fused':>8s} {'first s':>8s} {'B/param':>8s} {'GB/s':>7s} {'floor ms':>9s}"
     print(head)
@@ -235,8 +263,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", default="tinyllama", choices=["tinyllama", *SETS], help="the shapes (default: TinyLlama's)")
     parser.add_argument("--threads", type=int, help="torch's intra-op threads (default: torch's)")
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    parser.add_argument("--allocator", default="pinned", choices=["pinned", "default"],
+                        help="pin glibc's malloc so that no contender's speed depends on its state (default), or not")
     args = parser.parse_args(argv)
+    allocator = pin_allocator() if args.allocator == "pinned" else "default"
     report = run(args)
+    report["allocator"] = allocator
     print_table(report)
     if args.json:
         with open(args.json, "w") as f:

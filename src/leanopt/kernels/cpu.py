@@ -15,7 +15,7 @@ import shlex
 import shutil
 import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -146,6 +146,49 @@ def compiled_per_dtypes(fn: Callable[..., Any]) -> Callable[..., Any]:
 # Scratch buffers of the CPU paths, reused step after step (no page faults from fresh
 # allocations); a memory trace has a pool of its own (leanopt.tracing).
 _workspaces = threading.local()
+
+
+# The worker threads of spread(): kept from step to step, so that their workspaces are too.
+_spread_pool: dict[int, Any] = {}
+_spread_lock = threading.Lock()
+_in_spread = threading.local()
+
+
+def spread(run: Callable[[Any], None], items: Sequence[Any]) -> None:
+    """``run(item)`` for every item, on up to ``torch.get_num_threads()`` Python threads that
+    take the next item as they finish one (torch releases the GIL in its ops), each torch op on
+    one intra-op thread. For work made of many small ops (the eager rules' chunks, Adafactor's
+    passes over one param): torch's OpenMP regions around each op wait at their barriers for a
+    descheduled partner on a busy machine, and the ops of one param are too small to share.
+    Items must be independent (the same bits in any order). Serial under a memory trace
+    (leanopt.tracing is per thread), inside a spread, or with one thread."""
+    workers = min(torch.get_num_threads(), len(items))
+    if workers <= 1 or tracing.active() is not None or getattr(_in_spread, "on", False):
+        for item in items:
+            run(item)
+        return
+    threads = torch.get_num_threads()
+    with _spread_lock:
+        pool = _spread_pool.get(threads)
+        if pool is None:
+            import concurrent.futures
+
+            pool = _spread_pool[threads] = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="leanopt-cpu")
+
+    def call(item: Any) -> None:
+        _in_spread.on = True
+        try:
+            with torch.no_grad():  # grad mode is per thread; the steps run under no_grad
+                run(item)
+        finally:
+            _in_spread.on = False
+
+    torch.set_num_threads(1)
+    try:
+        for future in [pool.submit(call, item) for item in items]:
+            future.result()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def workspace(slot: int, numel: int, dtype: torch.dtype) -> Tensor:

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from leanopt import tracing
-from leanopt.kernels.cpu import workspace
+from leanopt.kernels.cpu import spread, workspace
 
 # Elements per row block of a factored param. A block's temporaries live in a reused
 # workspace (no page faults from fresh allocations every step) and in cache, so each pass
@@ -94,13 +94,14 @@ def adafactor(
         # Squared norms, not sums of squares: the reference's reduction, rounded the same way.
         for i, norm in zip(unfactored, torch._foreach_norm(updates)):
             update_sq[i] = norm.square()
-    for i, f in factored.items():
-        update_sq[i] = f.stats(eps1, beta2t)
 
     # The reference: RMS(u) / clip_threshold, at least 1, divides the update.
-    clip = torch.stack(update_sq).sqrt_().div_(sqrt_numel).div_(clip_threshold).clamp_(min=1.0)
+    def clip_of(sq: Tensor, i: int) -> Tensor:
+        return sq.sqrt().div_(sqrt_numel[i]).div_(clip_threshold).clamp_(min=1.0)
+
     decay = step_size * -weight_decay if weight_decay != 0 and scale_parameter else None
-    clips, steps = clip.tolist(), step_size.tolist()
+    steps = step_size.tolist()
+    clips = [clip_of(update_sq[i], i).item() if p.ndim < 2 else 0.0 for i, p in enumerate(params)]
 
     if unfactored:
         ps = [params[i] for i in unfactored]
@@ -121,14 +122,22 @@ def adafactor(
         for p, pf in zip(ps, pfs):
             if pf is not p:
                 p.copy_(pf)
-    for i, f in factored.items():
+
+    def step_factored(i: int) -> None:
+        # A factored param's passes need nothing of the other params' but the step size: each
+        # param runs whole on one thread (cpu.spread), its clip its own.
+        f = factored[i]
+        clip = clip_of(f.stats(eps1, beta2t), i).item()
         f.apply(
-            -steps[i] / clips[i],
+            -steps[i] / clip,
             exp_avgs[i] if beta1 is not None else None,
             beta1 or 0.0,
             decay[i] if decay is not None else None,
             -weight_decay * rho if weight_decay != 0 and not scale_parameter else 0.0,
         )
+
+    # Largest first, so that the threads end together.
+    spread(step_factored, sorted(factored, key=lambda i: -params[i].numel()))
 
 
 class _Factored:

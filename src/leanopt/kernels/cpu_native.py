@@ -149,8 +149,8 @@ _MANIFEST_NAME = "leanopt_build.json"
 # How long to wait for another process's build (a cold one takes ~8 s) before running without
 # the kernel.
 _BUILD_WAIT_S = 120.0
-# How long the first step waits for the extension: a cached one loads in well under this, a build
-# takes ~8 s and goes on in the background.
+# How long the first step waits for a cached extension to load (well under this); one that must be
+# built (~8 s) is not waited for: the build goes on in the background.
 _FIRST_WAIT_S = 1.0
 # /proc/cpuinfo fields that differ between reads, cores or boots, none of which changes the code
 # the compiler makes: left out of the fallback cache key.
@@ -231,8 +231,12 @@ def _module(wait: bool = True) -> Any | None:
             if "module" not in _state and "thread" not in _state:
                 _start()
                 thread = _state.get("thread")
-                if thread is not None:  # a cached build loads within this; a build does not
-                    thread.join(timeout=_FIRST_WAIT_S)
+                if thread is not None:
+                    # A cached build loads within this; a build to be made is not waited for at all:
+                    # the first step runs another CPU path at once (the thread says which, first).
+                    _state["decided"].wait(timeout=_FIRST_WAIT_S)
+                    if _state.get("cached"):
+                        thread.join(timeout=_FIRST_WAIT_S)
     thread = _state.get("thread")
     if wait and thread is not None and "module" not in _state:
         thread.join()
@@ -261,12 +265,17 @@ def _start() -> None:
         _state["module"] = None
         return
     # Even the cache key asks the compiler (what -march=native means here): all in the thread.
+    _state["decided"] = threading.Event()  # set once the thread knows whether a cached build is there
     _state["thread"] = thread = threading.Thread(target=_build_now, name="leanopt-native-build", daemon=False)
     thread.start()
 
 
 def _build_now() -> None:
-    if not _cached():
+    try:
+        _state["cached"] = cached = _cached()
+    finally:
+        _state["decided"].set()
+    if not cached:
         log.warning("leanopt: building the native CPU kernel in the background (once per machine, ~8 s); until it "
                     "is ready, low-bit CPU steps run another CPU path, with the same results")  # fmt: skip
     start = time.perf_counter()
