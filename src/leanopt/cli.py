@@ -178,7 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``leanopt`` and ``python -m leanopt``; returns the exit status."""
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        args = parser.parse_args(_attach_dashed_values(parser, sys.argv[1:] if argv is None else list(argv)))
         return args.run(args)
     except SystemExit as exit_:  # --help
         return int(exit_.code or 0)
@@ -193,6 +194,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except Exception as err:  # a bug, but the contract is one line and status 2
         return _fail(f"internal error: {type(err).__name__}: {err}".splitlines()[0])
+
+
+def _attach_dashed_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``--budget -1GiB`` as ``--budget=-1GiB``: argparse takes a value that starts with '-' and is
+    not a plain number for an option and answers "expected one argument"; attached, the value
+    reaches its own check, which names what is wrong with it. Only for options that take one
+    value, and only a value with a single leading '-' (``--budget --json`` stays as it is)."""
+    takes_value = {opt for action in _all_actions(parser) if type(action) is argparse._StoreAction and action.nargs is None
+                   for opt in action.option_strings}  # fmt: skip
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        token, following = argv[i], argv[i + 1] if i + 1 < len(argv) else ""
+        if token in takes_value and following.startswith("-") and not following.startswith("--") and len(following) > 1:
+            out.append(f"{token}={following}")
+            i += 2
+        else:
+            out.append(token)
+            i += 1
+    return out
+
+
+def _all_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """Every action of ``parser`` and of its subcommands' parsers."""
+    actions = list(parser._actions)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                actions += _all_actions(sub)
+    return actions
 
 
 def _fail(message: str) -> int:

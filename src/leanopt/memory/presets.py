@@ -581,6 +581,27 @@ def hub_unreachable(timeout: float = HUB_TIMEOUT_S) -> str | None:
     return None
 
 
+def _either(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def nearest_presets(name: str, n: int = 3) -> list[str]:
+    """The presets whose names (any of their aliases) are nearest ``name``: those that contain it
+    or that it contains, and ``difflib``'s close matches (ratio >= 0.6), nearest first, at most
+    ``n``, each once."""
+    import difflib
+
+    key = name.strip().lower()
+    out: list[str] = []
+    aliases = [a for a in _PRESET_INDEX if "/" not in a]
+    near = {a for a in aliases if key and (key in a or a in key)} | set(difflib.get_close_matches(key, aliases, n=n, cutoff=0.6))
+    for alias in sorted(near, key=lambda a: (-difflib.SequenceMatcher(None, key, a).ratio(), a)):
+        preset = _PRESET_INDEX[alias]
+        if preset not in out:
+            out.append(preset)
+    return out[:n]
+
+
 def _from_hub(repo_id: str) -> tuple[torch.nn.Module, str]:
     _transformers(f"{repo_id!r} (not a preset, a local path or a count, so a Hub id)")
     from huggingface_hub import hf_hub_download
@@ -591,6 +612,11 @@ def _from_hub(repo_id: str) -> tuple[torch.nn.Module, str]:
     except Exception:  # not cached, or not a valid repo id: decided below
         file = None
     if file is None:
+        near = nearest_presets(repo_id)
+        if near and "/" not in repo_id:
+            # A bare name near a preset is a typo far more often than a Hub id: say so before the network.
+            raise ValueError(f"{repo_id!r} is not a preset: did you mean {_either(near)}? (presets: "
+                             f"{', '.join(PRESETS)}; a Hub model by its full id, organisation/name)")  # fmt: skip
         if hub_offline():
             raise ValueError(f"{what}, and the Hub is offline (HF_HUB_OFFLINE) with no cached config for it")
         # One short request first: hf_hub_download retries unreachable hosts for ~24 s.
