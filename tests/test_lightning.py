@@ -1,0 +1,63 @@
+"""PyTorch Lightning with every registered optimizer (issue 25): ``configure_optimizers`` returns
+it, ``precision="bf16-true"`` keeps the weights in bf16 with ``rounding="kahan"``, and the run is
+bit-identical to the same steps written as a plain loop (examples/lightning_train.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from registry import OPTIMIZERS, OptimizerCase
+
+L = pytest.importorskip("lightning")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import lightning_train  # noqa: E402
+
+STEPS = 12
+
+
+def _kwargs(case: OptimizerCase) -> dict:
+    return {k: v for k, v in case.kwargs.items() if k not in ("lr", "rounding")}
+
+
+def _lr(case: OptimizerCase) -> float:
+    return float(case.kwargs.get(case.lr_key or "lr", 1e-3) or 1e-3)
+
+
+def _plain_loop(case: OptimizerCase) -> tuple[list[float], list[torch.Tensor]]:
+    """What Lightning's bf16-true run does, written out: the module and its inputs in bf16, the
+    optimizer stepped with a closure that runs the training step and backward."""
+    torch.manual_seed(0)
+    module = lightning_train.Regressor(case.name, _lr(case), **_kwargs(case)).to(torch.bfloat16)
+    opt = module.configure_optimizers()
+    for x, y in lightning_train.data(STEPS):
+        x, y = x.to(torch.bfloat16), y.to(torch.bfloat16)
+
+        def closure() -> torch.Tensor:
+            loss = module.training_step((x, y), 0)
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+        opt.zero_grad()
+    return module.losses, [p.detach().clone() for p in module.parameters()]
+
+
+@pytest.mark.parametrize("case", OPTIMIZERS, ids=str)
+def test_lightning_bf16_true_with_kahan_is_the_plain_loop(case: OptimizerCase) -> None:
+    torch.manual_seed(0)
+    module = lightning_train.Regressor(case.name, _lr(case), **_kwargs(case))
+    trainer = lightning_train.train(module, STEPS)
+    opt = trainer.optimizers[0]
+    assert type(opt).name == case.name and all(g["rounding"] == "kahan" for g in opt.param_groups)
+    params = list(module.parameters())
+    assert all(p.dtype == torch.bfloat16 for p in params)  # no fp32 master copy anywhere
+    assert all("kahan_comp" in opt.state[p] for p in params)
+    assert len(module.losses) == STEPS and module.losses[-1] < module.losses[0], module.losses
+    losses, expected = _plain_loop(case)
+    assert module.losses == losses
+    for p, q in zip(params, expected):
+        assert torch.equal(p.detach(), q)
