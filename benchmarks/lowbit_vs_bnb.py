@@ -1,4 +1,4 @@
-"""Lion8bit, Lion4bit and AdEMAMix8bit against bitsandbytes' 8-bit Lion and AdEMAMix, side by side.
+"""Lion8bit, Lion4bit, AdEMAMix8bit and SGD8bit against bitsandbytes' 8-bit Lion, AdEMAMix and SGD, side by side.
 
 Each optimizer is compared with its *own* fp32 rule (leanopt's quantized optimizers with
 leanopt's fp32 one, bitsandbytes' 8-bit with its 32-bit one), started from the same params on
@@ -18,8 +18,12 @@ import torch
 
 import leanopt
 
-PEERS = {"lion8bit": ("lion", "Lion8bit", "Lion"), "lion4bit": ("lion", "Lion8bit", "Lion"),
-         "ademamix8bit": ("ademamix", "AdEMAMix8bit", "AdEMAMix")}  # fmt: skip
+# leanopt's quantized optimizer -> (its fp32 sibling, bitsandbytes' 8-bit and 32-bit classes, their
+# common hyper-parameters)
+PEERS = {"lion8bit": ("lion", "Lion8bit", "Lion", dict(lr=1e-4, weight_decay=0.0)),
+         "lion4bit": ("lion", "Lion8bit", "Lion", dict(lr=1e-4, weight_decay=0.0)),
+         "ademamix8bit": ("ademamix", "AdEMAMix8bit", "AdEMAMix", dict(lr=1e-3, weight_decay=0.0)),
+         "sgd8bit": ("sgd", "SGD8bit", "SGD", dict(lr=1e-1, momentum=0.9, weight_decay=0.0))}  # fmt: skip
 N = 8192
 
 
@@ -56,9 +60,8 @@ def _distance(a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[float, floa
 def compare(ours: str, seeds: Iterable[int] = range(3), steps: int = 120) -> list[dict]:
     import bitsandbytes as bnb
 
-    fp32, theirs, theirs32 = PEERS[ours]
-    lr = 1e-4 if fp32 == "lion" else 1e-3
-    kw = dict(lr=lr, weight_decay=0.0)
+    fp32, theirs, theirs32, kw = PEERS[ours]
+    lr = kw["lr"]
     rows = []
     for kind in ("dense", "sparse"):
         for seed in seeds:

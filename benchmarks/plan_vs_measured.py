@@ -327,7 +327,8 @@ def predict(case: str, optimizer: str, precision: str, checkpointing: bool, gpus
     model = build_meta(case)
     _, _, _, batch, seq = model_spec(case)
     (row,) = plan(model, batch=batch, seq=seq, gpus=gpus, optimizers=[optimizer], precisions=[precision],
-                  checkpointing=[checkpointing], roundings=[rounding] if rounding else None, grad_release=[release])  # fmt: skip
+                  checkpointing=[checkpointing], roundings=[rounding] if rounding else None, grad_release=[release],
+                  process=False)  # fmt: skip
     return row.peak_bytes
 
 

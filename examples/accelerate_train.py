@@ -51,6 +51,7 @@ def train(
     checkpoint_dir: str | None = None,
     resume_from: str | None = None,
     model_seed: int = 0,
+    optimizer_kwargs: dict | None = None,
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer, list[float]]:
     """``steps`` optimizer steps of ``grad_accum`` micro-batches each; returns model, optimizer, losses.
 
@@ -58,6 +59,7 @@ def train(
 
     ``save_at``: optimizer step after which ``save_state(checkpoint_dir)`` runs. ``resume_from``: a
     checkpoint of a run of the same settings; training continues from where it was saved.
+    ``optimizer_kwargs``: more keywords for the optimizer (``momentum`` for SGD).
     """
     # One Accelerator per process is Accelerate's model; forget the previous one's settings.
     AcceleratorState._reset_state(reset_partial_state=True)
@@ -66,7 +68,7 @@ def train(
     model = make_model(model_seed)
     cls = resolve_optimizer(optimizer)
     kwargs = {"lr": lr, "relative_step": False, "scale_parameter": False} if cls is leanopt.Adafactor else {"lr": lr}
-    opt = cls(model.parameters(), **kwargs)
+    opt = cls(model.parameters(), **kwargs, **(optimizer_kwargs or {}))
     loader = torch.utils.data.DataLoader(make_data(), batch_size=batch_size, shuffle=False)
     model, opt, loader = accelerator.prepare(model, opt, loader)
 

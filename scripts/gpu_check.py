@@ -15,7 +15,10 @@ recorded and the next one still runs; the exit status is 1 if any stage failed):
 ``accuracy``        distance from fp32 torch AdamW, one 1024x1024 tensor, 20 steps, lr 1e-3, on
                     the scenarios of benchmarks/accuracy_vs_peers.py (the sparse-gradient hazard
                     included) and a NaN-isolation case, leanopt beside the peers;
-``plan_check``      ``python3 -m leanopt.memory.plan_check``, only if that module exists.
+``plan_check``      ``python3 -m leanopt.memory.plan_check``, only if that module exists;
+``host_step``       the CPU step at 1 and N threads (issue 23);
+``offload``         ``offload="cpu"`` on the GPU (issue 21): bit identity against the CPU
+                    reference, step time with and without offload, host bytes.
 
 Results go to ``$OUT`` (default ``./gpu_check_out``): results.json, results.md (with the GPU
 targets of issue #11, pass/fail), gpu_check.log (everything printed) and cuda_tests.xml (the
@@ -71,18 +74,22 @@ STAGES = [
     Stage("timing_bfloat16", 80, 30, "optimizer.step, TinyLlama-1.1B shapes, bf16 params"),
     Stage("accuracy", 40, 30, "distance from fp32 AdamW, sparse-gradient hazard, NaN isolation"),
     # Issue #12's planner check: 8 rows (two models x four configurations), each a plan and a
-    # measured step; dry, 4 rows measured in two CPU processes.
-    Stage("plan_check", 60, 120, "python3 -m leanopt.memory.plan_check, if present"),
+    # measured step; dry, 4 rows measured in two CPU processes. Issue 24 adds two fresh GPU
+    # processes (process_bytes against max_memory_reserved + the context) and leanopt.doctor (+30 s).
+    Stage("plan_check", 90, 150, "python3 -m leanopt.memory.plan_check, if present"),
     # Issue 23: the host (CPU) step at one thread and at every core, the first step with a fresh
     # kernel cache, and the path without a compiler -- what an offloaded optimizer's step stands on.
     Stage("host_step", 90, 30, "benchmarks/step_time.py on the CPU at 1 and N threads; benchmarks/first_step.py"),
+    # Issue 21: offload="cpu" on the GPU -- pinned buffers, side streams, events -- bit for bit
+    # against the CPU reference, and the training step with and without offload.
+    Stage("offload", 60, 30, "benchmarks/offload_step.py: offload='cpu' vs on-device, TinyLlama-1.1B shapes, bf16"),
 ]
 # Whole run: issue #11 asks for <= 6 minutes on the GPU (<= 3 minutes dry), start to finish, for
 # its stages (335 s, 160 s dry); plan_check (issue #12) comes on top.
-PLAN_CHECK_EXTRA_S = 60.0 - 10.0  # plan_check's budget over the 10 s (10 s dry) it had in those totals
-DRY_PLAN_CHECK_EXTRA_S = 120.0 - 10.0
-TOTAL_BUDGET_S = 345.0 + PLAN_CHECK_EXTRA_S + 90.0  # + host_step
-DRY_TOTAL_BUDGET_S = 170.0 + DRY_PLAN_CHECK_EXTRA_S + 30.0
+PLAN_CHECK_EXTRA_S = 90.0 - 10.0  # plan_check's budget over the 10 s (10 s dry) it had in those totals
+DRY_PLAN_CHECK_EXTRA_S = 150.0 - 10.0
+TOTAL_BUDGET_S = 345.0 + PLAN_CHECK_EXTRA_S + 90.0 + 60.0  # + host_step + offload (575 s: one 600 s device call)
+DRY_TOTAL_BUDGET_S = 170.0 + DRY_PLAN_CHECK_EXTRA_S + 30.0 + 30.0
 GRACE_S = 5.0  # after a stage's budget, before it is killed (it stops itself at the budget)
 # Multiplies every budget (a loaded CI machine running the dry run); 1 on the GPU.
 BUDGET_SCALE = float(os.environ.get("GPU_CHECK_BUDGET_SCALE") or 1.0)
@@ -543,6 +550,7 @@ def stage_main(argv: list[str]) -> int:
         "accuracy": stage_accuracy,
         "plan_check": stage_plan_check,
         "host_step": stage_host_step,
+        "offload": stage_offload,
     }[args.name]
     try:
         return fn(args, part, deadline) or 0
@@ -715,15 +723,25 @@ _Q8 = dict(BITS=8, BS=256, NB=8, LOG2_0=8, ZERO_0=127, LAST_0=254, DECAYS_0=True
            DECAYS_1=False, LOG2_2=8, ZERO_2=0, LAST_2=255, DECAYS_2=False)  # fmt: skip
 _Q4 = dict(BITS=4, BS=128, NB=16, LOG2_0=4, ZERO_0=7, LAST_0=14, DECAYS_0=True, LOG2_1=4, ZERO_1=0, LAST_1=15,
            DECAYS_1=False, LOG2_2=4, ZERO_2=0, LAST_2=15, DECAYS_2=False)  # fmt: skip
+def _rule(name: str) -> int:
+    """A rule's id as the kernels take it (leanopt.kernels.rules.rule_id)."""
+    from leanopt.kernels.rules import RULES, rule_id
+
+    return rule_id(RULES[name])
+
+
 HOPPER_VARIANTS = [
-    ("triton_elementwise", "_dense_kernel", dict(K=8, P_DTYPE="float32", RULE=0, N_STATES=3, FLAG=True, SAFE=False, MAXIMIZE=True, **_DENSE)),
-    ("triton_elementwise", "_dense_kernel", dict(K=8, P_DTYPE="bfloat16", RULE=0, N_STATES=2, FLAG=False, SAFE=True, MAXIMIZE=False, **_DENSE)),
-    ("triton_elementwise", "_dense_kernel", dict(K=6, P_DTYPE="float16", RULE=1, N_STATES=1, FLAG=False, SAFE=False, MAXIMIZE=False, **_DENSE)),
-    ("triton_elementwise", "_dense_kernel", dict(K=14, P_DTYPE="bfloat16", RULE=2, N_STATES=3, FLAG=False, SAFE=True, MAXIMIZE=False, **_DENSE)),
-    ("triton_elementwise", "_quantized_kernel", dict(K=8, P_DTYPE="bfloat16", RULE=0, N_STATES=2, FLAG=False, MAXIMIZE=False, **_Q8)),
-    ("triton_elementwise", "_quantized_kernel", dict(K=8, P_DTYPE="float16", RULE=0, N_STATES=2, FLAG=False, MAXIMIZE=True, **_Q4)),
-    ("triton_elementwise", "_quantized_kernel", dict(K=6, P_DTYPE="float32", RULE=1, N_STATES=1, FLAG=False, MAXIMIZE=False, **_Q4)),
-    ("triton_elementwise", "_quantized_kernel", dict(K=14, P_DTYPE="bfloat16", RULE=2, N_STATES=3, FLAG=False, MAXIMIZE=False, **_Q8)),
+    ("triton_elementwise", "_dense_kernel", dict(K=8, P_DTYPE="float32", RULE=_rule("adamw"), N_STATES=3, FLAGS=1, SAFE=False, MAXIMIZE=True, **_DENSE)),
+    ("triton_elementwise", "_dense_kernel", dict(K=8, P_DTYPE="bfloat16", RULE=_rule("adamw"), N_STATES=2, FLAGS=0, SAFE=True, MAXIMIZE=False, **_DENSE)),
+    ("triton_elementwise", "_dense_kernel", dict(K=6, P_DTYPE="float16", RULE=_rule("lion"), N_STATES=1, FLAGS=0, SAFE=False, MAXIMIZE=False, **_DENSE)),
+    ("triton_elementwise", "_dense_kernel", dict(K=14, P_DTYPE="bfloat16", RULE=_rule("ademamix"), N_STATES=3, FLAGS=0, SAFE=True, MAXIMIZE=False, **_DENSE)),
+    ("triton_elementwise", "_dense_kernel", dict(K=5, P_DTYPE="float32", RULE=_rule("sgd"), N_STATES=1, FLAGS=1, SAFE=False, MAXIMIZE=False, **_DENSE)),
+    ("triton_elementwise", "_dense_kernel", dict(K=5, P_DTYPE="bfloat16", RULE=_rule("sgd"), N_STATES=0, FLAGS=0, SAFE=True, MAXIMIZE=True, **_DENSE)),
+    ("triton_elementwise", "_quantized_kernel", dict(K=8, P_DTYPE="bfloat16", RULE=_rule("adamw"), N_STATES=2, FLAGS=0, MAXIMIZE=False, **_Q8)),
+    ("triton_elementwise", "_quantized_kernel", dict(K=8, P_DTYPE="float16", RULE=_rule("adamw"), N_STATES=2, FLAGS=0, MAXIMIZE=True, **_Q4)),
+    ("triton_elementwise", "_quantized_kernel", dict(K=6, P_DTYPE="float32", RULE=_rule("lion"), N_STATES=1, FLAGS=0, MAXIMIZE=False, **_Q4)),
+    ("triton_elementwise", "_quantized_kernel", dict(K=14, P_DTYPE="bfloat16", RULE=_rule("ademamix"), N_STATES=3, FLAGS=0, MAXIMIZE=False, **_Q8)),
+    ("triton_elementwise", "_quantized_kernel", dict(K=5, P_DTYPE="float32", RULE=_rule("sgd"), N_STATES=1, FLAGS=1, MAXIMIZE=False, **_Q8)),
 ]  # fmt: skip
 
 
@@ -1341,6 +1359,39 @@ def stage_host_step(args: argparse.Namespace, part: Part, deadline: float) -> in
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "first_step.py"), "--json", str(out)], cwd=ROOT,
                        check=True, timeout=max(1.0, deadline - time.time() - 1))  # fmt: skip
         part.update(first_step=json.loads(out.read_text()))
+    part.update(status="ok")
+    return 0
+
+
+def stage_offload(args: argparse.Namespace, part: Part, deadline: float) -> int:
+    """``offload="cpu"`` on the device (issue 21): ``benchmarks/offload_step.py``. The offloaded
+    AdamW8bit's params after three steps must equal, bit for bit, a CPU copy stepped without
+    offload from the same gradients (8M-param model; its distance from the on-device Triton step
+    is recorded); then a training step of TinyLlama-1.1B shapes in bf16, on-device vs offloaded vs
+    offloaded with release (and torchao's CPUOffloadOptimizer): ms/step, ms in step(), device
+    peak, host bytes, and the share of the host step hidden behind backward. Dry: the toy model
+    on the CPU, two rounds."""
+    out = Path(os.environ.get("GPU_CHECK_WORK", tempfile.gettempdir())) / "offload.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "offload_step.py"), "--json", str(out)]
+    if args.dry_run:
+        cmd += ["--device", "cpu", "--size", "toy", "--rounds", "2", "--warmup", "1"]
+    else:
+        cmd += ["--device", "cuda", "--size", "full", "--check-size", "cpu", "--rounds", "4", "--warmup", "1"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(1.0, deadline - time.time() - 1))
+    print((r.stdout + r.stderr)[-4000:])
+    if not out.exists():
+        part.update(status="failed", error=f"benchmarks/offload_step.py exited {r.returncode} without results")
+        return 1
+    result = json.loads(out.read_text())
+    check = result["check"]
+    summary = (f"bit-identical to the CPU reference: {check['bit_identical_to_cpu_reference']}; hidden share "
+               f"{result.get('hidden_share')}; step x{result.get('offload_overhead')} (offload), "
+               f"x{result.get('released_overhead')} (offload+release) of on-device")  # fmt: skip
+    part.update(result=result, summary=summary)
+    if r.returncode != 0 or not check["bit_identical_to_cpu_reference"]:
+        part.update(status="failed", error="offloaded params differ from the CPU reference" if r.returncode == 1 else
+                    f"exit status {r.returncode}")  # fmt: skip
+        return 1
     part.update(status="ok")
     return 0
 

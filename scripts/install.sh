@@ -26,6 +26,7 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
     "$PY" -m pip install -q "$wheel"
   fi
 fi
+echo "install.sh: installing leanopt (editable) with ${extras} (quiet; about a minute on a fresh machine)"
 "$PY" -m pip install -q -e ".${extras}"
 if [[ "${1:-}" == "--test" ]]; then
   # The offline fine-tune of `leanopt compare --task minilm` (its tests skip without them): the
@@ -38,4 +39,5 @@ fi
 # The native CPU kernel of the low-bit optimizers, built now (~8 s, once per machine) rather than
 # in the background of the first training run; where it cannot be built, one line says why and
 # the install goes on (the optimizers run other CPU paths, with the same results).
+echo "install.sh: building the native CPU kernel (about 8-20 s, once per machine)"
 "$PY" -m leanopt build-kernels || true

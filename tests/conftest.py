@@ -30,3 +30,26 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+# ---- optimizers defined outside leanopt (tests/registry.py EXTERNAL): registered, as their
+# author's leanopt.register would, only while a test of theirs runs, so that no other test sees
+# them in leanopt's registry.
+def _case_of(request):
+    callspec = getattr(request.node, "callspec", None)
+    return callspec.params.get("case") if callspec is not None else None
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _external_optimizer_registered(request):
+    case = _case_of(request)
+    if not getattr(case, "external", False):
+        yield
+        return
+    from registry import registered
+
+    with registered(case):
+        yield

@@ -27,6 +27,9 @@ _spec.loader.exec_module(example)
 
 
 names = pytest.mark.parametrize("name", [case.name for case in OPTIMIZERS])
+# What each optimizer takes besides lr (tests/registry.py: SGD's momentum, so there is a state to resume).
+EXTRA = {case.name: case.state_kwargs for case in OPTIMIZERS}
+CASES = {case.name: case for case in OPTIMIZERS}
 
 
 @pytest.fixture(autouse=True)
@@ -38,13 +41,15 @@ def fresh_accelerate_state():
 
 @names
 def test_bf16_accumulated_run_resumes_exactly_from_save_state(name: str, tmp_path) -> None:
-    model, opt, losses = example.train(name, steps=8, grad_accum=2, save_at=4, checkpoint_dir=str(tmp_path))
+    model, opt, losses = example.train(name, steps=8, grad_accum=2, save_at=4, checkpoint_dir=str(tmp_path),
+                                         optimizer_kwargs=EXTRA[name])
     inner = opt.optimizer
     assert type(inner) is resolve_optimizer(name)
     # Accumulation: 16 micro-batches, 8 optimizer steps.
     assert {int(st["step"]) for st in inner.state.values()} == {8}
     assert len(losses) == 8 and all(torch.isfinite(torch.tensor(losses)))
-    resumed, resumed_opt, resumed_losses = example.train(name, steps=8, grad_accum=2, resume_from=str(tmp_path), model_seed=1)
+    resumed, resumed_opt, resumed_losses = example.train(name, steps=8, grad_accum=2, resume_from=str(tmp_path), model_seed=1,
+                                                            optimizer_kwargs=EXTRA[name])
     assert resumed_losses == losses[4:]
     for (n, a), b in zip(model.named_parameters(), resumed.parameters()):
         assert torch.equal(a, b), n
@@ -79,7 +84,7 @@ def test_bf16_params_keep_fp32_state_through_save_and_load_state(name: str, tmp_
         accelerator = Accelerator(mixed_precision="bf16", cpu=True)
         model = example.make_model(seed).to(torch.bfloat16)
         cls = resolve_optimizer(name)
-        kwargs = {"lr": 1e-3, "relative_step": False} if name == "adafactor" else {"lr": 1e-3}
+        kwargs = {**CASES[name].kwargs, "lr": 1e-3}  # the registry's (Adafactor: a plain lr)
         model, opt = accelerator.prepare(model, cls(model.parameters(), **kwargs))
         return accelerator, model, opt
 

@@ -137,6 +137,7 @@ def test_defaults_match_transformers() -> None:
     # leanopt's additions are keyword-only, after transformers' parameters.
     assert ours.pop("backend").kind is inspect.Parameter.KEYWORD_ONLY
     assert ours.pop("rounding").kind is inspect.Parameter.KEYWORD_ONLY
+    assert ours.pop("offload").kind is inspect.Parameter.KEYWORD_ONLY
     assert list(ours) == list(theirs)
     assert {k: v.default for k, v in ours.items()} == {k: v.default for k, v in theirs.items()}
 

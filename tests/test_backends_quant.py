@@ -21,6 +21,8 @@ LR = 1e-2
 BACKENDS = ["cpu"] + (["triton"] if importlib.util.find_spec("triton") else [])
 # Every registered low-bit optimizer (tests/registry.py).
 LOW_BIT = [c.cls for c in OPTIMIZERS if hasattr(c.cls, "state_bits")]
+# What each needs besides its defaults to keep a state (tests/registry.py: SGD8bit's momentum).
+STATEFUL = {c.cls: c.state_kwargs for c in OPTIMIZERS}
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_nan_gradient_element_is_skipped_in_fused_paths(backend: str) -> None:
     torch.manual_seed(0)
@@ -56,7 +58,7 @@ def _run_with_big_gradients(cls, backend: str, dtype: torch.dtype, replace_with_
     gen = torch.Generator().manual_seed(1)
     big = torch.randn(4096, generator=gen).to(dtype).requires_grad_()  # quantized (min_quant_size 4096)
     small = torch.randn(300, generator=gen).to(dtype).requires_grad_()  # fp32 states
-    opt = cls([big, small], lr=1e-2, weight_decay=0.1, backend=backend)
+    opt = cls([big, small], lr=1e-2, weight_decay=0.1, backend=backend, **STATEFUL[cls])
     history = []
     for step in range(5):
         for p, huge, below in ((big, HUGE, BELOW), (small, HUGE_SMALL, BELOW_SMALL)):
@@ -121,7 +123,7 @@ def test_overflowing_gradient_resets_moments_on_that_step(cls, backend: str) -> 
     gen = torch.Generator().manual_seed(2)
     big = torch.randn(4096, generator=gen).requires_grad_()
     small = torch.randn(300, generator=gen).requires_grad_()
-    opt = cls([big, small], lr=1e-2, backend=backend)
+    opt = cls([big, small], lr=1e-2, backend=backend, **STATEFUL[cls])
     for step in range(3):
         big.grad = torch.randn(4096, generator=gen)
         small.grad = torch.randn(300, generator=gen)

@@ -206,13 +206,16 @@ QUANT_CASES = [(torch.float32, {}), (torch.bfloat16, {}), (torch.float16, {"weig
 LOW_BIT = [c.cls for c in OPTIMIZERS if hasattr(c.cls, "state_bits")]
 OTHER_RULES = [c.cls for c in OPTIMIZERS if issubclass(c.cls, ElementwiseOptimizer) and not hasattr(c.cls, "state_bits")
                and c.cls is not leanopt.AdamW]  # fmt: skip
+# What each needs besides its defaults to keep a state (tests/registry.py: SGD's momentum).
+STATEFUL = {c.cls: c.state_kwargs for c in OPTIMIZERS}
 
 
 @needs_triton
 @pytest.mark.parametrize("cls", OTHER_RULES, ids=lambda c: c.__name__)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_other_rules_match_reference(cls, dtype: torch.dtype, request: pytest.FixtureRequest) -> None:
-    ours, opt, ref, ref_opt = _side_by_side(cls, ADAMW_SHAPES, [dtype], _seed(request), dict(lr=LR, weight_decay=0.1), steps=6)
+    ours, opt, ref, ref_opt = _side_by_side(cls, ADAMW_SHAPES, [dtype], _seed(request), dict(lr=LR, weight_decay=0.1, **STATEFUL[cls]),
+                                            steps=6)
     for i, (p, r) in enumerate(zip(ours, ref)):
         assert_param_close(p, r, f"param {i} {tuple(p.shape)}", low_equal=0.99)
         for key, want in ref_opt.state[r].items():
@@ -226,7 +229,7 @@ def test_quantized_matches_reference(cls, dtype: torch.dtype, flags: dict, reque
     # Five identical reference steps, then one fused step: values within an ulp of the boundary
     # between two codes may take the other code, and this compares one update, not what follows.
     ours, opt, ref, ref_opt = _side_by_side(
-        cls, QUANT_SHAPES, [dtype], _seed(request), dict(lr=LR, min_quant_size=100, **flags),
+        cls, QUANT_SHAPES, [dtype], _seed(request), dict(lr=LR, min_quant_size=100, **flags, **STATEFUL[cls]),
         steps=6, fused_from=5, spread=True, nan_last=True,
     )  # fmt: skip
     quantized = 0

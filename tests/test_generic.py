@@ -1,4 +1,4 @@
-"""The same suite over every optimizer in ``registry.OPTIMIZERS``."""
+"""The same suite over every optimizer in ``registry.GENERIC``: the library's and those defined outside it."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import leanopt
-from registry import OPTIMIZERS, OptimizerCase
+from registry import GENERIC, OptimizerCase
 
-cases = pytest.mark.parametrize("case", OPTIMIZERS, ids=str)
+cases = pytest.mark.parametrize("case", GENERIC, ids=str)
 
 
 def make_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:

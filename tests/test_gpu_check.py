@@ -133,6 +133,18 @@ def test_dry_run_plan_check(dry_run) -> None:
     assert len(rows) == 4 and all(math.isfinite(r[-1]) and abs(r[-1]) <= 5 for r in rows), rows
 
 
+def test_dry_run_offload(dry_run) -> None:
+    # benchmarks/offload_step.py on the toy model (issue 21): offloaded params equal the CPU
+    # reference bit for bit, and every leanopt mode was timed.
+    stage = _results(dry_run)["stages"]["offload"]
+    assert stage["status"] == "ok", stage
+    result = stage["result"]
+    assert result["check"]["bit_identical_to_cpu_reference"] is True
+    assert {"device", "offload", "offload+release"} <= set(result["modes"])
+    assert all(row["iteration"]["median"] > 0 for row in result["modes"].values())
+    assert 0.0 <= result["hidden_share"] <= 1.0
+
+
 def test_tinyllama_shapes_are_the_model() -> None:
     shapes = gpu_check.llama_shapes(gpu_check.TINYLLAMA)
     assert sum(math.prod(s) for s in shapes) == gpu_check.TINYLLAMA_PARAMS == 1_100_048_384

@@ -43,9 +43,19 @@ def tiny_distilbert() -> torch.nn.Module:
         return transformers.DistilBertForSequenceClassification(transformers.DistilBertConfig(**TINY_DISTILBERT))
 
 
+@pytest.fixture(autouse=True)
+def _no_process_probe(monkeypatch):
+    """These tests are about the step's peak: no one-time-cost probe (a subprocess each) runs, and
+    process_bytes is None, so budgets are compared with peak_bytes. tests/test_plan_process.py
+    runs the probe and checks process_bytes."""
+    from leanopt.memory import process
+
+    monkeypatch.setattr(process, "cpu_one_time", lambda *a, **k: process.OneTimeCost(None, "not measured in tests/test_plan.py"))
+
+
 @pytest.fixture(scope="module")
 def gpt2_rows() -> list[PlanRow]:
-    return plan(tiny_gpt2(), batch=4, seq=32, optimizers=["adamw", "adamw8bit", "adafactor"])
+    return plan(tiny_gpt2(), batch=4, seq=32, optimizers=["adamw", "adamw8bit", "adafactor"], process=False)
 
 
 OPTIMIZER_ORDER = ["adamw", "adamw8bit", "adafactor"]
@@ -88,8 +98,10 @@ def test_rows_cover_every_configuration_ranked_by_precision_kept(gpt2_rows):
 
 def test_json_keys(gpt2_rows):
     d = json.loads(json.dumps(gpt2_rows[0].as_dict()))
-    assert set(d) == {"optimizer", "precision", "rounding", "checkpointing", "grad_release", "gpus", "peak_bytes", "fits", "breakdown"}
+    assert set(d) == {"optimizer", "precision", "rounding", "checkpointing", "grad_release", "gpus", "accum", "peak_bytes",
+                      "process_bytes", "fits", "compared", "breakdown", "one_time", "process_source"}  # fmt: skip
     assert d["fits"] is None and isinstance(d["breakdown"], dict) and d["rounding"] is None
+    assert d["process_bytes"] is None and d["compared"] is None and d["accum"] == 1
 
 
 def test_terms_are_what_they_should_be(gpt2_rows):
@@ -257,7 +269,7 @@ def test_budget_and_recommendation(gpt2_rows):
     budget = peaks[len(peaks) // 2]
     rows = plan(tiny_gpt2(), batch=4, seq=32, budget=budget, optimizers=["adamw", "adamw8bit", "adafactor"])
     assert [r.peak_bytes for r in rows] == [r.peak_bytes for r in gpt2_rows]  # deterministic
-    assert all(r.fits == (r.peak_bytes <= budget) for r in rows)
+    assert all(r.fits == (r.peak_bytes <= budget) and r.compared == "peak_bytes" for r in rows)  # process_bytes unknown
     best = recommend(rows)
     assert best is not None and best.fits
     assert best is next(r for r in rows if r.fits)  # the most precise that fits

@@ -120,7 +120,7 @@ def test_the_triton_update_allocates_nothing_of_the_params_size(optimizer):
 
 def test_cuda_rows_and_their_differences_from_the_cpu():
     kw = {"batch": 4, "seq": 32, "optimizers": ["adamw", "adamw8bit", "adafactor"], "grad_release": [False]}
-    cpu = {(r.optimizer, r.precision, r.rounding, r.checkpointing): r for r in plan(tiny_gpt2(), **kw)}
+    cpu = {(r.optimizer, r.precision, r.rounding, r.checkpointing): r for r in plan(tiny_gpt2(), process=False, **kw)}
     cuda = plan(tiny_gpt2(), device="cuda", **kw)
     assert len(cuda) == len(cpu)
     for r in cuda:
@@ -222,7 +222,14 @@ def test_the_gpu_rows_without_a_gpu(tmp_path, monkeypatch, capsys):
         real[optimizer, precision, ckpt] = int(plan_check.predict(bench, case, optimizer, precision, ckpt, device="cuda") * 0.98)
         return real[optimizer, precision, ckpt]
 
+    def measured_process(case, config):  # a fresh GPU process: its reserved peak and context
+        want = plan_check.predict_process(plan_check.benchmark(), case, *config)
+        return {"reserved_peak": int(want * 0.98) - 300 * 2**20, "context": 300 * 2**20, "allocated_peak": 0}
+
     monkeypatch.setattr(plan_check, "measure_cuda", measured)
+    monkeypatch.setattr(plan_check, "measure_process", measured_process)
+    monkeypatch.setattr(plan_check, "doctor_check", lambda bench, case, config, device: {"ok": True, "sum_error_pct": 0.0})
+    monkeypatch.setenv("LEANOPT_CACHE", str(tmp_path / "cache"))
     assert plan_check.main(["--out", str(tmp_path)]) == 1  # the adafactor row failed
     out = capsys.readouterr().out
     assert "GPU: plan(device='cuda')" in out and "DRY RUN" not in out
@@ -233,3 +240,6 @@ def test_the_gpu_rows_without_a_gpu(tmp_path, monkeypatch, capsys):
             assert not r["ok"] and r["error"] == "the measured GPU step: RuntimeError: Triton CompilationError: boom"
         else:
             assert r["ok"] and r["error_pct"] == pytest.approx(100 * (1 / 0.98 - 1), abs=0.01), r
+    first = result["rows"][0]  # the process: process_bytes against reserved + context
+    assert first["process_error_pct"] == pytest.approx(100 * (1 / 0.98 - 1), abs=0.01) and first["context_bytes"] == 300 * 2**20
+    assert result["doctor"]["ok"] is True

@@ -74,8 +74,9 @@ def test_small_updates_survive_with_kahan_and_stochastic_rounding(case: Optimize
         dist[rounding] = total_abs(m.parameters(), ref.parameters())
     assert moved["nearest"] < 0.5 * ref_moved, (moved, ref_moved)
     assert abs(moved["stochastic"] / ref_moved - 1) < 0.3, (moved, ref_moved)
-    assert dist["stochastic"] < 0.6 * dist["nearest"], dist
-    assert dist["kahan"] < 0.25 * dist["nearest"], dist
+    # AdamW's bounds 0.6 and 0.25; SGD's steps are far below an ulp (tests/registry.py).
+    assert dist["stochastic"] < case.rounding_drift["stochastic"] * dist["nearest"], dist
+    assert dist["kahan"] < case.rounding_drift["kahan"] * dist["nearest"], dist
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

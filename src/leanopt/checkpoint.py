@@ -547,18 +547,27 @@ def _check_states(state_dict: Mapping[str, Any], name: str) -> None:
             opt.validate_group({**opt.defaults, **g}, loaded=True)
         except ValueError as err:
             raise refuse(f"param group {gi} does not hold {name} options ({err})") from None
-        keys_of.update({pid: _rule_keys(opt, g) for pid in g["params"]})
+        keys_of.update({pid: (*_rule_keys(opt, g), g) for pid in g["params"]})
     for pid, st in state_dict["state"].items():
         if not isinstance(st, Mapping):
             raise ValueError(f"state of param {pid!r} is not a dict")
-        required, allowed = keys_of.get(pid, ((), None))
-        missing = [k for k in required if k not in st]
+        required, allowed, group = keys_of.get(pid, ((), None, None))
+        # Keys the optimizer fills on load from what is there (torch's SGD saves no step) are not missing.
+        missing = [k for k in required if k not in st and not _fills_on_load(opt, group, k, st)]
         extra = [] if allowed is None else [k for k in st if k not in allowed]
         if missing:
             raise refuse(f"state of param {pid!r} has keys {sorted(map(str, st))}, not a {name} state (missing {', '.join(map(repr, missing))})")
         if extra:
             verb = "is" if len(extra) == 1 else "are"
             raise refuse(f"state of param {pid!r} has keys {sorted(map(str, st))}, not a {name} state ({', '.join(map(repr, extra))} {verb} another rule's)")
+
+
+def _fills_on_load(opt: Any, group: Mapping[str, Any] | None, key: str, saved: Mapping[str, Any]) -> bool:
+    """Whether ``opt``'s ``load_state_dict`` makes state ``key`` from ``saved`` (its ``_missing_state``)."""
+    if group is None:
+        return False
+    specs = {spec.key: spec for spec in opt.state_layout((4,), torch.float32, {**opt.defaults, **group})}
+    return key in specs and opt._missing_state(specs[key], torch.empty(4), saved) is not None
 
 
 def _rule_keys(opt: Any, group: Mapping[str, Any]) -> tuple[list[str], set[str]]:

@@ -3,7 +3,8 @@
 
     leanopt estimate MODEL [--optimizers adamw,adafactor,...] [--json]
     leanopt plan MODEL --batch B --seq S [--budget 24GiB] [--optimizers ...] [--precisions fp32,bf16-mixed,bf16]
-                 [--roundings kahan,stochastic] [--grad-release off|on|both] [--json]
+                 [--roundings kahan,stochastic] [--grad-release off|on|both] [--accum K] [--no-process] [--json]
+    leanopt doctor MODEL --batch B --seq S [--optimizer adamw] [--precision fp32|bf16-mixed|bf16] [--checkpointing] [--json]
     leanopt inspect optimizer.pt [--json]
     leanopt convert SRC DST --to NAME   (of the same family: adamw8bit, lion4bit, ...; torch-adamw) [--rule lion]
     leanopt compare [--quick] [...]
@@ -111,8 +112,34 @@ def build_parser() -> argparse.ArgumentParser:
                     help="whose memory: cpu (the process's resident bytes) or cuda (torch.cuda.max_memory_allocated "
                     "on one GPU: the caching allocator's blocks, fused attention, CUDA autocast, the Triton kernels; "
                     "planned on the CPU, no GPU needed)")  # fmt: skip
+    pl.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (gradient accumulation; "
+                    "--batch is the micro-batch): the peak with gradients held across them")  # fmt: skip
+    pl.add_argument("--no-process", action="store_true", help="skip process_bytes (the CPU's one-time costs are measured "
+                    "once per model class, precision and optimizer in a subprocess, ~10-50 s, then cached): --budget is then compared "
+                    "with the step's peak")  # fmt: skip
     pl.add_argument("--json", action="store_true", help="print the rows as JSON")
     pl.set_defaults(run=cmd_plan)
+
+    doc = sub.add_parser(
+        "doctor",
+        help="run real steps and say where the memory went",
+        description="Build the model (random weights), train a few real steps of it on random input ids, measure "
+        "the last step's peak (the profiler's memory events; the process's resident set or the CUDA allocator's "
+        "statistics), attribute it to weights, gradients, optimizer state, master weights, activations, "
+        "temporaries and runtime overhead, and show the plan beside each.",
+    )
+    doc.add_argument("model", help="a preset, a config.json or a folder with one, or a Hugging Face Hub id")
+    doc.add_argument("--batch", type=int, required=True, help="sequences per step")
+    doc.add_argument("--seq", type=int, required=True, help="tokens per sequence")
+    doc.add_argument("--optimizer", default="adamw", help=f"one name (default adamw); known: {', '.join(OPTIMIZER_NAMES)}")
+    doc.add_argument("--precision", choices=("fp32", "bf16-mixed", "bf16"), default="fp32",
+                     help="fp32; bf16-mixed (autocast bf16 over fp32 weights); bf16 (the model in bf16)")  # fmt: skip
+    doc.add_argument("--rounding", choices=ROUNDINGS, help="pure bf16: the optimizer's rounding= (default: its own)")
+    doc.add_argument("--checkpointing", action="store_true", help="activation checkpointing on")
+    doc.add_argument("--steps", type=int, default=3, help="steps to run; the last is measured (default 3)")
+    doc.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    doc.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
+    doc.set_defaults(run=cmd_doctor)
 
     ins = sub.add_parser(
         "inspect",
@@ -456,6 +483,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         roundings=_split(args.roundings, "roundings"),
         grad_release={"off": [False], "on": [True], "both": [False, True]}[args.grad_release],
         device=args.device,
+        accum=args.accum,
+        process=not args.no_process,
     )
     if args.json:
         print(_json([r.as_dict() for r in rows]))
@@ -466,21 +495,34 @@ def cmd_plan(args: argparse.Namespace) -> int:
     console = Console()
     console = console if console.is_terminal else Console(width=140)
     whose = "one GPU's torch.cuda.max_memory_allocated" if args.device == "cuda" else "the process's resident memory"
-    console.print(f"[bold]{args.model}[/bold]: one training step at batch {args.batch}, seq {args.seq}, peak of {whose} "
+    accum = f" x {args.accum} micro-batches" if args.accum > 1 else ""
+    console.print(f"[bold]{args.model}[/bold]: one training step at batch {args.batch}{accum}, seq {args.seq}, peak of {whose} "
                   "per setup (MB = MiB)", highlight=False)  # fmt: skip
     table = Table(show_edge=False, header_style="bold")
     left = ("optimizer", "precision", "ckpt", "release")
-    for title in (*left, "peak MB", *(k.replace("_", " ") for k in KINDS)):
+    for title in (*left, "step MB", "process MB", *(k.replace("_", " ") for k in KINDS)):
         table.add_column(title, justify="left" if title in left else "right")
+    compared = "process" if any(r.compared == "process_bytes" for r in rows) else "step"
     if budget is not None:
-        table.add_column(f"≤ {_mib(budget)} MB", justify="center")
+        table.add_column(f"{compared} ≤ {_mib(budget)} MB", justify="center")
     for r in rows:
+        process = "-" if r.process_bytes is None else _mib(r.process_bytes)
         cells = [r.optimizer, _precision(r), "on" if r.checkpointing else "off", "on" if r.grad_release else "off",
-                 _mib(r.peak_bytes), *(_mib(r.breakdown[k]) for k in KINDS)]  # fmt: skip
+                 _mib(r.peak_bytes), process, *(_mib(r.breakdown[k]) for k in KINDS)]  # fmt: skip
         if budget is not None:
-            cells.append("[green]✔[/green]" if r.fits else "[red]✘[/red]")
+            cells.append(("[green]✔[/green]" if r.fits else "[red]✘[/red]") + ("" if r.compared == "process_bytes" else " (step)"))
         table.add_row(*cells)
     console.print(table)
+    if budget is not None:
+        unknown = [r for r in rows if r.compared != "process_bytes"]
+        said = ("budget compared with process MB (step MB, the step's peak, + what the process needs besides: "
+                + ("the CUDA context, cuBLAS's workspace, the allocator's segments" if args.device == "cuda"
+                   else "the one-time costs of a first step, measured once and cached") + ")")  # fmt: skip
+        if unknown:
+            said += f"; with the step's peak where process MB is unknown ({unknown[0].process_source})"
+        console.print(said, highlight=False)
+    elif rows and rows[0].process_source:
+        console.print(f"process MB: {rows[0].process_source}", style="dim", highlight=False)
     best = recommend(rows)
     if budget is None:
         line = "no --budget: nothing to check against"
@@ -489,13 +531,34 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         line = (f"recommended: {best.optimizer}, {_precision(best)}, activation checkpointing "
                 f"{'on' if best.checkpointing else 'off'}, gradient release {'on' if best.grad_release else 'off'} "
-                f"({_mib(best.peak_bytes)} MB)")  # fmt: skip
+                f"({_mib(best.peak_bytes)} MB step peak, {'?' if best.process_bytes is None else _mib(best.process_bytes)} MB process)")  # fmt: skip
     console.print(line, highlight=False)
     kernels = "CUDA kernels (--device cuda)" if args.device == "cuda" else "CPU kernels (GPU memory: --device cuda)"
     console.print(f"MB = MiB. Second step's peak (state exists), {kernels}, docs/plan.md; "
                   "--gpus N: rank 0's peak under FSDP2 (fp32 and bf16-mixed, no release). bf16 = pure bf16 with the "
                   "optimizer's rounding; release: leanopt.release_gradients (no grad clipping or accumulation).",
                   style="dim", highlight=False)  # fmt: skip
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """``leanopt doctor``: build the model, run real steps, print the attributed table."""
+    from leanopt.memory.doctor import CATEGORIES, build_and_diagnose, render
+
+    _quiet_peer_import_warnings()
+    d = build_and_diagnose(args.model, batch=args.batch, seq=args.seq, optimizer=args.optimizer, precision=args.precision,
+                           rounding=args.rounding, checkpointing=args.checkpointing, steps=args.steps, device=args.device)  # fmt: skip
+    if args.json:
+        print(_json(d.as_dict()))
+        return 0
+    print(f"{args.model}: {args.optimizer}, {args.precision}{' ' + args.rounding if args.rounding else ''}, checkpointing "
+          f"{'on' if args.checkpointing else 'off'}, batch {args.batch}, seq {args.seq}, {d.steps} steps on {d.device} "
+          f"(the last measured; MiB)")  # fmt: skip
+    for line in render(d):
+        print(line)
+    for line in d.explanations:
+        print(f"- {line}")
+    print(f"({d.plan_note}; measured: {d.method}; categories: {', '.join(CATEGORIES)})")
     return 0
 
 

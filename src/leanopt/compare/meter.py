@@ -51,6 +51,8 @@ from typing import Any
 
 import torch
 
+from leanopt.memory.resident import reset_peak, status_kib
+
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 64 * 1024
@@ -85,26 +87,6 @@ def reuse_freed_blocks() -> bool:
     return bool(libc.mallopt(_M_MMAP_THRESHOLD, REUSE_MMAP_THRESHOLD)) and bool(
         libc.mallopt(_M_TRIM_THRESHOLD, 2 * REUSE_MMAP_THRESHOLD)
     )
-
-
-def _proc_status_kib(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def _reset_rss_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    return _proc_status_kib("VmHWM") is not None
 
 
 @contextlib.contextmanager
@@ -185,8 +167,8 @@ class PeakMemory:
         libc = _libc()
         if libc is not None and hasattr(libc, "malloc_trim"):
             libc.malloc_trim(0)
-        if _reset_rss_peak() and _proc_status_kib("RssAnon") is not None:
-            self.baseline = (_proc_status_kib("RssAnon") or 0) * 1024
+        if reset_peak() and status_kib("RssAnon") is not None:
+            self.baseline = (status_kib("RssAnon") or 0) * 1024
             self.method = (
                 f"peak anonymous RSS growth over the first {CPU_MEMORY_STEPS} steps (VmHWM after a clear_refs "
                 "reset, less file-backed RSS; fresh process, warmed up, 64 KiB mmap threshold)"
@@ -206,8 +188,8 @@ class PeakMemory:
             return torch.cuda.max_memory_allocated(self.device) - self.baseline
         if "VmHWM" not in self.method:
             return max(self._ru_maxrss() - self.baseline, 0)
-        hwm = _proc_status_kib("VmHWM") or 0
-        shared = (_proc_status_kib("RssFile") or 0) + (_proc_status_kib("RssShmem") or 0)
+        hwm = status_kib("VmHWM") or 0
+        shared = (status_kib("RssFile") or 0) + (status_kib("RssShmem") or 0)
         return max((hwm - shared) * 1024 - self.baseline, 0)
 
 

@@ -131,14 +131,23 @@ IMPLEMENTATIONS = (
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def select(backend: str, rule: str, p: torch.Tensor, g: torch.Tensor, states: Sequence[Any]) -> str:
+def select(backend: str, rule: Any, p: torch.Tensor, g: torch.Tensor, states: Sequence[Any],
+           hp: Mapping[str, Any] | None = None) -> str:  # fmt: skip
     """The implementation (one of :data:`IMPLEMENTATIONS`) that updates ``p`` by ``rule``
-    (``"adafactor"`` or a name of :data:`leanopt.kernels.rules.RULES`) when ``backend`` was
-    asked for. ``p``, ``g`` and ``states`` are the local, row-major tensors the kernels see
-    (``None`` for a state the param lacks). The only place a backend is chosen: anything a fast
-    path does not take runs the reference. Inside a trace (:mod:`leanopt.tracing`)
-    it decides for fake tensors what it decides for plain ones of their shapes and dtypes.
+    (``"adafactor"``, or a :class:`~leanopt.kernels.rules.Rule` with its hyper-parameters
+    ``hp``) when ``backend`` was asked for. ``p``, ``g`` and ``states`` are the local, row-major
+    tensors the kernels see (``None`` for a state the param lacks). The only place a backend is
+    chosen, and it routes around each backend's limits instead of running past them: the
+    Triton kernels take a rule only where it has a Triton twin taking that many states
+    (:data:`leanopt.kernels.twins.TRITON`; a rule defined outside leanopt has none), else the
+    next backend that can run it does -- the CPU paths for CPU tensors (under
+    ``TRITON_INTERPRET=1``), which compile any rule with any number of states (the C++ kernel
+    takes its own twins only, :data:`~leanopt.kernels.twins.NATIVE`), or the reference.
+    Anything else a fast path does not take runs the reference. Inside a trace
+    (:mod:`leanopt.tracing`) it decides for fake tensors what it decides for plain ones of
+    their shapes and dtypes.
     """
+    from leanopt.kernels import twins
     from leanopt.quant import QuantizedState
 
     if tracing.active() is not None:
@@ -153,6 +162,14 @@ def select(backend: str, rule: str, p: torch.Tensor, g: torch.Tensor, states: Se
     present = [s for s in states if s is not None]
     if rule == "adafactor":
         return f"{resolved}-adafactor"
+    if hp is None:
+        raise TypeError("select: an elementwise rule needs its hyper-parameters (hp)")
+    # No Triton twin for this rule and number of states: on CPU tensors (the interpreter) the
+    # CPU paths run it, on a GPU the reference.
+    if resolved == "triton" and not twins.takes(twins.TRITON, rule, hp, len(present)):
+        if p.device.type != "cpu":
+            return "reference"
+        resolved = "cpu"
     if all(type(s) is QuantizedState for s in present) and present:
         # A sharded (FSDP2) param's quantized states share scales across shard edges and are
         # another type: the reference handles them.
@@ -194,7 +211,7 @@ def step(backend: str, rule, tables, key: str, params, grads, states, steps: Seq
         states = [[c[i] for c in columns] for i in range(len(params))]
         chosen: dict[str, list[int]] = {}
         for i, p in enumerate(params):
-            chosen.setdefault(select(backend, rule.name, p, grads[i], states[i]), []).append(i)
+            chosen.setdefault(select(backend, rule, p, grads[i], states[i], hp), []).append(i)
         for impl, idx in chosen.items():
             pick = lambda seq: [seq[i] for i in idx]  # noqa: E731
             if impl == "reference":

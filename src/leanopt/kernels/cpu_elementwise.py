@@ -2,12 +2,12 @@
 
 * AdamW whose states have the param's dtype (fp32, fp64 params), outside safe mode: torch's
   own fused CPU kernel (``aten::_fused_adamw_``), one vectorised pass over a group's tensors.
-* Other fp32 params with fp32 states of the three rules (a low-bit optimizer's small params,
+* Other fp32 params with fp32 states of the rules with a C++ twin (a low-bit optimizer's small params,
   safe AdamW, Lion, AdEMAMix): the hand-written C++ kernel's dense loop
   (:func:`leanopt.kernels.cpu_native.dense`), where it builds: no compile on the first step.
 * Any other dense case: the rule's elementwise function, compiled once per (rule, flags,
   dtypes) by Inductor with dynamic shapes (no per-shape recompiles).
-* Block-quantized states: fp32 params and gradients of the three rules go to the hand-written
+* Block-quantized states: fp32 params and gradients of the rules with a C++ twin go to the hand-written
   C++ kernel (:mod:`leanopt.kernels.cpu_native`, one pass per block) when it builds here; any
   other case: dequantize -> rule -> requantize, compiled as one fused loop over whole blocks,
   for any rule and any number of states. Encoding replaces the code book's
@@ -80,7 +80,7 @@ _DENSE_UPDATES: dict[tuple, Callable[..., Any]] = {}
 def _dense_update(rule: Rule, flags: tuple, safe: bool, maximize: bool, n: int) -> Callable[..., Any]:
     """The dense update as a function of tensors: what the compiled graph compiles and the
     eager path runs (in chunks)."""
-    key = (rule.name, flags, safe, maximize, n)
+    key = (rule, flags, safe, maximize, n)
     update = _DENSE_UPDATES.get(key)
     if update is None:
 
@@ -89,7 +89,7 @@ def _dense_update(rule: Rule, flags: tuple, safe: bool, maximize: bool, n: int) 
             gf = g.to(pf.dtype)
             if maximize:
                 gf = -gf
-            new_p, new = rule.elementwise(pf, gf, states, c, flags, safe)
+            new_p, new = rule.apply(pf, gf, states, c, flags, safe)
             if safe:
                 new_p, new = _safe_result(gf, pf, new_p, new)
             p.copy_(new_p)
@@ -103,7 +103,7 @@ def _dense_update(rule: Rule, flags: tuple, safe: bool, maximize: bool, n: int) 
 def _dense_graph(rule: Rule, flags: tuple, safe: bool, maximize: bool, n: int) -> Callable[..., Any]:
     if tracing.active() is not None:  # a compiled graph cannot take fake tensors
         return _traced_dense
-    key = (rule.name, flags, safe, maximize, n)
+    key = (rule, flags, safe, maximize, n)
     graph = _DENSE.get(key)
     if graph is None:
         variant = f"{rule.name}_dense{'_safe' if safe else ''}{'_max' if maximize else ''}_" + "_".join(map(str, map(int, flags)))
@@ -172,7 +172,7 @@ def _fusable(rule: Rule, safe: bool, p: Tensor, g: Tensor, states: Sequence[Tens
 def dense(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mapping[str, Any], *, safe: bool) -> None:
     """``rule`` over CPU params with dense states in the compute dtype (``states[i]``: param
     ``i``'s states, in the rule's order); ``steps`` hold the new step counts."""
-    flags = rule.flags(hp)
+    flags = rule.flag_values(hp)
     fused: dict[torch.dtype, list[int]] = {}
     for i, p in enumerate(params):
         if p.numel() == 0:
@@ -181,10 +181,10 @@ def dense(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mapping[s
             fused.setdefault(p.dtype, []).append(i)
             continue
         eligible = cpu_native.eligible_dense(rule, p, grads[i], states[i], hp)
-        if eligible and cpu_native.takes_dense(rule, p, grads[i], states[i], hp):
+        if eligible and cpu_native.usable():  # takes_dense, without checking the tensors twice
             cpu_native.dense(rule, p, grads[i], states[i], steps[i], hp, safe)
             continue
-        scalars = _as_tensors(rule.scalars(hp, steps[i], safe))
+        scalars = _as_tensors(rule.scalar_values(hp, steps[i], safe))
         if _eager(eligible) and tracing.active() is None:
             update = _dense_update(rule, flags, safe, hp["maximize"], len(states[i]))
             _dense_eager(update, p, grads[i].contiguous(), states[i], scalars)
@@ -260,7 +260,7 @@ def _quantized_update(rule: Rule, flags: tuple, maximize: bool, bits: int, kinds
                       lasts: tuple) -> Callable[..., Any]:  # fmt: skip
     """The block-quantized update as a function of tensors (``p``/``g`` as [blocks, block]):
     what the compiled graph compiles and the eager path runs (in chunks of whole blocks)."""
-    key = (rule.name, flags, maximize, bits, kinds, zeros, lasts)
+    key = (rule, flags, maximize, bits, kinds, zeros, lasts)
     update = _QUANTIZED_UPDATES.get(key)
     if update is None:
         n = len(kinds)
@@ -273,7 +273,7 @@ def _quantized_update(rule: Rule, flags: tuple, maximize: bool, bits: int, kinds
             pf = p.float()
             gf = -g.float() if maximize else g.float()
             dense = [values[_unpack(codes, rows, block, bits)] * absmax.unsqueeze(1) for codes, absmax, values, _ in per_state]
-            new_p, new = rule.elementwise(pf, gf, dense, c, flags, True)
+            new_p, new = rule.apply(pf, gf, dense, c, flags, True)
             new_p, new = _safe_result(gf, pf, new_p, new)
             p.copy_(new_p)
             for (codes, absmax, values, table), decays, zero, last, old, x in zip(
@@ -301,7 +301,7 @@ def _quantized_graph(rule: Rule, flags: tuple, maximize: bool, bits: int, kinds:
     # dimension of the 2-D inputs and only the number of blocks is dynamic, so loops vectorise.
     if tracing.active() is not None:  # a compiled graph cannot take fake tensors
         return _traced_quantized(bits)
-    key = (rule.name, flags, maximize, bits, kinds, zeros, lasts)
+    key = (rule, flags, maximize, bits, kinds, zeros, lasts)
     graph = _QUANTIZED.get(key)
     if graph is None:
         variant = f"{rule.name}_quantized_{bits}bit{'_max' if maximize else ''}_{len(_QUANTIZED)}"
@@ -358,7 +358,7 @@ def quantized(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mappi
     if native:
         pick = lambda seq: [seq[i] for i in native]  # noqa: E731
         cpu_native.quantized(rule, pick(params), pick(grads), pick(states), pick(steps), hp, pick(offsets))
-    flags = rule.flags(hp)
+    flags = rule.flag_values(hp)
     kinds = tuple(kind.decays for kind in rule.states(hp))
     done = set(native)
     for i, p in enumerate(params):
@@ -382,7 +382,7 @@ def quantized(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mappi
             g2 = grads[i].reshape(-1)[:full].view(rows, bs)
             zeros_ = tuple(b.zero_index for b in books)
             lasts = tuple(b.thresholds.numel() for b in books)
-            scalars = _as_tensors(rule.scalars(hp, steps[i], True))
+            scalars = _as_tensors(rule.scalar_values(hp, steps[i], True))
             if _eager(cpu_native.eligible(rule, p, grads[i], qs, hp)) and tracing.active() is None:
                 _quantized_eager(rule, flags, hp["maximize"], fmt.bits, kinds, zeros_, lasts, p2, g2, tensors, steps[i],
                                  offsets[i], scalars)  # fmt: skip

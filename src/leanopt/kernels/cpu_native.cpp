@@ -57,7 +57,9 @@ inline float dither(int64_t index, uint32_t step_term) {
 }
 
 // ---- rules: one element, fp32, torch's operation order -------------------------------------
-// rule ids: 0 AdamW, 1 AdamW+amsgrad, 2 Lion, 3 AdEMAMix
+// Each R<K> reads its scalars c[] at the positions leanopt.kernels.twins.NATIVE declares for its
+// rule. K numbers these loops only (a rule and its flags pick one, kernel_of below): 0 AdamW,
+// 1 AdamW+amsgrad, 2 Lion, 3 AdEMAMix, 4 SGD with momentum, 5 SGD with Nesterov momentum.
 template <int RULE> struct R;
 
 template <> struct R<0> {
@@ -112,6 +114,27 @@ template <> struct R<3> {
     nu = nu < f2 ? f2 : nu;
     n0 = m1; n1 = m2; n2 = nu;
     return p * c[0] - c[11] * ((m1 / c[7] + c[8] * m2) / (std::sqrt(nu) / c[9] + c[10]));
+  }
+};
+
+template <> struct R<4> {
+  static constexpr int NS = 1;
+  static inline float apply(float p, float g, float o0, float o1, float o2, float& n0, float& n1, float& n2, const float* c) {
+    // weight_decay, momentum, buffer_decay, buffer_weight, lr
+    float d = g + c[0] * p;
+    float b = o0 * c[2] + c[3] * d;
+    n0 = b;
+    return p - c[4] * b;
+  }
+};
+
+template <> struct R<5> {
+  static constexpr int NS = 1;
+  static inline float apply(float p, float g, float o0, float o1, float o2, float& n0, float& n1, float& n2, const float* c) {
+    float d = g + c[0] * p;
+    float b = o0 * c[2] + c[3] * d;
+    n0 = b;
+    return p - c[4] * (d + c[1] * b);
   }
 };
 
@@ -490,12 +513,36 @@ void run_dense(float* p, const float* g, float* const* st, int64_t n, bool maxim
 
 template <typename T> inline T* at_addr(int64_t a) { return reinterpret_cast<T*>(static_cast<uintptr_t>(a)); }
 
-inline int states_of(int64_t rule) { return rule == 2 ? 1 : (rule == 0 ? 2 : 3); }
+// The rule numbers are leanopt.kernels.rules.rule_id's, defined by the build
+// (cpu_native._CFLAGS): one numbering for this kernel and the Triton helpers.
+#if !defined(LEANOPT_RULE_ADAMW) || !defined(LEANOPT_RULE_LION) || !defined(LEANOPT_RULE_ADEMAMIX) || !defined(LEANOPT_RULE_SGD)
+#error "build through leanopt.kernels.cpu_native, which defines the rule numbers"
+#endif
 
-void step_dense(int64_t rule, bool maximize, bool safe, int64_t p, int64_t g, int64_t n, std::vector<int64_t> states,
-                std::vector<double> scalars) {
-  LEANOPT_CHECK(rule >= 0 && rule <= 3, "unknown rule");
-  LEANOPT_CHECK((int)states.size() == states_of(rule), "wrong number of states for the rule");
+// The loop R<K> of a rule number and its flag bits (bit k: the rule's k-th flag); -1: none.
+inline int kernel_of(int64_t rule, int64_t flags) {
+  switch (rule) {
+    case LEANOPT_RULE_ADAMW: return flags & 1 ? 1 : 0;  // amsgrad
+    case LEANOPT_RULE_LION: return 2;
+    case LEANOPT_RULE_ADEMAMIX: return 3;
+    case LEANOPT_RULE_SGD: return flags & 1 ? 5 : 4;  // nesterov
+    default: return -1;
+  }
+}
+
+inline int states_of(int kernel) {
+  switch (kernel) {
+    case 0: return R<0>::NS; case 1: return R<1>::NS; case 2: return R<2>::NS;
+    case 3: return R<3>::NS; case 4: return R<4>::NS; case 5: return R<5>::NS;
+    default: return -1;
+  }
+}
+
+void step_dense(int64_t rule, int64_t flags, bool maximize, bool safe, int64_t p, int64_t g, int64_t n,
+                std::vector<int64_t> states, std::vector<double> scalars) {
+  const int kernel = kernel_of(rule, flags);
+  LEANOPT_CHECK(kernel >= 0, "no loop for this rule number");
+  LEANOPT_CHECK((int)states.size() == states_of(kernel), "wrong number of states for the rule");
   LEANOPT_CHECK(scalars.size() <= 16 && n >= 0, "too many scalars, or a negative size");
   float* st[MAXS] = {nullptr, nullptr, nullptr};
   for (size_t s = 0; s < states.size(); ++s) st[s] = at_addr<float>(states[s]);
@@ -504,22 +551,24 @@ void step_dense(int64_t rule, bool maximize, bool safe, int64_t p, int64_t g, in
   float* pp = at_addr<float>(p);
   const float* gp = at_addr<const float>(g);
 #define LEANOPT_DENSE(RL) (safe ? run_dense<RL, true>(pp, gp, st, n, maximize, k) : run_dense<RL, false>(pp, gp, st, n, maximize, k))
-  switch (rule) { case 0: LEANOPT_DENSE(0); break; case 1: LEANOPT_DENSE(1); break;
-                  case 2: LEANOPT_DENSE(2); break; default: LEANOPT_DENSE(3); break; }
+  switch (kernel) { case 0: LEANOPT_DENSE(0); break; case 1: LEANOPT_DENSE(1); break; case 2: LEANOPT_DENSE(2); break;
+                    case 3: LEANOPT_DENSE(3); break; case 4: LEANOPT_DENSE(4); break; case 5: LEANOPT_DENSE(5); break; }
 #undef LEANOPT_DENSE
 }
 
-void step_blocks(int64_t rule, int64_t bits, int64_t block, bool maximize, int64_t p, int64_t g, int64_t nblocks,
+void step_blocks(int64_t rule, int64_t flags, int64_t bits, int64_t block, bool maximize, int64_t p, int64_t g,
+                 int64_t nblocks,
                  std::vector<int64_t> codes, std::vector<int64_t> absmax, std::vector<int64_t> values,
                  std::vector<int64_t> thresholds, std::vector<int64_t> trees, std::vector<int64_t> buckets,
                  std::vector<int64_t> lows, std::vector<int64_t> zeros, std::vector<int64_t> lasts,
                  std::vector<int64_t> decays, int64_t step, int64_t offset, std::vector<double> scalars,
                  double progress, double growth, bool vec) {
-  LEANOPT_CHECK(rule >= 0 && rule <= 3, "unknown rule");
+  const int kernel = kernel_of(rule, flags);
+  LEANOPT_CHECK(kernel >= 0, "no loop for this rule number");
   LEANOPT_CHECK(bits == 8 || (bits == 4 && block % 2 == 0), "8-bit, or 4-bit with an even block size");
   LEANOPT_CHECK(block >= 1 && nblocks >= 0 && scalars.size() <= 16, "bad block size or count, or too many scalars");
   const size_t ns = codes.size();
-  LEANOPT_CHECK((int)ns == states_of(rule), "wrong number of states for the rule");
+  LEANOPT_CHECK((int)ns == states_of(kernel), "wrong number of states for the rule");
   for (const auto* v : {&absmax, &values, &thresholds, &trees, &buckets, &lows, &zeros, &lasts, &decays})
     LEANOPT_CHECK(v->size() == ns, "one entry per state in every list");
   Book books[MAXS];
@@ -543,11 +592,11 @@ void step_blocks(int64_t rule, int64_t bits, int64_t block, bool maximize, int64
   int bs = (int)block;
 #define LEANOPT_RUN(B, RL) run<B, RL>(pp, gp, books, nblocks, bs, maximize, k)
   if (bits == 8) {
-    switch (rule) { case 0: LEANOPT_RUN(8, 0); break; case 1: LEANOPT_RUN(8, 1); break;
-                    case 2: LEANOPT_RUN(8, 2); break; default: LEANOPT_RUN(8, 3); break; }
+    switch (kernel) { case 0: LEANOPT_RUN(8, 0); break; case 1: LEANOPT_RUN(8, 1); break; case 2: LEANOPT_RUN(8, 2); break;
+                      case 3: LEANOPT_RUN(8, 3); break; case 4: LEANOPT_RUN(8, 4); break; case 5: LEANOPT_RUN(8, 5); break; }
   } else {
-    switch (rule) { case 0: LEANOPT_RUN(4, 0); break; case 1: LEANOPT_RUN(4, 1); break;
-                    case 2: LEANOPT_RUN(4, 2); break; default: LEANOPT_RUN(4, 3); break; }
+    switch (kernel) { case 0: LEANOPT_RUN(4, 0); break; case 1: LEANOPT_RUN(4, 1); break; case 2: LEANOPT_RUN(4, 2); break;
+                      case 3: LEANOPT_RUN(4, 3); break; case 4: LEANOPT_RUN(4, 4); break; case 5: LEANOPT_RUN(4, 5); break; }
   }
 #undef LEANOPT_RUN
 }

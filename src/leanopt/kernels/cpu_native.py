@@ -2,7 +2,8 @@
 
 One pass per block, all of a param's blocks spread over torch's intra-op threads
 (``at::parallel_for``): decode each state's codes through its code book's value table, run the
-rule (AdamW with or without AMSGrad, Lion, AdEMAMix; safe mode always: second-moment floors and
+rule (the rules with a twin here, :data:`leanopt.kernels.twins.NATIVE`: AdamW with or without
+AMSGrad, Lion, AdEMAMix, SGD with momentum, with or without Nesterov; safe mode always: second-moment floors and
 :func:`~leanopt.kernels.rules.skipped_elements`), keep the new states in block-sized local
 buffers while their block maximum is reduced, then encode (the nearest code by the
 :class:`Tables`, the decay rounding of :meth:`~leanopt.quant.formats.BlockFormat.code_indices`
@@ -34,7 +35,7 @@ blocks the next process (:func:`_build_lock`), a damaged cached library is rebui
 and never fails.
 
 :func:`leanopt.kernels.cpu_elementwise.quantized` runs the params :func:`takes` accepts here
-(fp32 params and gradients, any rule of the three) and the others in its compiled graph; a
+(fp32 params and gradients, a rule with a twin here) and the others in its compiled graph; a
 failed build falls back to that graph with one warning. The same rules over dense fp32 states
 (a low-bit optimizer's params below ``min_quant_size``; Lion, AdEMAMix and safe-mode AdamW in
 fp32) run in :func:`dense` (:func:`leanopt.kernels.cpu_elementwise.dense` sends them): the
@@ -77,6 +78,9 @@ from torch.utils._python_dispatch import _disable_current_modes
 from leanopt import tracing
 from leanopt.environment import flag
 from leanopt.kernels import reference
+from leanopt.kernels.rules import RULES, rule_id
+from leanopt.kernels.twins import NATIVE, flag_bits
+from leanopt.kernels.twins import takes as twin_takes
 from leanopt.quant import codebooks
 from leanopt.quant.codebooks import _build
 from leanopt.quant.formats import DECAY_GROWTH_RATIO, DECAY_PROGRESS
@@ -86,7 +90,10 @@ log = logging.getLogger(__name__)
 # The kernel's C++ source, shipped beside this module (package data) and built from it.
 _SOURCE = (importlib.resources.files("leanopt.kernels") / "cpu_native.cpp").read_text()
 
-_CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"]
+# The rule numbers (leanopt.kernels.rules.rule_id) the source's switch reads: one numbering for
+# this kernel and the Triton helpers, generated from the rules.
+_RULE_DEFINES = [f"-DLEANOPT_RULE_{name.upper()}={rule_id(rule)}" for name, rule in RULES.items() if name in NATIVE]
+_CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", *_RULE_DEFINES]
 # at::parallel_for is OpenMP in the header: without -fopenmp it runs serially. The libgomp.so.1
 # linked here is the one torch has already loaded (same soname), so there is one runtime.
 _LDFLAGS = ["-fopenmp"]
@@ -541,25 +548,15 @@ def eytzinger(ordered: Tensor) -> Tensor:
     return out
 
 
-_RULE_IDS = {"adamw": 0, "lion": 2, "ademamix": 3}
-
-
-def _rule_id(rule: Any, hp: Mapping[str, Any]) -> int | None:
-    rid = _RULE_IDS.get(rule.name)
-    if rid == 0 and hp.get("amsgrad"):
-        rid = 1
-    return rid
-
-
 def eligible(rule: Any, p: Tensor, g: Tensor, states: Sequence[Any], hp: Mapping[str, Any]) -> bool:
-    """Whether :func:`quantized` can run this param, once the extension is there: a known rule,
-    fp32 CPU param and gradient, quantized states of one bit width and block size whose code
+    """Whether :func:`quantized` can run this param, once the extension is there: a rule with a
+    twin here taking this many states (:data:`leanopt.kernels.twins.NATIVE`), fp32 CPU param and gradient, quantized states of one bit width and block size whose code
     books have bucket tables (4-bit: even blocks)."""
     from leanopt.quant import QuantizedState
 
-    if _off or _rule_id(rule, hp) is None or p.device.type != "cpu" or p.dtype != torch.float32 or g.dtype != torch.float32:
+    if _off or p.device.type != "cpu" or p.dtype != torch.float32 or g.dtype != torch.float32:
         return False
-    if not states or not all(isinstance(q, QuantizedState) for q in states):
+    if not states or not twin_takes(NATIVE, rule, hp, len(states)) or not all(isinstance(q, QuantizedState) for q in states):
         return False
     fmt = states[0].format
     if any(q.format.bits != fmt.bits or q.format.block_size != fmt.block_size for q in states):
@@ -576,9 +573,9 @@ def takes(rule: Any, p: Tensor, g: Tensor, states: Sequence[Any], hp: Mapping[st
 
 
 def eligible_dense(rule: Any, p: Tensor, g: Tensor, states: Sequence[Tensor], hp: Mapping[str, Any]) -> bool:
-    """Whether :func:`dense` can run this param, once the extension is there: a known rule,
-    real (not fake) contiguous fp32 CPU param, gradient and states of the param's size."""
-    if _off or _rule_id(rule, hp) is None:
+    """Whether :func:`dense` can run this param, once the extension is there: a rule with a
+    twin here taking this many states (:data:`leanopt.kernels.twins.NATIVE`), real (not fake) contiguous fp32 CPU param, gradient and states of the param's size."""
+    if _off or not twin_takes(NATIVE, rule, hp, len(states)):
         return False
     for t in (p, g, *states):
         if not isinstance(t, Tensor) or t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous():
@@ -591,6 +588,12 @@ def eligible_dense(rule: Any, p: Tensor, g: Tensor, states: Sequence[Tensor], hp
 def takes_dense(rule: Any, p: Tensor, g: Tensor, states: Sequence[Tensor], hp: Mapping[str, Any]) -> bool:
     """Whether :func:`dense` runs this param now: :func:`eligible_dense`, and the extension loaded."""
     return eligible_dense(rule, p, g, states, hp) and _usable()
+
+
+def usable() -> bool:
+    """Whether a step may call the extension now (see :func:`_usable`): with :func:`eligible` or
+    :func:`eligible_dense` already answered, what :func:`takes` / :func:`takes_dense` add."""
+    return _usable()
 
 
 def _usable() -> bool:
@@ -615,9 +618,9 @@ def dense(rule: Any, p: Tensor, g: Tensor, states: Sequence[Tensor], step: int, 
     assert module is not None, build_error()
     n = p.numel()
     f32 = torch.float32
-    module.step_dense(_rule_id(rule, hp), bool(hp["maximize"]), bool(safe), _addr(p, f32, n, "param"),
+    module.step_dense(rule_id(rule), flag_bits(rule, hp), bool(hp["maximize"]), bool(safe), _addr(p, f32, n, "param"),
                       _addr(g, f32, n, "grad"), n, [_addr(t, f32, n, "state") for t in states],
-                      [float(c) for c in rule.scalars(hp, step, safe)])  # fmt: skip
+                      list(rule.scalar_values(hp, step, safe)))  # fmt: skip
 
 
 def step_blocks(rule: Any, p: Tensor, g: Tensor, states: Sequence[Any], step: int, hp: Mapping[str, Any],
@@ -626,16 +629,16 @@ def step_blocks(rule: Any, p: Tensor, g: Tensor, states: Sequence[Any], step: in
     its quantized ``states``, in place."""
     module = _module()
     assert module is not None, build_error()
-    rid = _rule_id(rule, hp)
-    fixed = _fixed_args(rule, rid, hp, tuple(q.format for q in states))
+    rid, flags = rule_id(rule), flag_bits(rule, hp)
+    fixed = _fixed_args(rule, (rid, flags), hp, tuple(q.format for q in states))
     bits, bs, cb_per_block = fixed[1], fixed[2], fixed[3]
     n = blocks * bs
     f32, u8 = torch.float32, torch.uint8
     module.step_blocks(
-        rid, bits, bs, bool(hp["maximize"]), _addr(p, f32, n, "param"), _addr(g, f32, n, "grad"), blocks,
+        rid, flags, bits, bs, bool(hp["maximize"]), _addr(p, f32, n, "param"), _addr(g, f32, n, "grad"), blocks,
         [_addr(q.codes, u8, blocks * cb_per_block, "codes") for q in states],
         [_addr(q.absmax, f32, blocks, "absmax") for q in states], *fixed[4:],
-        int(step), int(offset), [float(c) for c in rule.scalars(hp, step, True)],
+        int(step), int(offset), list(rule.scalar_values(hp, step, True)),
         float(DECAY_PROGRESS), float(DECAY_GROWTH_RATIO), not _portable,
     )  # fmt: skip
 
@@ -646,7 +649,7 @@ def step_blocks(rule: Any, p: Tensor, g: Tensor, states: Sequence[Any], step: in
 _FIXED: dict[tuple, tuple] = {}
 
 
-def _fixed_args(rule: Any, rid: int | None, hp: Mapping[str, Any], formats: tuple) -> tuple:
+def _fixed_args(rule: Any, rid: tuple, hp: Mapping[str, Any], formats: tuple) -> tuple:
     key = (rule.name, rid, formats)
     fixed = _FIXED.get(key)
     if fixed is None:

@@ -173,7 +173,7 @@ def rule_step_(
     if hp["maximize"]:
         g = -g
     dense = [s.dequantize().to(ct) if isinstance(s, QuantizedState) else s for s in states]
-    new_p, new = rule.elementwise(p, g, dense, rule.scalars(hp, step, safe), rule.flags(hp), safe)
+    new_p, new = rule.apply(p, g, dense, rule.scalar_values(hp, step, safe), rule.flag_values(hp), safe)
     if safe:
         bad = skipped_elements(g, new)
         if may_hold_true(bad):

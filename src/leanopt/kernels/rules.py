@@ -10,6 +10,9 @@ moment-like states to new ones. Each rule here has
   the CPU path compiles it as it is (``kernels.cpu_elementwise``), and its Triton twin
   (``kernels.triton_rules``, one ``@triton.jit`` helper per rule) is held to it by the parity
   tests;
+* its **description**: the names of its scalars and flags and its largest number of states,
+  which every backend reads (a compiled twin runs a rule only where it declares the same,
+  :mod:`leanopt.kernels.twins`);
 * the **kinds of its states**: their keys, whether they are signed (a first moment: a signed
   code when stored quantized) and whether they only decay on a zero gradient (then a quantized
   copy is stored with the decay rounding of ``quant.formats``).
@@ -52,22 +55,58 @@ class StateKind:
 
 @dataclass(frozen=True)
 class Rule:
-    """An elementwise rule (see the module docstring).
+    """An elementwise rule (see the module docstring), described once for every backend.
 
-    ``states(hp)``: the :class:`StateKind` of each state under hyper-parameters ``hp``;
-    ``hyperparameters(group)``: the rule's hyper-parameters from a param group (always with
-    ``maximize``); ``flags(hp)``: static switches of the elementwise function (a new value
-    compiles a new kernel); ``scalars(hp, step, safe)``: the step's numbers, a tuple of floats;
-    ``elementwise(p, g, states, c, flags, safe)`` -> ``(p, states)``: the update, ``g`` already
-    negated under ``maximize``. ``triton_id`` selects the rule's Triton helper."""
+    ``scalars``: the names of the step's numbers, in the order every backend receives them;
+    ``schedule(hp, step, safe)`` -> ``{name: float}`` forms them on the host (exactly those
+    names). ``flags``: the names of the rule's static switches, each a boolean hyper-parameter
+    (a new value compiles a new kernel). ``max_states``: the most states the rule keeps under
+    any hyper-parameters; ``states(hp)`` the :class:`StateKind` of each under ``hp`` (0 to
+    ``max_states`` of them). ``hyperparameters(group)``: the rule's hyper-parameters from a param
+    group (always with ``maximize``). ``elementwise(p, g, states, c, flags, safe)`` ->
+    ``(p, states)``: the update, with ``c`` and ``flags`` mappings by name and ``g`` already
+    negated under ``maximize``.
+
+    Nothing here names a backend: a fast backend runs a rule only where it has a *twin* of it
+    that reads the same scalars, flags and number of states (:mod:`leanopt.kernels.twins`);
+    :func:`leanopt.kernels.select` sends anything else to a backend that runs ``elementwise``
+    itself."""
 
     name: str
     states: Callable[[Mapping[str, Any]], tuple[StateKind, ...]]
     hyperparameters: Callable[[Mapping[str, Any]], dict[str, Any]]
-    flags: Callable[[Mapping[str, Any]], tuple[bool, ...]]
-    scalars: Callable[[Mapping[str, Any], int, bool], tuple[float, ...]]
+    scalars: tuple[str, ...]
+    schedule: Callable[[Mapping[str, Any], int, bool], Mapping[str, float]]
     elementwise: Callable[..., tuple[Tensor, list[Tensor]]]
-    triton_id: int
+    flags: tuple[str, ...] = ()
+    max_states: int = 3
+
+    def __post_init__(self) -> None:
+        for kind, names in (("scalars", self.scalars), ("flags", self.flags)):
+            if len(set(names)) != len(names) or not all(isinstance(n, str) and n.isidentifier() for n in names):
+                raise ValueError(f"Rule {self.name!r}: {kind} must be distinct identifiers, got {names!r}")
+        if not isinstance(self.max_states, int) or self.max_states < 0:
+            raise ValueError(f"Rule {self.name!r}: max_states must be an int >= 0, got {self.max_states!r}")
+
+    def flag_values(self, hp: Mapping[str, Any]) -> tuple[bool, ...]:
+        """The static switches under ``hp``, in :attr:`flags` order."""
+        return tuple(bool(hp[name]) for name in self.flags)
+
+    def scalar_values(self, hp: Mapping[str, Any], step: int, safe: bool) -> tuple[float, ...]:
+        """The step's numbers in :attr:`scalars` order (what the compiled backends receive)."""
+        named = self.schedule(hp, step, safe)
+        if len(named) != len(self.scalars):
+            raise ValueError(f"Rule {self.name!r}: schedule gave {sorted(named)}, the rule declares {list(self.scalars)}")
+        try:
+            return tuple(map(named.__getitem__, self.scalars))  # per param and step: kept cheap
+        except KeyError as err:
+            raise ValueError(f"Rule {self.name!r}: schedule gave {sorted(named)}, the rule declares "
+                             f"{list(self.scalars)} (no {err})") from None  # fmt: skip
+
+    def apply(self, p, g, states, c: Sequence[Any], flags: Sequence[bool], safe: bool):
+        """``elementwise`` with the scalars ``c`` (in :attr:`scalars` order: floats or 0-dim
+        tensors) and ``flags`` (in :attr:`flags` order) passed by name."""
+        return self.elementwise(p, g, list(states), dict(zip(self.scalars, c)), dict(zip(self.flags, flags)), safe)
 
     def __repr__(self) -> str:
         return f"Rule({self.name!r})"
@@ -137,11 +176,11 @@ def _adamw_hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
                 amsgrad=bool(group.get("amsgrad", False)), maximize=bool(group["maximize"]))  # fmt: skip
 
 
-def _adamw_scalars(hp: Mapping[str, Any], step: int, safe: bool) -> tuple[float, ...]:
+def _adamw_schedule(hp: Mapping[str, Any], step: int, safe: bool) -> dict[str, float]:
     lr, b1, b2 = hp["lr"], hp["beta1"], hp["beta2"]
-    floor = floor_divisor(b1, b2, step) if safe else math.inf
-    # decay, lerp weight, b2, 1-b2, eps, step size, sqrt(bias correction 2), floor divisor
-    return (1 - lr * hp["weight_decay"], 1 - b1, b2, 1 - b2, hp["eps"], lr / (1 - b1**step), (1 - b2**step) ** 0.5, floor)
+    return dict(decay=1 - lr * hp["weight_decay"], lerp_weight=1 - b1, beta2=b2, one_minus_beta2=1 - b2, eps=hp["eps"],
+                step_size=lr / (1 - b1**step), bc2_sqrt=(1 - b2**step) ** 0.5,
+                floor=floor_divisor(b1, b2, step) if safe else math.inf)  # fmt: skip
 
 
 def lerp(start, end, weight):
@@ -179,26 +218,27 @@ def sqrt(x, correctly_rounded: bool = True):
 
 def adamw_elementwise(p, g, states, c, flags, safe: bool):
     """torch.optim.AdamW's update in its operation order (decoupled decay, ``m.lerp(g, 1-b1)``,
-    ``v = b2 v + (1-b2) g g``, ``p - lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)``); ``flags`` is
-    ``(amsgrad,)``. Safe mode floors ``v`` at ``m^2 / K_t``."""
-    decay, w1, beta2, omb2, eps, step_size, bc2_sqrt, floor = c
-    (amsgrad,) = flags
+    ``v = b2 v + (1-b2) g g``, ``p - lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)``); flag
+    ``amsgrad``. Safe mode floors ``v`` at ``m^2 / K_t``."""
     m, v = states[0], states[1]
-    p = p * decay
-    m = lerp(m, g, w1)
-    v = v * beta2 + omb2 * g * g
+    p = p * c["decay"]
+    m = lerp(m, g, c["lerp_weight"])
+    v = v * c["beta2"] + c["one_minus_beta2"] * g * g
     if safe:
-        v = torch.maximum(v, m * m / floor)
+        v = torch.maximum(v, m * m / c["floor"])
     out = [m, v]
-    if amsgrad:
+    if flags["amsgrad"]:
         v = torch.maximum(states[2], v)
         out.append(v)
-    p = p - step_size * (m / (sqrt(v, correctly_rounded=safe) / bc2_sqrt + eps))
+    p = p - c["step_size"] * (m / (sqrt(v, correctly_rounded=safe) / c["bc2_sqrt"] + c["eps"]))
     return p, out
 
 
-ADAMW = Rule("adamw", _adamw_states, _adamw_hyperparameters, lambda hp: (bool(hp["amsgrad"]),), _adamw_scalars,
-             adamw_elementwise, triton_id=0)  # fmt: skip
+ADAMW = Rule(
+    "adamw", _adamw_states, _adamw_hyperparameters,
+    scalars=("decay", "lerp_weight", "beta2", "one_minus_beta2", "eps", "step_size", "bc2_sqrt", "floor"),
+    schedule=_adamw_schedule, elementwise=adamw_elementwise, flags=("amsgrad",), max_states=3,
+)  # fmt: skip
 
 
 # ---- Lion ------------------------------------------------------------------------------------
@@ -208,18 +248,17 @@ def _lion_hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
                 maximize=bool(group["maximize"]))  # fmt: skip
 
 
-def _lion_scalars(hp: Mapping[str, Any], step: int, safe: bool) -> tuple[float, ...]:
+def _lion_schedule(hp: Mapping[str, Any], step: int, safe: bool) -> dict[str, float]:
     lr, b1, b2 = hp["lr"], hp["beta1"], hp["beta2"]
-    return (1 - lr * hp["weight_decay"], b1, 1 - b1, b2, 1 - b2, lr)
+    return dict(decay=1 - lr * hp["weight_decay"], beta1=b1, one_minus_beta1=1 - b1, beta2=b2, one_minus_beta2=1 - b2, lr=lr)
 
 
 def lion_elementwise(p, g, states, c, flags, safe: bool):
     """Lion (Chen et al. 2023): ``p <- p (1 - lr wd) - lr sign(b1 m + (1-b1) g)``, then
     ``m <- b2 m + (1-b2) g``."""
-    decay, beta1, omb1, beta2, omb2, lr = c
     m = states[0]
-    p = p * decay - lr * torch.sign(m * beta1 + omb1 * g)
-    return p, [m * beta2 + omb2 * g]
+    p = p * c["decay"] - c["lr"] * torch.sign(m * c["beta1"] + c["one_minus_beta1"] * g)
+    return p, [m * c["beta2"] + c["one_minus_beta2"] * g]
 
 
 LION = Rule(
@@ -228,8 +267,9 @@ LION = Rule(
     # which a decaying fp32 momentum keeps, and a momentum rounded down to 0 would stop the
     # param (rounding toward zero measured 3.5x the drift from fp32 on sparse gradients,
     # benchmarks/lowbit_vs_bnb.py).
-    lambda hp: (StateKind("exp_avg", True),),
-    _lion_hyperparameters, lambda hp: (), _lion_scalars, lion_elementwise, triton_id=1,
+    lambda hp: (StateKind("exp_avg", True),), _lion_hyperparameters,
+    scalars=("decay", "beta1", "one_minus_beta1", "beta2", "one_minus_beta2", "lr"),
+    schedule=_lion_schedule, elementwise=lion_elementwise, max_states=1,
 )
 
 
@@ -273,27 +313,26 @@ def _ademamix_hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
                 maximize=bool(group["maximize"]))  # fmt: skip
 
 
-def _ademamix_scalars(hp: Mapping[str, Any], step: int, safe: bool) -> tuple[float, ...]:
+def _ademamix_schedule(hp: Mapping[str, Any], step: int, safe: bool) -> dict[str, float]:
     lr, b1, b2 = hp["lr"], hp["beta1"], hp["beta2"]
     alpha, b3 = ademamix_alpha_beta3(hp, step)
-    floor_fast = floor_divisor(b1, b2, step) if safe else math.inf
-    floor_slow = slow_moment_bound(hp, step) * (1 + MOMENT_BOUND_SLACK) if safe else math.inf
-    return (1 - lr * hp["weight_decay"], b1, 1 - b1, b3, 1 - b3, b2, 1 - b2, 1 - b1**step, alpha,
-            (1 - b2**step) ** 0.5, hp["eps"], lr, floor_fast, floor_slow)  # fmt: skip
+    return dict(decay=1 - lr * hp["weight_decay"], beta1=b1, one_minus_beta1=1 - b1, beta3=b3, one_minus_beta3=1 - b3,
+                beta2=b2, one_minus_beta2=1 - b2, bc1=1 - b1**step, alpha=alpha, bc2_sqrt=(1 - b2**step) ** 0.5,
+                eps=hp["eps"], lr=lr, floor_fast=floor_divisor(b1, b2, step) if safe else math.inf,
+                floor_slow=slow_moment_bound(hp, step) * (1 + MOMENT_BOUND_SLACK) if safe else math.inf)  # fmt: skip
 
 
 def ademamix_elementwise(p, g, states, c, flags, safe: bool):
     """AdEMAMix (Pagliardini et al. 2024): fast and slow EMAs of ``g`` and one of ``g^2``;
     ``p <- p (1 - lr wd) - lr (m1/bc1 + alpha m2) / (sqrt(nu)/sqrt(bc2) + eps)``. Safe mode
     floors ``nu`` at ``m1^2 / K_t`` and ``m2^2 / K3_t``."""
-    decay, beta1, omb1, beta3, omb3, beta2, omb2, bc1, alpha, bc2_sqrt, eps, lr, floor_fast, floor_slow = c
     m1, m2, nu = states[0], states[1], states[2]
-    m1 = m1 * beta1 + omb1 * g
-    m2 = m2 * beta3 + omb3 * g
-    nu = nu * beta2 + omb2 * g * g
+    m1 = m1 * c["beta1"] + c["one_minus_beta1"] * g
+    m2 = m2 * c["beta3"] + c["one_minus_beta3"] * g
+    nu = nu * c["beta2"] + c["one_minus_beta2"] * g * g
     if safe:
-        nu = torch.maximum(torch.maximum(nu, m1 * m1 / floor_fast), m2 * m2 / floor_slow)
-    p = p * decay - lr * ((m1 / bc1 + alpha * m2) / (sqrt(nu) / bc2_sqrt + eps))
+        nu = torch.maximum(torch.maximum(nu, m1 * m1 / c["floor_fast"]), m2 * m2 / c["floor_slow"])
+    p = p * c["decay"] - c["lr"] * ((m1 / c["bc1"] + c["alpha"] * m2) / (sqrt(nu) / c["bc2_sqrt"] + c["eps"]))
     return p, [m1, m2, nu]
 
 
@@ -303,7 +342,64 @@ ADEMAMIX = Rule(
     # code's spacing, and nearest rounding keeps it where fp32 nearly does.
     lambda hp: (StateKind("exp_avg_fast", True, decays=True), StateKind("exp_avg_slow", True),
                 StateKind("exp_avg_sq", False)),  # fmt: skip
-    _ademamix_hyperparameters, lambda hp: (), _ademamix_scalars, ademamix_elementwise, triton_id=2,
-)
+    _ademamix_hyperparameters,
+    scalars=("decay", "beta1", "one_minus_beta1", "beta3", "one_minus_beta3", "beta2", "one_minus_beta2", "bc1", "alpha",
+             "bc2_sqrt", "eps", "lr", "floor_fast", "floor_slow"),
+    schedule=_ademamix_schedule, elementwise=ademamix_elementwise, max_states=3,
+)  # fmt: skip
 
-RULES: dict[str, Rule] = {r.name: r for r in (ADAMW, LION, ADEMAMIX)}
+
+# ---- SGD -------------------------------------------------------------------------------------
+def _sgd_states(hp: Mapping[str, Any]) -> tuple[StateKind, ...]:
+    # The momentum only decays where the gradient (and weight decay) is 0 and the step is
+    # proportional to it: the decay rounding, as AdamW's first moment (a nearest-rounded
+    # momentum would stick on its code and keep the weight moving without a gradient).
+    return (StateKind("momentum_buffer", True, decays=True),) if hp["momentum"] != 0 else ()
+
+
+def _sgd_hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
+    return dict(lr=_lr(group["lr"]), momentum=float(group["momentum"]), dampening=float(group["dampening"]),
+                weight_decay=float(group["weight_decay"]), nesterov=bool(group["nesterov"]),
+                maximize=bool(group["maximize"]))  # fmt: skip
+
+
+def _sgd_schedule(hp: Mapping[str, Any], step: int, safe: bool) -> dict[str, float]:
+    # torch.optim.SGD starts the buffer as a copy of the first update direction: from a zero
+    # state, that is the step-1 buffer decay 0 and weight 1 (exact: 0*0 + 1*d = d).
+    first = step <= 1
+    return dict(weight_decay=hp["weight_decay"], momentum=hp["momentum"], buffer_decay=0.0 if first else hp["momentum"],
+                buffer_weight=1.0 if first else 1 - hp["dampening"], lr=hp["lr"])  # fmt: skip
+
+
+def sgd_elementwise(p, g, states, c, flags, safe: bool):
+    """torch.optim.SGD's update in its operation order: ``d = g + wd p``; with a momentum
+    ``buf = momentum buf + (1 - dampening) d`` (``buf = d`` at the first step) and
+    ``d = d + momentum buf`` (flag ``nesterov``) or ``d = buf``; ``p - lr d``. Without a
+    momentum (no state) ``p - lr d``."""
+    d = g + c["weight_decay"] * p
+    out = []
+    if states:
+        buf = states[0] * c["buffer_decay"] + c["buffer_weight"] * d
+        out.append(buf)
+        d = d + c["momentum"] * buf if flags["nesterov"] else buf
+    return p - c["lr"] * d, out
+
+
+SGD = Rule(
+    "sgd", _sgd_states, _sgd_hyperparameters,
+    scalars=("weight_decay", "momentum", "buffer_decay", "buffer_weight", "lr"),
+    schedule=_sgd_schedule, elementwise=sgd_elementwise, flags=("nesterov",), max_states=1,
+)  # fmt: skip
+
+# The rules leanopt ships, in the order that numbers them for the compiled twins
+# (:func:`rule_id`): one scheme for the Triton helpers and the C++ kernel.
+RULES: dict[str, Rule] = {r.name: r for r in (ADAMW, LION, ADEMAMIX, SGD)}
+
+
+def rule_id(rule: Rule) -> int | None:
+    """The number the compiled twins know ``rule`` by: its place in :data:`RULES`; None for a
+    rule defined elsewhere (even under a shipped rule's name), which has no twin."""
+    return _IDS.get(rule.name) if RULES.get(rule.name) is rule else None
+
+
+_IDS = {name: i for i, name in enumerate(RULES)}

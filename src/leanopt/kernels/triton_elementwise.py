@@ -1,7 +1,8 @@
 """Elementwise rules as Triton kernels: one launch per param group, dense or block-quantized.
 
-Both kernels take any rule of :mod:`leanopt.kernels.rules` through its helper in
-``triton_rules`` (``RULE`` is the rule's ``triton_id``), with up to three states, fp32 maths,
+Both kernels take the rules with a Triton twin (:data:`leanopt.kernels.twins.TRITON`) through
+their helpers in ``triton_rules`` (``RULE`` is :func:`leanopt.kernels.rules.rule_id`, ``FLAGS``
+the rule's flags as bits), with up to three states (zero too, dense), fp32 maths,
 and every step-dependent number from a per-tensor scalar table formed on the host (in double,
 rounded once). Shapes never reach the compiler: a launch walks a list of tensors in chunks
 (:mod:`leanopt.kernels.multi_tensor`).
@@ -28,7 +29,8 @@ from torch import Tensor
 
 from leanopt import tracing
 from leanopt.kernels.multi_tensor import TableCache
-from leanopt.kernels.rules import Rule
+from leanopt.kernels.rules import Rule, rule_id
+from leanopt.kernels.twins import flag_bits
 from leanopt.kernels.triton_common import TL_DTYPE, to_param_dtype
 from leanopt.kernels.triton_rules import rule_update, skipped_elements
 from leanopt.quant.formats import DECAY_GROWTH_RATIO as _GROWTH
@@ -41,13 +43,8 @@ DECAY_GROWTH_RATIO: tl.constexpr = tl.constexpr(_GROWTH)
 CHUNK = 2048
 
 
-def _flag(rule: Rule, hp: Mapping[str, Any]) -> bool:
-    flags = rule.flags(hp)
-    return bool(flags[0]) if flags else False
-
-
 def _scalar_table(cache: TableCache, rule: Rule, hp: Mapping[str, Any], steps: Sequence[int], safe: bool, device) -> tuple[Tensor, int]:
-    rows = [rule.scalars(hp, s, safe) for s in steps]
+    rows = [rule.scalar_values(hp, s, safe) for s in steps]
     width = len(rows[0])
     return cache.floats([v for row in rows for v in row], device), width
 
@@ -56,7 +53,7 @@ def _scalar_table(cache: TableCache, rule: Rule, hp: Mapping[str, Any], steps: S
 @triton.jit
 def _dense_kernel(
     p_ptrs, g_ptrs, s0_ptrs, s1_ptrs, s2_ptrs, chunk_tensor, chunk_start, numels, scalars,
-    K: tl.constexpr, P_DTYPE: tl.constexpr, RULE: tl.constexpr, N_STATES: tl.constexpr, FLAG: tl.constexpr,
+    K: tl.constexpr, P_DTYPE: tl.constexpr, RULE: tl.constexpr, N_STATES: tl.constexpr, FLAGS: tl.constexpr,
     SAFE: tl.constexpr, MAXIMIZE: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     c = tl.program_id(0)
@@ -73,14 +70,16 @@ def _dense_kernel(
     g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
     if MAXIMIZE:
         g = -g
-    s0 = tl.load(s0_ptr + offs, mask=mask)
+    s0 = p  # placeholders where the rule keeps fewer states: passed through, never stored
+    if N_STATES > 0:
+        s0 = tl.load(s0_ptr + offs, mask=mask)
     s1 = s0
     s2 = s0
     if N_STATES > 1:
         s1 = tl.load(s1_ptr + offs, mask=mask)
     if N_STATES > 2:
         s2 = tl.load(s2_ptr + offs, mask=mask)
-    p_new, s0, s1, s2 = rule_update(p, g, s0, s1, s2, scalars + t * K, RULE, FLAG, SAFE)
+    p_new, s0, s1, s2 = rule_update(p, g, s0, s1, s2, scalars + t * K, RULE, FLAGS, SAFE, N_STATES)
     if SAFE:
         bad = skipped_elements(g, s0, s1, s2, N_STATES)
         p_new = tl.where(bad, p, p_new)
@@ -88,7 +87,8 @@ def _dense_kernel(
         s1 = tl.where(bad, 0.0, s1)
         s2 = tl.where(bad, 0.0, s2)
     tl.store(p_ptr + offs, to_param_dtype(p_new, P_DTYPE), mask=mask)
-    tl.store(s0_ptr + offs, s0, mask=mask)
+    if N_STATES > 0:
+        tl.store(s0_ptr + offs, s0, mask=mask)
     if N_STATES > 1:
         tl.store(s1_ptr + offs, s1, mask=mask)
     if N_STATES > 2:
@@ -109,11 +109,14 @@ def dense(rule: Rule, cache: TableCache, key: str, params, grads, states, steps:
         table = cache.chunks(ps, CHUNK)
         scalars, width = _scalar_table(cache, rule, hp, [steps[i] for i in idx], safe, device)
         k = f"{key}/{rule.name}/{dtype}"
-        state_tables = [cache.addresses(f"{k}/s{j}", [states[i][min(j, n - 1)] for i in idx], device) for j in range(3)]
+        # Tables for three states whatever the rule keeps (the kernel reads only N_STATES of
+        # them): the last state repeated, or the params where there is none.
+        state_tables = [cache.addresses(f"{k}/s{j}", [states[i][min(j, n - 1)] if n else params[i] for i in idx], device)
+                        for j in range(3)]  # fmt: skip
         tracing.launch(_dense_kernel, (table.num_chunks,))(
             cache.addresses(k + "/p", ps, device), cache.addresses(k + "/g", [grads[i] for i in idx], device),
             *state_tables, table.chunk_tensor, table.chunk_start, table.numel, scalars,
-            K=width, P_DTYPE=TL_DTYPE[dtype], RULE=rule.triton_id, N_STATES=n, FLAG=_flag(rule, hp), SAFE=safe,
+            K=width, P_DTYPE=TL_DTYPE[dtype], RULE=rule_id(rule), N_STATES=n, FLAGS=flag_bits(rule, hp), SAFE=safe,
             MAXIMIZE=bool(hp["maximize"]), CHUNK=CHUNK,
         )  # fmt: skip
 
@@ -220,7 +223,7 @@ def _quantized_kernel(
     p_ptrs, g_ptrs, c0_ptrs, a0_ptrs, c1_ptrs, a1_ptrs, c2_ptrs, a2_ptrs,
     chunk_tensor, chunk_start, numels, scalars, dither_keys,
     values0, thresholds0, values1, thresholds1, values2, thresholds2,
-    K: tl.constexpr, P_DTYPE: tl.constexpr, RULE: tl.constexpr, N_STATES: tl.constexpr, FLAG: tl.constexpr,
+    K: tl.constexpr, P_DTYPE: tl.constexpr, RULE: tl.constexpr, N_STATES: tl.constexpr, FLAGS: tl.constexpr,
     MAXIMIZE: tl.constexpr, BITS: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr,
     LOG2_0: tl.constexpr, ZERO_0: tl.constexpr, LAST_0: tl.constexpr, DECAYS_0: tl.constexpr,
     LOG2_1: tl.constexpr, ZERO_1: tl.constexpr, LAST_1: tl.constexpr, DECAYS_1: tl.constexpr,
@@ -261,8 +264,8 @@ def _quantized_kernel(
     step = tl.load(dither_keys + 2 * t)
     base = tl.load(dither_keys + 2 * t + 1)
     o0_e, o0_o, o1_e, o1_o, o2_e, o2_o = s0_e, s0_o, s1_e, s1_o, s2_e, s2_o
-    new_e, s0_e, s1_e, s2_e = rule_update(p_e, g_e, s0_e, s1_e, s2_e, cp, RULE, FLAG, True)
-    new_o, s0_o, s1_o, s2_o = rule_update(p_o, g_o, s0_o, s1_o, s2_o, cp, RULE, FLAG, True)
+    new_e, s0_e, s1_e, s2_e = rule_update(p_e, g_e, s0_e, s1_e, s2_e, cp, RULE, FLAGS, True, N_STATES)
+    new_o, s0_o, s1_o, s2_o = rule_update(p_o, g_o, s0_o, s1_o, s2_o, cp, RULE, FLAGS, True, N_STATES)
     bad_e = skipped_elements(g_e, s0_e, s1_e, s2_e, N_STATES)
     bad_o = skipped_elements(g_o, s0_o, s1_o, s2_o, N_STATES)
     tl.store(p_ptr + even, to_param_dtype(tl.where(bad_e, p_e, new_e), P_DTYPE), mask=mask_e)
@@ -330,6 +333,6 @@ def quantized(rule: Rule, cache: TableCache, key: str, params, grads, states, st
         tracing.launch(_quantized_kernel, (table.num_chunks,))(
             cache.addresses(k + "/p", ps, device), cache.addresses(k + "/g", [grads[i] for i in idx], device),
             *pointers, table.chunk_tensor, table.chunk_start, table.numel, scalars, keys, *books,
-            K=width, P_DTYPE=TL_DTYPE[dtype], RULE=rule.triton_id, N_STATES=n, FLAG=_flag(rule, hp),
+            K=width, P_DTYPE=TL_DTYPE[dtype], RULE=rule_id(rule), N_STATES=n, FLAGS=flag_bits(rule, hp),
             MAXIMIZE=bool(hp["maximize"]), BITS=fmt.bits, BS=fmt.block_size, NB=CHUNK // fmt.block_size, **consts,
         )  # fmt: skip

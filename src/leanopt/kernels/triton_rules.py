@@ -2,11 +2,14 @@
 
 Each helper takes fp32 values ``(p, g, s0, s1, s2)`` (``g`` already negated under
 ``maximize``; states a rule does not have are passed through unchanged), a pointer ``c`` to
-this tensor's row of the scalar table (the rule's ``scalars``, rounded to fp32 once), the
-rule's one static flag and ``SAFE``, and returns the new ``(p, s0, s1, s2)``.
-:func:`rule_update` picks the helper by the rule's ``triton_id``; the kernels in
-``triton_elementwise`` call only that. The parity tests hold each helper to the torch
-elementwise function of the same rule.
+this tensor's row of the scalar table (the rule's ``scalar_values``, rounded to fp32 once, at
+the positions :data:`leanopt.kernels.twins.TRITON` declares for it), the rule's flags as bits
+(``FLAGS``: bit k is ``rule.flags[k]``) and ``SAFE``, and returns the new ``(p, s0, s1, s2)``.
+:func:`rule_update` picks the helper by the rule's number (:func:`leanopt.kernels.rules.rule_id`,
+the one numbering the C++ kernel uses too); the kernels in ``triton_elementwise`` call only
+that, and only for the rules :func:`leanopt.kernels.twins.takes` says have a helper here
+(``kernels.select`` sends the others elsewhere). The parity tests hold each helper to the
+torch elementwise function of the same rule.
 """
 
 from __future__ import annotations
@@ -14,11 +17,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from leanopt.kernels.rules import RULES, rule_id
 from leanopt.kernels.triton_common import is_finite
+
+ADAMW_ID: tl.constexpr = tl.constexpr(rule_id(RULES["adamw"]))
+LION_ID: tl.constexpr = tl.constexpr(rule_id(RULES["lion"]))
+ADEMAMIX_ID: tl.constexpr = tl.constexpr(rule_id(RULES["ademamix"]))
+SGD_ID: tl.constexpr = tl.constexpr(rule_id(RULES["sgd"]))
 
 
 @triton.jit
 def adamw_rule(p, g, m, v, vmax, c, AMSGRAD: tl.constexpr, SAFE: tl.constexpr):
+    # twins.TRITON["adamw"]: decay, lerp_weight, beta2, one_minus_beta2, eps, step_size, bc2_sqrt, floor
     decay = tl.load(c)
     w1 = tl.load(c + 1)
     beta2 = tl.load(c + 2)
@@ -40,7 +50,8 @@ def adamw_rule(p, g, m, v, vmax, c, AMSGRAD: tl.constexpr, SAFE: tl.constexpr):
 
 
 @triton.jit
-def lion_rule(p, g, m, s1, s2, c, FLAG: tl.constexpr, SAFE: tl.constexpr):
+def lion_rule(p, g, m, s1, s2, c, SAFE: tl.constexpr):
+    # twins.TRITON["lion"]: decay, beta1, one_minus_beta1, beta2, one_minus_beta2, lr
     decay = tl.load(c)
     beta1 = tl.load(c + 1)
     one_minus_beta1 = tl.load(c + 2)
@@ -56,7 +67,9 @@ def lion_rule(p, g, m, s1, s2, c, FLAG: tl.constexpr, SAFE: tl.constexpr):
 
 
 @triton.jit
-def ademamix_rule(p, g, m1, m2, nu, c, FLAG: tl.constexpr, SAFE: tl.constexpr):
+def ademamix_rule(p, g, m1, m2, nu, c, SAFE: tl.constexpr):
+    # twins.TRITON["ademamix"]: decay, beta1, one_minus_beta1, beta3, one_minus_beta3, beta2,
+    # one_minus_beta2, bc1, alpha, bc2_sqrt, eps, lr, floor_fast, floor_slow
     decay = tl.load(c)
     beta1 = tl.load(c + 1)
     one_minus_beta1 = tl.load(c + 2)
@@ -79,14 +92,35 @@ def ademamix_rule(p, g, m1, m2, nu, c, FLAG: tl.constexpr, SAFE: tl.constexpr):
 
 
 @triton.jit
-def rule_update(p, g, s0, s1, s2, c, RULE: tl.constexpr, FLAG: tl.constexpr, SAFE: tl.constexpr):
-    """The helper of rule ``RULE`` (``Rule.triton_id``)."""
-    if RULE == 0:
-        p, s0, s1, s2 = adamw_rule(p, g, s0, s1, s2, c, FLAG, SAFE)
-    elif RULE == 1:
-        p, s0, s1, s2 = lion_rule(p, g, s0, s1, s2, c, FLAG, SAFE)
+def sgd_rule(p, g, buf, s1, s2, c, NESTEROV: tl.constexpr, N_STATES: tl.constexpr):
+    # twins.TRITON["sgd"]: weight_decay, momentum, buffer_decay, buffer_weight, lr
+    d = g + tl.load(c) * p
+    if N_STATES > 0:
+        buf = buf * tl.load(c + 2) + tl.load(c + 3) * d
+        if NESTEROV:
+            d = d + tl.load(c + 1) * buf
+        else:
+            d = buf
+    p = p - tl.load(c + 4) * d
+    return p, buf, s1, s2
+
+
+@triton.jit
+def rule_update(p, g, s0, s1, s2, c, RULE: tl.constexpr, FLAGS: tl.constexpr, SAFE: tl.constexpr,
+                N_STATES: tl.constexpr):  # fmt: skip
+    """The helper of rule number ``RULE`` (:func:`leanopt.kernels.rules.rule_id`); a number
+    without a helper fails to compile (``kernels.select`` never sends one) instead of running
+    another rule."""
+    if RULE == ADAMW_ID:
+        p, s0, s1, s2 = adamw_rule(p, g, s0, s1, s2, c, (FLAGS & 1) != 0, SAFE)
+    elif RULE == LION_ID:
+        p, s0, s1, s2 = lion_rule(p, g, s0, s1, s2, c, SAFE)
+    elif RULE == ADEMAMIX_ID:
+        p, s0, s1, s2 = ademamix_rule(p, g, s0, s1, s2, c, SAFE)
+    elif RULE == SGD_ID:
+        p, s0, s1, s2 = sgd_rule(p, g, s0, s1, s2, c, (FLAGS & 1) != 0, N_STATES)
     else:
-        p, s0, s1, s2 = ademamix_rule(p, g, s0, s1, s2, c, FLAG, SAFE)
+        tl.static_assert(False, "no Triton helper for this rule number")
     return p, s0, s1, s2
 
 
@@ -94,7 +128,9 @@ def rule_update(p, g, s0, s1, s2, c, RULE: tl.constexpr, FLAG: tl.constexpr, SAF
 def skipped_elements(g, s0, s1, s2, N_STATES: tl.constexpr):
     """rules.skipped_elements: ``g * g`` not finite (g NaN/Inf or ``|g| >= 2^64`` in fp32) or
     a new state not finite."""
-    ok = is_finite(g * g) & is_finite(s0)
+    ok = is_finite(g * g)
+    if N_STATES > 0:
+        ok = ok & is_finite(s0)
     if N_STATES > 1:
         ok = ok & is_finite(s1)
     if N_STATES > 2:

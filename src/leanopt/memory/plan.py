@@ -43,6 +43,12 @@ tensors abort a CPU-only torch build) with what a GPU does differently put in
 (:mod:`leanopt.memory.plan_trace`, "CUDA"): the caching allocator's 512-byte blocks, the fused
 attention kernel torch picks (no seq x seq matrix saved), CUDA autocast's fp32 ops, leanopt's
 Triton kernels (in place) and torch's foreach default. One GPU only (``gpus`` 1).
+
+Each row also says what the *process* needs (``process_bytes``, compared with ``budget``): the
+step's peak plus, on the CPU, the one-time costs of a first step (measured once in a subprocess,
+cached), on CUDA the context, cuBLAS's workspace and the allocator's segments
+(:mod:`leanopt.memory.process`). ``accum`` > 1: the step of that many micro-batches, gradients
+held across them.
 """
 
 from __future__ import annotations
@@ -105,7 +111,14 @@ DEFAULT_OPTIMIZERS = ("adamw", "adamw8bit", "adamw4bit", "adafactor")
 
 @dataclass(frozen=True)
 class PlanRow:
-    """The predicted peak of one configuration; ``fits`` is None without a budget."""
+    """The predicted peak of one configuration; ``fits`` is None without a budget.
+
+    ``peak_bytes``: the steady-state step's tensors at their highest point (``breakdown``).
+    ``process_bytes``: what the process needs, ``peak_bytes`` plus ``one_time`` (CPU: the
+    one-time costs of a first step, measured once and cached; CUDA: the context, cuBLAS's
+    workspace, the allocator's segment margin; :mod:`leanopt.memory.process`), None where they
+    are not known (``process_source`` says why). ``compared``: which of the two ``fits`` was
+    decided on (``"process_bytes"``, or ``"peak_bytes"`` where ``process_bytes`` is None)."""
 
     optimizer: str
     precision: str
@@ -116,6 +129,11 @@ class PlanRow:
     fits: bool | None
     breakdown: dict[str, int] = field(default_factory=dict)
     rounding: str | None = None  # pure bf16: the optimizer's rounding=; None for fp32 and bf16-mixed
+    process_bytes: int | None = None
+    one_time: dict[str, int] = field(default_factory=dict)
+    process_source: str = ""
+    accum: int = 1
+    compared: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -125,9 +143,14 @@ class PlanRow:
             "checkpointing": self.checkpointing,
             "grad_release": self.grad_release,
             "gpus": self.gpus,
+            "accum": self.accum,
             "peak_bytes": self.peak_bytes,
+            "process_bytes": self.process_bytes,
             "fits": self.fits,
+            "compared": self.compared,
             "breakdown": dict(self.breakdown),
+            "one_time": dict(self.one_time),
+            "process_source": self.process_source,
         }
 
 
@@ -276,8 +299,11 @@ class _Step:
 
 def _trace_forward_backward(
     model: torch.nn.Module, task: str, batch: int, seq: int, precision: str, checkpointing: bool, released: bool = False,
-    device: str = "cpu",
+    device: str = "cpu", accum: int = 1,
 ) -> _ForwardBackward:  # fmt: skip
+    """``accum`` > 1: two micro-batches are traced one after the other, the second with the first's
+    gradients in ``.grad`` (autograd adds each new gradient into them); the third and later are
+    the second again, so the peak is the peak of both."""
     fake_mode = _fake_mode()
     tracker = LiveStorage()
     tracker.device = device
@@ -293,6 +319,9 @@ def _trace_forward_backward(
             loss = traced_forward_backward(
                 tracker, model, input_ids, labels, params, mixed, type(model).__name__, released=released, device=device
             )
+            if accum > 1:
+                del loss
+                loss = traced_forward_backward(tracker, model, input_ids, labels, params, mixed, type(model).__name__, device=device)
             peak = tracker.peak()
             live = tracker.live_by_kind()
             left = {k: v for k, v in live.items() if k not in ("weights", "gradients")}
@@ -372,21 +401,23 @@ def _trainable(model: torch.nn.Module) -> Iterable[torch.nn.Parameter]:
     return (p for p in model.parameters() if p.requires_grad)
 
 
-def _combine(fb: _ForwardBackward, step: _Step) -> tuple[int, dict[str, int]]:
+def _combine(fb: _ForwardBackward, step: _Step) -> tuple[int, dict[str, int], list[int]]:
     during_fb = fb.peak.bytes + sum(step.kept.values())
     during_step = step.peak.bytes + sum(fb.left.values())
     if during_fb >= during_step:
         breakdown = dict(fb.peak.breakdown)
         extra = step.kept
+        sizes = fb.peak.sizes
     else:
         breakdown = dict(step.peak.breakdown)
         extra = fb.left
+        sizes = step.peak.sizes
     for k, v in extra.items():
         breakdown[k] += v
-    return max(during_fb, during_step), {k: breakdown[k] for k in KINDS}
+    return max(during_fb, during_step), {k: breakdown[k] for k in KINDS}, [*sizes, *(v for v in extra.values() if v)]
 
 
-def _combine_released(fb: _ForwardBackward, step: _Step, param_steps: ParamSteps) -> tuple[int, dict[str, int]]:
+def _combine_released(fb: _ForwardBackward, step: _Step, param_steps: ParamSteps) -> tuple[int, dict[str, int], list[int]]:
     """The step under gradient release: backward with each gradient freed at its hook, where the
     param's update adds its transient; ``optimizer.step()`` after it is a no-op. The optimizer's
     state and workspaces (``step.kept``) are live throughout."""
@@ -400,7 +431,8 @@ def _combine_released(fb: _ForwardBackward, step: _Step, param_steps: ParamSteps
     breakdown["other"] += extra
     for k, v in step.kept.items():
         breakdown[k] += v
-    return best.bytes + extra + sum(step.kept.values()), {k: breakdown[k] for k in KINDS}
+    sizes = [*best.sizes, *([extra] if extra else []), *(v for v in step.kept.values() if v)]
+    return best.bytes + extra + sum(step.kept.values()), {k: breakdown[k] for k in KINDS}, sizes
 
 
 def _rank(row: PlanRow) -> tuple[int, int, int, bool, bool]:
@@ -435,6 +467,8 @@ def plan(
     grad_release: Sequence[bool] = (False, True),
     roundings: Sequence[str] | None = None,
     device: str = "cpu",
+    accum: int = 1,
+    process: bool = True,
 ) -> list[PlanRow]:
     """Predicted peak memory of a steady-state training step, per configuration, ranked by precision kept.
 
@@ -453,8 +487,18 @@ def plan(
 
     ``device``: ``"cpu"`` (default) or ``"cuda"``: the peak of ``torch.cuda.max_memory_allocated``
     for the step on one GPU (see the module docstring; ``gpus`` must be 1).
+
+    ``accum``: micro-batches per optimizer step (gradient accumulation: ``batch`` sequences per
+    micro-batch, ``(loss / accum).backward()`` each, then one ``step()``); the peak of such a
+    step, gradients held across the micro-batches. Not with gradient release (it steps inside
+    each backward) nor under FSDP2 (not planned yet).
+
+    ``process``: give each row ``process_bytes`` (:class:`PlanRow`); on the CPU the first plan of
+    a model class, precision and optimizer measures their one-time costs in a subprocess (~10-50 s,
+    then cached: :mod:`leanopt.memory.process`; not for FSDP2 ranks, ``gpus`` > 1). False: ``process_bytes`` is None, budgets are
+    compared with ``peak_bytes``.
     """
-    for name, value in (("batch", batch), ("seq", seq)):
+    for name, value in (("batch", batch), ("seq", seq), ("accum", accum)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
     if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
@@ -475,6 +519,13 @@ def plan(
             raise ValueError(f"unknown rounding {r!r}; known: {', '.join(ROUNDINGS)}")
     releases = _flags(grad_release, "grad_release")
     ckpts = [bool(c) for c in checkpointing]
+    if accum > 1:
+        if gpus > 1:
+            raise ValueError("accum > 1 is not planned under FSDP2 (--gpus > 1) yet")
+        if releases == [True]:
+            raise ValueError("accum > 1 with gradient release: release_gradients steps each param inside every backward, "
+                             "so gradients cannot accumulate (plan --grad-release off)")  # fmt: skip
+        releases = [False]
     if gpus > 1:
         # release_gradients and rounding="stochastic"|"kahan" refuse DTensor (FSDP2) params.
         if precisions is not None and precs == ["bf16"]:
@@ -523,7 +574,8 @@ def plan(
                 if gpus > 1:
                     forward_backward[ckpt] = _trace_forward_backward_fsdp(module, task, batch, seq, precision, ckpt, gpus)
                 else:
-                    forward_backward[ckpt] = _trace_forward_backward(module, task, batch, seq, precision, ckpt, released, device)
+                    forward_backward[ckpt] = _trace_forward_backward(module, task, batch, seq, precision, ckpt, released, device,
+                                                                     accum)
             except ValueError:
                 raise
             except Exception as err:
@@ -546,15 +598,33 @@ def plan(
             for ckpt in ckpts:
                 fb = forward_backward[ckpt]
                 if release:
-                    peak, breakdown = _combine_released(fb, steps[key], param_steps[key])
+                    peak, breakdown, sizes = _combine_released(fb, steps[key], param_steps[key])
                 else:
-                    peak, breakdown = _combine(fb, steps[key])
-                fits = None if budget_bytes is None else peak <= budget_bytes
-                rows.append(PlanRow(name, precision, ckpt, release, gpus, peak, fits, breakdown, rounding))
+                    peak, breakdown, sizes = _combine(fb, steps[key])
+                cost = _one_time(module, precision, device, sizes, name, key[1], gpus) if process else None
+                needed = None if cost is None or cost.bytes is None else peak + cost.bytes
+                compared = None if budget_bytes is None else ("peak_bytes" if needed is None else "process_bytes")
+                fits = None if budget_bytes is None else (needed if needed is not None else peak) <= budget_bytes
+                source = "process=False" if cost is None else cost.source
+                rows.append(PlanRow(name, precision, ckpt, release, gpus, peak, fits, breakdown, rounding, needed,
+                                    dict(cost.parts) if cost is not None else {}, source, accum, compared))  # fmt: skip
     if not rows:  # pure bf16 only, for optimizers without rounding=, and nearest not asked for
         raise ValueError(f"no configuration to plan: {', '.join(names)} take no rounding= (their pure-bf16 steps round "
                          "to nearest: ask for --roundings nearest)")  # fmt: skip
     return sorted(rows, key=_rank)
+
+
+def _one_time(module: torch.nn.Module, precision: str, device: str, sizes: list[int], optimizer: str, rounding: str | None,
+              gpus: int = 1) -> Any:  # fmt: skip
+    """What the process needs besides the step's tensors (:mod:`leanopt.memory.process`; the CPU's
+    is cached on disk after its first measurement)."""
+    from leanopt.memory import process
+
+    if gpus > 1:
+        return process.OneTimeCost(None, "not measured for FSDP2 ranks (--gpus > 1): the budget is compared with the step's peak")
+    if device == "cuda":
+        return process.cuda_one_time(sizes)
+    return process.cpu_one_time(module, precision, optimizer, rounding)
 
 
 def _device(device: Any) -> str:

@@ -15,6 +15,14 @@ classifier (batch 8, seq 128) and GPT-2 (124M) as a causal LM (batch 4, seq 256)
 4. measured = ``torch.cuda.max_memory_allocated()`` − baseline; predicted = the ``peak_bytes`` of
    ``plan(model, batch=, seq=, device="cuda")`` for the same configuration.
 
+Then (issue 24) the process: for the first configuration of each model, a fresh process builds
+the model on the GPU and trains three steps, as a user's script does (no warm-up); measured =
+``torch.cuda.max_memory_reserved()`` + the CUDA context (``mem_get_info``: in use less reserved,
+which that process also caches for the plan, :func:`leanopt.memory.process.measure_cuda_context`);
+predicted = the row's ``process_bytes`` (the step's peak, the context, cuBLAS's workspace and the
+allocator's segment margin), held to the same tolerance. And ``leanopt.doctor`` on the GPU for
+that configuration: its categories add up to its measured peak within 1 % (``doctor`` in the JSON).
+
 It prints a markdown table (predicted, measured, error), writes ``plan_check.json`` to ``--out``
 (default ``$GPU_CHECK_OUT``, else ``$OUT``, else the current folder), prints a one-line JSON
 summary last, and exits 1 if any row is outside ±``--tolerance`` % (default 5) or failed.
@@ -24,7 +32,8 @@ tiny sizes on the CPU: the small models of ``tests/test_plan.py`` (two layers), 
 :data:`DRY_CONFIGS`, the CPU plan against the CPU measurement of ``benchmarks/plan_vs_measured.py`` (a fresh process per model,
 resident high-water mark), held to the same tolerance; the CUDA plan of every configuration of
 :data:`CONFIGS` is computed too (the code path, not checked against anything; a failure is a
-row). No figure of a dry run is a GPU figure.
+row). No figure of a dry run is a GPU figure. The dry run runs ``leanopt.doctor`` on the CPU on the
+small DistilBERT (the ``doctor`` entry), not the process rows.
 
 The step and the models are those of ``benchmarks/plan_vs_measured.py`` (imported from the
 repository, which this check needs).
@@ -73,12 +82,77 @@ def one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
 
 
+def predict_process(bench: Any, case: str, optimizer: str, precision: str, checkpointing: bool) -> int | None:
+    """The CUDA row's ``process_bytes``."""
+    from leanopt.memory.plan import plan
+
+    _, _, _, batch, seq = bench.model_spec(case)
+    (row,) = plan(bench.build_meta(case), batch=batch, seq=seq, optimizers=[optimizer], precisions=[precision],
+                  checkpointing=[checkpointing], grad_release=[False], device="cuda")  # fmt: skip
+    return row.process_bytes
+
+
+def process_worker(case: str, optimizer: str, precision: str, checkpointing: bool) -> dict[str, int]:
+    """In a fresh process: the model on the GPU, three steps, no warm-up; the allocator's reserved
+    peak and the context (cached for the plan)."""
+    import torch
+
+    from leanopt.memory.process import measure_cuda_context
+
+    bench = benchmark()
+    torch.manual_seed(0)
+    _, _, _, batch, seq = bench.model_spec(case)
+    with torch.device("cuda"):
+        model = bench.build(case)
+    opt = bench.prepare(model, optimizer, precision, checkpointing)
+    step = bench.step_fn(model, opt, precision, batch, seq, device="cuda")
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    reserved = torch.cuda.max_memory_reserved()
+    return {"reserved_peak": reserved, "context": measure_cuda_context(), "allocated_peak": torch.cuda.max_memory_allocated()}
+
+
+def measure_process(case: str, config: tuple[str, str, bool], timeout: float = 300) -> dict[str, int]:
+    import subprocess
+
+    optimizer, precision, ckpt = config
+    out = subprocess.run([sys.executable, "-m", "leanopt.memory.plan_check", "--process-worker", case, optimizer, precision,
+                          "1" if ckpt else "0"], capture_output=True, text=True, timeout=timeout, check=False)  # fmt: skip
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def doctor_check(bench: Any, case: str, config: tuple[str, str, bool], device: str) -> dict[str, Any]:
+    """``leanopt.doctor`` on ``case`` at ``device``: its categories against its measured peak."""
+    import torch
+
+    from leanopt.memory.doctor import doctor
+
+    optimizer, precision, ckpt = config
+    _, _, _, batch, seq = bench.model_spec(case)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = bench.build(case)
+    opt = bench.prepare(model, optimizer, precision, ckpt)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
+    labels = torch.randint(0, 2, (batch,), device=device) if type(model).__name__.endswith("ForSequenceClassification") else ids
+    d = doctor(model, opt, {"input_ids": ids, "labels": labels}, autocast=torch.bfloat16 if precision == "bf16-mixed" else None)
+    total = sum(d.measured.values())
+    peak = d.process_peak_bytes or d.tensor_peak_bytes
+    err = 100.0 * (total - peak) / peak
+    return {"case": case, "device": device, "measured": d.measured, "process_peak_bytes": d.process_peak_bytes,
+            "tensor_peak_bytes": d.tensor_peak_bytes, "sum_error_pct": round(err, 3), "ok": abs(err) <= 1.0,
+            "explanations": d.explanations}  # fmt: skip
+
+
 def predict(bench: Any, case: str, optimizer: str, precision: str, checkpointing: bool, device: str) -> int:
     from leanopt.memory.plan import plan
 
     _, _, _, batch, seq = bench.model_spec(case)
     (row,) = plan(bench.build_meta(case), batch=batch, seq=seq, optimizers=[optimizer], precisions=[precision],
-                  checkpointing=[checkpointing], grad_release=[False], device=device)  # fmt: skip
+                  checkpointing=[checkpointing], grad_release=[False], device=device, process=False)  # fmt: skip
     return row.peak_bytes
 
 
@@ -145,7 +219,19 @@ def run_gpu(bench: Any, tolerance: float) -> list[dict[str, Any]]:
                 measured = measure_cuda(bench, case, *config)
             except Exception as err:  # noqa: BLE001 - recorded on the row, the next row still runs
                 error = f"{what}: {one_line(err)}"
-            rows.append(_row(case, config, predicted, measured, error, tolerance))
+            row = _row(case, config, predicted, measured, error, tolerance)
+            if config == CONFIGS[0]:  # the process: reserved + context against process_bytes
+                try:
+                    got = measure_process(case, config)
+                    real = got["reserved_peak"] + got["context"]
+                    want = predict_process(bench, case, *config)
+                    pct = None if want is None else 100.0 * (want - real) / real
+                    row.update(process_predicted_bytes=want, process_measured_bytes=real, context_bytes=got["context"],
+                               process_error_pct=None if pct is None else round(pct, 2))  # fmt: skip
+                    row["ok"] = row["ok"] and pct is not None and abs(pct) <= tolerance
+                except Exception as err:  # noqa: BLE001 - on the row
+                    row.update(ok=False, error=f"the process measurement: {one_line(err)}")
+            rows.append(row)
             _progress(rows[-1])
     return rows
 
@@ -224,6 +310,12 @@ def markdown(rows: list[dict[str, Any]], dry: bool, tolerance: float) -> str:
         if dry:
             cells.append(_mib(r.get("cuda_plan_bytes")))
         lines.append("| " + " | ".join(cells) + " |")
+    for r in rows:
+        if "process_measured_bytes" in r:
+            pct = r["process_error_pct"]
+            lines.append(f"process ({r['case']} {r['optimizer']} {r['precision']}): process_bytes {_mib(r['process_predicted_bytes'])} MiB "
+                         f"vs max_memory_reserved + context {_mib(r['process_measured_bytes'])} MiB (context "
+                         f"{_mib(r['context_bytes'])}): {'-' if pct is None else f'{pct:+.2f} %'}")  # fmt: skip
     bad = [r for r in rows if not r["ok"]]
     lines += ["", f"{len(rows) - len(bad)} of {len(rows)} rows within ±{tolerance:g} %" + ("" if not bad else " -- FAILED")]
     return "\n".join(lines)
@@ -241,7 +333,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="no GPU: the same pipeline at tiny sizes on the CPU")
     ap.add_argument("--out", help="folder for plan_check.json (default $GPU_CHECK_OUT, $OUT, else .)")
     ap.add_argument("--tolerance", type=float, default=TOLERANCE_PCT, help="allowed |error| in percent (default 5)")
+    ap.add_argument("--process-worker", nargs=4, metavar=("CASE", "OPTIMIZER", "PRECISION", "CKPT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.process_worker:
+        case, optimizer, precision, ckpt = args.process_worker
+        print(json.dumps(process_worker(case, optimizer, precision, ckpt == "1")), flush=True)
+        return 0
     dry = args.dry_run or os.environ.get("GPU_CHECK_DRY_RUN") == "1"
     out = Path(args.out or os.environ.get("GPU_CHECK_OUT") or os.environ.get("OUT") or ".")
     t0 = time.time()
@@ -251,13 +348,19 @@ def main(argv: list[str] | None = None) -> int:
         if device is None:
             raise RuntimeError("no CUDA device visible to torch (use --dry-run on a machine without a GPU)")
         rows = run_dry(bench, args.tolerance) if dry else run_gpu(bench, args.tolerance)
+        try:
+            doc = doctor_check(bench, DRY_CASES[0] if dry else GPU_CASES[0], CONFIGS[0], "cpu" if dry else "cuda")
+        except Exception as err:  # noqa: BLE001 - reported, fails the check
+            doc = {"ok": False, "error": one_line(err)}
+        print(f"plan_check: doctor on {'the CPU (dry run)' if dry else 'the GPU'}: "
+              f"{'ok' if doc.get('ok') else 'FAILED'} {doc.get('sum_error_pct', doc.get('error'))}", file=sys.stderr, flush=True)
     except Exception as err:  # noqa: BLE001 - one line naming what failed
         print(f"plan_check failed: {one_line(err)}", file=sys.stderr)
         print(json.dumps({"ok": False, "dry_run": dry, "error": one_line(err)}))
         return 1
-    ok = all(r["ok"] for r in rows)
+    ok = all(r["ok"] for r in rows) and bool(doc.get("ok"))
     result = {"ok": ok, "dry_run": dry, "device": device, "tolerance_pct": args.tolerance,
-              "seconds": round(time.time() - t0, 1), "rows": rows}  # fmt: skip
+              "seconds": round(time.time() - t0, 1), "rows": rows, "doctor": doc}  # fmt: skip
     print(markdown(rows, dry, args.tolerance), flush=True)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -265,7 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:
         print(f"plan_check: could not write {out / 'plan_check.json'}: {one_line(err)}", file=sys.stderr)
         ok = False
-    summary = {k: v for k, v in result.items() if k != "rows"}
+    summary = {k: v for k, v in result.items() if k not in ("rows", "doctor")}
+    summary["doctor_ok"] = bool(doc.get("ok"))
+    summary["process_rows"] = [[r["case"], r.get("process_error_pct")] for r in rows if "process_measured_bytes" in r]
     summary["rows"] = [[r["case"], r["optimizer"], r["precision"], r["checkpointing"], r["error_pct"]] for r in rows]
     print(json.dumps(summary), flush=True)
     return 0 if ok else 1

@@ -87,12 +87,14 @@ class Peak:
 
     bytes: int = 0
     breakdown: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    sizes: list[int] = field(default_factory=list)  # of the storages live then (a CUDA plan's segment margin)
 
 
 def _summed(nbytes: int, blocks: list[tuple[_Block, int]]) -> Peak:
     out = Peak(nbytes)
     for block, size in blocks:
         out.breakdown[block.kind] += size
+        out.sizes.append(size)
     return out
 
 
@@ -625,6 +627,7 @@ def rounded_step_peak(
     peak = Peak(0, {"weights": sum(nbytes), "gradients": sum(nbytes), "optimizer_state": state, "activations": 0,
                     "other": steps.kept_other + max((steps.transient[key] for key in shapes), default=0)})  # fmt: skip
     peak.bytes = sum(peak.breakdown.values())
+    peak.sizes = [*nbytes, *nbytes]  # weights and gradients (states and temporaries: not by block)
     return peak, kept
 
 

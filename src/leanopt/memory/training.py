@@ -44,6 +44,14 @@ trainable param's gradient (what is live when its hook runs) instead of all of t
 autograd holds for a moment before they reach ``.grad`` (a layer's bias while its weight's hook
 runs) are temporaries, left out as the optimizer's are. Nothing of them persists after the step.
 
+``offload=True`` is ``offload="cpu"`` (:mod:`leanopt.optim.offload`): the optimizer state and the
+host copies of the params -- fp32, the master weights of bf16 params -- are in host memory
+(:attr:`TrainingMemory.host_bytes`, with the host gradient buffers: one per param with
+``grad_release``, the bound while gradients accumulate; else the two largest params'), and
+the device keeps weights and gradients only (``optimizer_state`` and ``master_weights`` are 0).
+It takes ``precision="fp32"`` or ``"bf16"`` (bf16 params with an fp32 master on the host);
+``"bf16-mixed"``'s fp32 master weights are the model's own params, on the device.
+
 Not counted: activations (they depend on batch size, sequence length and checkpointing),
 temporary buffers of the optimizer step, the CUDA context and allocator fragmentation.
 """
@@ -91,6 +99,9 @@ class TrainingMemory:
     state: StateEstimate
     rounding: str | None = None  # pure bf16 with a leanopt optimizer: its rounding=
     grad_release: bool = False  # gradients: the largest param's (see leanopt.memory.training)
+    offload: bool = False  # offload="cpu": state and host copies in host memory
+    host_copies: int = 0  # offloaded: the host copy of each param (fp32 master for bf16)
+    host_gradients: int = 0  # offloaded: host gradient buffers (their bound)
 
     @property
     def compensation(self) -> int:
@@ -101,11 +112,17 @@ class TrainingMemory:
     def mode(self) -> str:
         """``"bf16 kahan"``, ``"fp32 + grad release"``...: precision, rounding and release in words."""
         text = f"{self.precision} {self.rounding}" if self.rounding else self.precision
-        return text + (" + grad release" if self.grad_release else "")
+        return text + (" + grad release" if self.grad_release else "") + (" + offload" if self.offload else "")
 
     @property
     def optimizer_state(self) -> int:
-        return self.state.bytes
+        """Bytes of optimizer state on the params' device (0 when offloaded: see :attr:`host_bytes`)."""
+        return 0 if self.offload else self.state.bytes
+
+    @property
+    def host_bytes(self) -> int:
+        """Offloaded: host copies, optimizer state and host gradient buffers; else 0."""
+        return self.host_copies + self.state.bytes + self.host_gradients if self.offload else 0
 
     @property
     def total(self) -> int:
@@ -120,19 +137,23 @@ class TrainingMemory:
         return self.total / self.params if self.params else 0.0
 
     def as_dict(self) -> dict[str, int]:
-        return {
+        out = {
             "weights": self.weights,
             "gradients": self.gradients,
             "master_weights": self.master_weights,
             "optimizer_state": self.optimizer_state,
             "total": self.total,
         }
+        if self.offload:
+            out["host_bytes"] = self.host_bytes
+        return out
 
     def __str__(self) -> str:
         parts = ", ".join(f"{k} {v / MiB:,.0f}" for k, v in self.as_dict().items() if k != "total" and v)
         return (
             f"{self.optimizer} ({self.mode}): {self.total:,} bytes ({self.megabytes:,.0f} MB) "
             f"for {self.params:,} params, {self.bytes_per_param:.2f} B/param [MB: {parts}]"
+            + (f"; host {self.host_bytes:,} bytes ({self.host_bytes / MiB:,.0f} MB)" if self.offload else "")
         )
 
 
@@ -149,6 +170,7 @@ def training_memory(
     *,
     precision: str = "fp32",
     grad_release: bool = False,
+    offload: bool = False,
     **optimizer_kwargs: Any,
 ) -> TrainingMemory:
     """Weights, gradients, master weights and optimizer state for training ``model_or_params``.
@@ -173,6 +195,9 @@ def training_memory(
     2099200
     >>> leanopt.training_memory(model, "adamw", grad_release=True).gradients   # the weight's gradient only
     4194304
+    >>> m = leanopt.training_memory(model, "adamw8bit", precision="bf16", offload=True)
+    >>> m.total, m.host_bytes   # device: bf16 weights and gradients; host: fp32 master, states, 2 gradients
+    (4198400, 8435720)
     """
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; known: {', '.join(PRECISIONS)}")
@@ -184,6 +209,13 @@ def training_memory(
         raise ValueError(f"{name} has no rounding= option (leanopt's optimizers have it); its bf16 steps round to nearest")
     if grad_release and not lean:
         raise ValueError(f"grad_release: leanopt.release_gradients needs a leanopt optimizer, not {name}")
+    if not isinstance(offload, bool):
+        raise ValueError(f"offload must be True or False, got {offload!r}")  # noqa: TRY004
+    if offload and not lean:
+        raise ValueError(f"offload: offload='cpu' is an option of leanopt's optimizers, not of {name}")
+    if offload and precision == "bf16-mixed":
+        raise ValueError("offload with precision='bf16-mixed': its fp32 master weights are the model's params, on the "
+                         "device; use precision='bf16' (bf16 params, fp32 masters on the host) or 'fp32'")  # fmt: skip
     weight_b, grad_b, master_b, dtype = PRECISIONS[precision]
     # Duplicates go first: the dtype-converted copies would no longer be the same tensor.
     params = _with_dtype(unique_params(model_or_params), dtype)
@@ -195,6 +227,15 @@ def training_memory(
     rounding = None
     if precision == "bf16" and lean:
         rounding = optimizer_kwargs.get("rounding", "nearest")
+    host_copies = host_gradients = 0
+    if offload:
+        if rounding not in (None, "nearest"):
+            raise ValueError(f"offload with rounding={rounding!r}: the fp32 master on the host leaves nothing for it")
+        from leanopt.optim.offload import IN_FLIGHT
+
+        host_copies = 4 * n  # fp32 host copies: the params' own, or bf16 params' masters
+        largest = sorted((p.numel() for p in _param_tensors(params)), reverse=True)[:IN_FLIGHT]
+        host_gradients = grad_b * (n if grad_release else sum(largest))
     return TrainingMemory(
         optimizer=state.optimizer,
         precision=precision,
@@ -205,6 +246,9 @@ def training_memory(
         state=state,
         rounding=rounding,
         grad_release=grad_release,
+        offload=offload,
+        host_copies=host_copies,
+        host_gradients=host_gradients,
     )
 
 

@@ -9,9 +9,13 @@ from leanopt.optim.adamw_lowbit import AdamW4bit, AdamW8bit  # isort: skip
 from leanopt.optim.adafactor import Adafactor  # isort: skip
 from leanopt.optim.lion import Lion, Lion4bit, Lion8bit  # isort: skip
 from leanopt.optim.ademamix import AdEMAMix, AdEMAMix8bit  # isort: skip
+from leanopt.optim.sgd import SGD, SGD8bit  # isort: skip
 from leanopt.optim.base import LeanOptimizer
+from leanopt.optim.elementwise import ElementwiseOptimizer
 from leanopt.optim.layout import StateSpec
-from leanopt.optim.registry import REGISTRY, optimizer_class
+from leanopt.optim.lowbit import LowBit
+from leanopt.optim.registry import REGISTRY, optimizer_class, register
 
-__all__ = ["REGISTRY", "AdEMAMix", "AdEMAMix8bit", "Adafactor", "AdamW", "AdamW4bit", "AdamW8bit", "LeanOptimizer",
-           "Lion", "Lion4bit", "Lion8bit", "StateSpec", "optimizer_class"]  # fmt: skip
+__all__ = ["REGISTRY", "AdEMAMix", "AdEMAMix8bit", "Adafactor", "AdamW", "AdamW4bit", "AdamW8bit",
+           "ElementwiseOptimizer", "LeanOptimizer", "Lion", "Lion4bit", "Lion8bit", "LowBit", "SGD", "SGD8bit", "StateSpec",
+           "optimizer_class", "register"]  # fmt: skip

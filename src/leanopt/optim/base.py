@@ -12,6 +12,8 @@ quantized forms of the same state key.
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
@@ -24,6 +26,7 @@ from leanopt import kernels
 from leanopt.kernels.multi_tensor import TableCache
 from leanopt.optim.identity import declared_optimizer, recognize_states
 from leanopt.optim.layout import StateSpec, convert_saved
+from leanopt.optim.offload import Offload, check_offload
 from leanopt.optim.rounding import LOW_PRECISION, check_rounding, generator_for, stochastic_round
 from leanopt.optim.sharding import allocate_state, checkpoint_value, is_dtensor, load_value
 from leanopt.quant import QuantizedState
@@ -91,7 +94,38 @@ class LeanOptimizer(torch.optim.Optimizer):
         # The backend is how to compute, not what: it is not a hyper-parameter and is not saved.
         self.backend = kernels.check_backend(backend)
         self._tables = TableCache()
+        self._offload: Offload | None = None
         super().__init__(params, {**self._complete_defaults(defaults), "optimizer": self.name})
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # Every optimizer takes ``offload=`` (leanopt.optim.offload) after its own keywords: its
+        # constructor is wrapped, so a subclass neither declares nor forwards it. Like the
+        # backend it says where to compute, not what: it is not a hyper-parameter, not saved.
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is None or getattr(init, "_takes_offload", False):
+            return
+
+        @functools.wraps(init)
+        def __init__(self: Any, *args: Any, offload: str | None = None, **kw: Any) -> None:
+            check_offload(offload)
+            init(self, *args, **kw)
+            if offload is not None:
+                self._offload = Offload(self)
+
+        signature = inspect.signature(init)
+        params = list(signature.parameters.values())
+        if "offload" not in signature.parameters:
+            at = next((i for i, q in enumerate(params) if q.kind == inspect.Parameter.VAR_KEYWORD), len(params))
+            params.insert(at, inspect.Parameter("offload", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="str | None"))
+        __init__.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
+        __init__._takes_offload = True  # type: ignore[attr-defined]
+        cls.__init__ = __init__  # type: ignore[method-assign]
+
+    @property
+    def offload(self) -> str | None:
+        """Where states and master weights live: ``None`` (with the params) or ``"cpu"``."""
+        return "cpu" if getattr(self, "_offload", None) is not None else None
 
     def _complete_defaults(self, defaults: dict[str, Any]) -> dict[str, Any]:
         """The defaults every param group gets: the optimizer's, plus what a mixin adds."""
@@ -102,12 +136,35 @@ class LeanOptimizer(torch.optim.Optimizer):
         # one set by hand since is dropped, as in the usual loop.
         if getattr(self, "_gradient_release", None) is not None:
             self._gradient_release._optimizer_stepped()
+        elif getattr(self, "_offload", None) is not None:
+            self._offload.zero_grad()
         super().zero_grad(set_to_none)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("backend", "auto")
         self.__dict__.setdefault("_tables", TableCache())
+        self.__dict__.setdefault("_offload", None)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:  # fmt: skip
+        """``torch.nn.utils.clip_grad_norm_`` over this optimizer's params, returning the total norm.
+
+        With ``offload="cpu"`` and :func:`leanopt.release_gradients` the gradients are in host
+        memory, where a plain look at ``p.grad`` cannot see them (leanopt routes
+        ``torch.nn.utils.clip_grad_norm_`` here for such params); this one sees them wherever
+        they are. Under gradient release without offload they were applied and freed inside
+        backward, and this raises ``RuntimeError``.
+        """
+        params = [p for g in self.param_groups for p in g["params"]]
+        if self._offload is not None:
+            return self._offload.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
+        if getattr(self, "_gradient_release", None) is not None:
+            raise RuntimeError(
+                "clip_grad_norm_ under leanopt.release_gradients: each gradient was applied and freed inside backward, "
+                "so there is nothing to clip; use offload='cpu' (which keeps them on the host until step()) or no release"
+            )
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
 
     # ---- validation -----------------------------------------------------------------------
     def validate_group(self, group: Mapping[str, Any], *, loaded: bool = False) -> None:
@@ -140,6 +197,8 @@ class LeanOptimizer(torch.optim.Optimizer):
             raise ValueError(f"param group 'optimizer' is {merged['optimizer']!r}; this optimizer is {self.name!r}")
         self.validate_group(merged)
         check_rounding(merged.get("rounding", "nearest"))
+        if getattr(self, "_offload", None) is not None:
+            self._offload.check_group({**merged, "params": param_group.get("params") or []}, len(self.param_groups))
         super().add_param_group(param_group)
         if getattr(self, "_gradient_release", None) is not None:
             self._gradient_release._hook_params()  # a group added while released is released too
@@ -187,11 +246,27 @@ class LeanOptimizer(torch.optim.Optimizer):
         return specs
 
     def _init_state(self, p: torch.Tensor, group: Mapping[str, Any]) -> dict[str, Any]:
-        state = self.state[p]
+        state = self.state.get(p)
         if not state:
-            for spec in self._param_layout(p, group):
-                state[spec.key] = allocate_state(spec, p) if is_dtensor(p) else spec.allocate(p.device)
+            layout = self._param_layout(p, group)
+            if not layout:  # a stateless param (SGD without momentum): no entry, as torch keeps none
+                return {}
+            state = self.state[p]
+            device = p.device if self._offload is None else self._offload.state_device()
+            for spec in layout:
+                state[spec.key] = allocate_state(spec, p) if is_dtensor(p) else spec.allocate(device)
         return state
+
+    def _state_target(self, p: torch.Tensor) -> torch.Tensor:
+        """A tensor on the device ``p``'s states live on (``p`` itself, or a host stand-in when offloaded)."""
+        if getattr(self, "_offload", None) is None:
+            return p
+        return torch.empty(0, device=self._offload.state_device())
+
+    def _advance(self, p: torch.Tensor, group: Mapping[str, Any]) -> None:
+        state = self._init_state(p, group)
+        if "step" in state:
+            state["step"] += 1
 
     # ---- helpers for step ---------------------------------------------------------------
     def _stepped_params(self, group: Mapping[str, Any]) -> list[torch.Tensor]:
@@ -200,13 +275,14 @@ class LeanOptimizer(torch.optim.Optimizer):
         for p in group["params"]:
             if p.grad is None:
                 continue
-            self._init_state(p, group)["step"] += 1
+            self._advance(p, group)
             out.append(p)
         return out
 
     def _steps(self, params: Iterable[torch.Tensor]) -> list[int]:
-        """The (new) step counts of ``params``: host tensors, read without a device sync."""
-        return [int(self.state[p]["step"].item()) for p in params]
+        """The (new) step counts of ``params``: host tensors, read without a device sync (0 for
+        a param that keeps no count)."""
+        return [int(self.state[p]["step"].item()) if "step" in self.state.get(p, ()) else 0 for p in params]
 
     # ---- step -----------------------------------------------------------------------------
     @kernels.eager
@@ -221,6 +297,9 @@ class LeanOptimizer(torch.optim.Optimizer):
         loss = self._closure_loss(closure)
         if getattr(self, "_gradient_release", None) is not None:
             self._gradient_release._optimizer_stepped(step=True)  # steps what no hook stepped
+            return loss
+        if self._offload is not None:
+            self._offload.step()
             return loss
         self._check_grads()
         for gi, group in enumerate(self.param_groups):
@@ -278,7 +357,7 @@ class LeanOptimizer(torch.optim.Optimizer):
             return
         self._check_grad(p, gi, index)
         group = self.param_groups[gi]
-        self._init_state(p, group)["step"] += 1
+        self._advance(p, group)
         self._update_group(gi, group, [p], f"group{gi}/param{index}")
 
     def _closure_loss(self, closure: Callable[[], Any] | None) -> Any:
@@ -289,6 +368,8 @@ class LeanOptimizer(torch.optim.Optimizer):
 
     # ---- save / load --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        if getattr(self, "_offload", None) is not None:
+            self._offload.wait()  # host steps in flight finish first
         # torch runs the post hooks inside its state_dict; run them here instead, so that they
         # see (and may edit or replace) the state_dict this method returns.
         post_hooks = self._optimizer_state_dict_post_hooks
@@ -343,6 +424,8 @@ class LeanOptimizer(torch.optim.Optimizer):
         if not isinstance(state_dict["state"], Mapping):
             raise ValueError(f"{cls}.load_state_dict: 'state' is a {type(state_dict['state']).__name__}, expected a dict")
         origin = self._loaded_identity(state_dict)
+        if getattr(self, "_offload", None) is not None:
+            self._offload.wait()
         # Options a checkpoint lacks (saved before they existed) take the constructor's values,
         # as torch's optimizers do; every group is then checked as the constructor checks it.
         filled_groups = []
@@ -352,6 +435,8 @@ class LeanOptimizer(torch.optim.Optimizer):
             try:
                 self.validate_group(filled, loaded=True)
                 check_rounding(filled.get("rounding", "nearest"))
+                if getattr(self, "_offload", None) is not None:
+                    self._offload.check_group({**filled, "params": group["params"]}, gi)
             except ValueError as err:
                 raise ValueError(f"{cls}.load_state_dict: param group {gi}: {err}{origin.other_rule()}") from None
             filled_groups.append(filled)
@@ -464,10 +549,11 @@ class LeanOptimizer(torch.optim.Optimizer):
         extra = [k for k in saved if k not in keys and k != "kahan_comp" and k not in self.ignored_state_keys]
         if extra:
             raise refuse(f"{', '.join(map(repr, extra))} has no place in it")
+        target = self._state_target(p)  # offloaded: states are converted onto the host
         for spec in layout:
             if spec.key not in saved:
                 # A state saved without compensation (another rounding) continues from none.
-                alt = spec.allocate(p.device) if spec.key == "kahan_comp" and not is_dtensor(p) else self._missing_state(spec, p, saved)
+                alt = spec.allocate(target.device) if spec.key == "kahan_comp" and not is_dtensor(p) else self._missing_state(spec, target, saved)
                 if alt is None:
                     raise refuse(f"it has no {spec.key!r}")
                 out[spec.key] = alt
@@ -476,7 +562,7 @@ class LeanOptimizer(torch.optim.Optimizer):
             if spec.key == "step":
                 _check_step(saved["step"], where)
             convert = load_value if is_dtensor(p) else convert_saved
-            out[spec.key] = convert(spec, saved[spec.key], p, where)
+            out[spec.key] = convert(spec, saved[spec.key], p if is_dtensor(p) else target, where)
         return out
 
     def _missing_state(self, spec: StateSpec, p: torch.Tensor, saved: Mapping[str, Any]) -> Any:

@@ -45,11 +45,19 @@ class ElementwiseOptimizer(LeanOptimizer):
         """The rule's state keys (besides ``step``) for params of ``group``."""
         return [kind.key for kind in self.rule.states(self.rule.hyperparameters(group))]
 
+    def keeps_step(self, dtype: torch.dtype, group: Mapping[str, Any]) -> bool:
+        """Whether params of ``dtype`` in ``group`` keep a ``step`` count (the rule's schedule,
+        the decay rounding's dither and stochastic rounding read it): yes, unless a subclass
+        keeps none where its reference keeps none (SGD without momentum)."""
+        return True
+
+    def step_layout(self, dtype: torch.dtype, group: Mapping[str, Any]) -> list[StateSpec]:
+        """The ``step`` entry of a param's layout, or none (:meth:`keeps_step`)."""
+        return [StateSpec("step", (), torch.float32, host=True)] if self.keeps_step(dtype, group) else []
+
     def state_layout(self, shape: tuple[int, ...], dtype: torch.dtype, group: Mapping[str, Any]) -> list[StateSpec]:
         sd = state_dtype(dtype)
-        return [StateSpec("step", (), torch.float32, host=True)] + [
-            StateSpec(key, tuple(shape), sd) for key in self.state_keys(group)
-        ]
+        return self.step_layout(dtype, group) + [StateSpec(key, tuple(shape), sd) for key in self.state_keys(group)]
 
     def _step_group(self, gi: int, group: Mapping[str, Any], params: list[torch.Tensor], key: str) -> None:
         if not params:

@@ -149,6 +149,13 @@ def _recognized(groups: list[Mapping[str, Any]], states: list[Mapping[str, Any]]
         name = "/".join(f"Lion{b}bit" for b in bits) or "Lion"
         leanopt = "leanopt " if bits or "rounding" in options else ""
         return Recognized(f"{leanopt}{name}{quantized}" + empty, "lion")
+    # SGD's one state (torch's and leanopt's momentum_buffer); without momentum none at all, so
+    # its options tell it: momentum, dampening and nesterov.
+    if "momentum_buffer" in keys or (not keys - {"step"} and {"momentum", "dampening", "nesterov"} <= options):
+        stateless = all(not g.get("momentum") for g in groups)
+        name = "/".join(f"SGD{b}bit" for b in bits) or "SGD"
+        where = f"leanopt {name}" if bits or "rounding" in options else "torch.optim.SGD or leanopt SGD"
+        return Recognized(f"{where}{quantized}" + ("" if stateless else empty), "sgd")
     adam_keys = "exp_avg_sq" in keys and not keys & {"exp_avg_sq_row", "RMS"}
     if bits and (adam_keys if states else adam_options):
         return Recognized(f"leanopt {'/'.join(f'AdamW{b}bit' for b in bits)}{quantized}" + empty, "adamw")

@@ -116,7 +116,7 @@ class LowBit(ElementwiseOptimizer):
 
     def state_layout(self, shape: tuple[int, ...], dtype: torch.dtype, group: Mapping[str, Any]) -> list[StateSpec]:
         shape = tuple(shape)
-        specs = [StateSpec("step", (), torch.float32, host=True)]
+        specs = self.step_layout(dtype, group)
         quantized = self.quantizes(shape, group)
         for key in self.state_keys(group):
             if quantized:

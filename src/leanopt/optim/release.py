@@ -64,7 +64,7 @@ import torch
 from leanopt.optim.base import LeanOptimizer
 from leanopt.optim.sharding import is_dtensor
 
-__all__ = ["GradientRelease", "release_gradients"]
+__all__ = ["GradientRelease", "OffloadRelease", "release_gradients"]
 
 # A custom autograd Function's backward runs inside this frame; a backward that starts there (a
 # reentrant checkpoint's recomputation) is nested in another. The engine tells Python neither
@@ -260,6 +260,60 @@ class GradientRelease:
         self.remove()
 
 
+class OffloadRelease(GradientRelease):
+    """:func:`release_gradients` on an optimizer made with ``offload="cpu"``: each gradient is
+    copied to the host as autograd accumulates it and freed on the device; the host gradients
+    accumulate over backward passes until ``optimizer.step()`` (:mod:`leanopt.optim.offload`).
+
+    Unlike the on-device release this keeps gradient accumulation and global-norm clipping:
+    ``optimizer.clip_grad_norm_`` (or ``torch.nn.utils.clip_grad_norm_``, routed there for these
+    params) clips the host gradients. The GradScaler and DDP refusals are the same.
+    """
+
+    def __init__(self, optimizer: LeanOptimizer) -> None:
+        from leanopt.optim.offload import route_torch_clipping
+
+        self.engine = optimizer._offload
+        self._task: int | None = None  # the outermost backward whose gradients are arriving
+        route_torch_clipping()
+        super().__init__(optimizer)
+        self.engine.released = True
+
+    def _hook(self, gi: int, index: int):
+        def released(p: torch.Tensor) -> None:
+            if not self._checked:
+                self._check_process()
+            outermost = _enclosing_function_node() is None
+            if outermost:
+                task = torch._C._current_graph_task_id()
+                if task != self._task:
+                    self._task = task
+                    self.engine.backward_started()
+            self.optimizer._check_grad(p, gi, index)
+            self.engine.receive(p, gi, index, outermost=outermost)
+
+        return released
+
+    def _optimizer_stepped(self, step: bool = False) -> None:
+        if step:
+            if hasattr(self.optimizer, "found_inf"):
+                for key in ("found_inf", "grad_scale"):
+                    self.optimizer.__dict__.pop(key, None)
+                raise ValueError(_SCALER_REFUSAL)
+            self.engine.step()
+        else:
+            self.engine.zero_grad()
+        self._task = None
+        self._forget_backward()
+        self._hook_params()
+
+    def remove(self) -> None:
+        # Gradients already on the host stay there for the next step(), which now copies
+        # device gradients as the unreleased offload does.
+        super().remove()
+        self.engine.released = False
+
+
 _SCALER_REFUSAL = (
     "leanopt.release_gradients does not work with an AMP GradScaler: the hooks would step the scaled (possibly inf) "
     "gradients inside backward, and skipping a step on inf needs every gradient before any param is stepped; "
@@ -288,6 +342,9 @@ def release_gradients(model: torch.nn.Module | Iterable[torch.Tensor], optimizer
     (True, 1)
     >>> handle.remove()
 
+    With ``offload="cpu"`` the gradients go to host memory instead and accumulate there until
+    ``step()`` (:class:`OffloadRelease`): accumulation and clipping keep working.
+
     Raises ``ValueError`` for an optimizer that is not leanopt's, one already released, a model
     wrapped in DDP, or DTensor (FSDP2) params; and at the first released gradient for a
     GradScaler in use or a DDP holding the params. See the module for what else is stepped or
@@ -308,4 +365,11 @@ def release_gradients(model: torch.nn.Module | Iterable[torch.Tensor], optimizer
         for p in group["params"]:
             if is_dtensor(p):
                 raise ValueError(_FSDP2_REFUSAL)
+    if getattr(optimizer, "_offload", None) is not None:
+        from leanopt.optim.offload import check_host_memory
+
+        extra = optimizer._offload.host_bytes(released=True) - optimizer._offload.host_bytes(released=False)
+        if optimizer._offload.transport is not None:
+            check_host_memory(extra, "release_gradients with offload='cpu' (host gradient buffers)")
+        return OffloadRelease(optimizer)
     return GradientRelease(optimizer)

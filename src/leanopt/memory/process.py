@@ -1,0 +1,346 @@
+"""What a training process needs besides its step's tensors (issue 24): ``process_bytes``.
+
+``plan``'s ``peak_bytes`` is the peak of one steady-state step's tensors. A user's process needs
+more, and sees more (its resident set, or on a GPU what the driver hands out):
+
+* **CPU**: the one-time costs of the first steps -- the model's modules imported while it is
+  built, the thread pools started and the library pages touched by the first forward, backward
+  and optimizer step (oneDNN, MKL, the native kernel loaded). They are measured, not modelled:
+  once per (torch, transformers and leanopt versions, Python, machine, thread count, model
+  class, precision -- the dtype set -- and optimizer) a fresh subprocess (:func:`probe`) imports
+  torch, transformers and leanopt, reads its resident set, builds a small model of the same
+  class (:func:`small_config`: two layers, 128 wide), trains three steps with that optimizer and
+  reads the resident-set high-water mark; the one-time cost is that growth less what ``plan``
+  predicts for the same small step. The probe runs with ``MALLOC_MMAP_THRESHOLD_=65536`` (every
+  block of 64 KiB or more mapped on its own and returned when freed): what glibc's default
+  allocator keeps of a freed heap on top is *not* in ``process_bytes`` (docs/plan.md measures
+  it). It is cached as JSON under ``$LEANOPT_CACHE/process/`` (default
+  ``~/.cache/leanopt/process/``; a probe takes ~10 s of 2 cores).
+* **CUDA**: the CUDA context (measured once per device name and torch version by
+  :func:`measure_cuda_context` where a GPU is present, and cached; otherwise
+  :data:`ASSUMED_CUDA_CONTEXT`, said so in the source), cuBLAS's workspace
+  (:func:`cublas_workspace_bytes`) and a fragmentation margin of the caching allocator modelled
+  from the block sizes live at the peak (:func:`cuda_segment_margin`).
+
+The check: benchmarks/process_peak.py and tests/test_plan_process.py (CPU), the ``plan_check``
+stage of scripts/gpu_check.sh (CUDA, ``max_memory_reserved`` plus the context).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from leanopt.memory.resident import status_kib
+
+__all__ = ["OneTimeCost", "cache_dir", "cpu_one_time", "cuda_one_time", "cuda_segment_margin", "small_config"]
+
+PROBE_VERSION = 2
+MALLOC_MMAP_THRESHOLD = 65536  # the probe's (and the check's) glibc setting: every block of 64 KiB+ its own mmap
+PROBE_TIMEOUT_S = 600.0
+PROBE_BATCH, PROBE_SEQ = 4, 64
+MiB = 2**20
+
+# The CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp): requests of at most kSmallSize
+# (1 MiB) come out of 2 MiB segments (kSmallBuffer), larger ones under kMinLargeAlloc (10 MiB) out
+# of 20 MiB segments (kLargeBuffer), and the rest get segments rounded up to 2 MiB (kRoundLarge).
+SMALL_SIZE, SMALL_BUFFER = 1 * MiB, 2 * MiB
+MIN_LARGE_ALLOC, LARGE_BUFFER, ROUND_LARGE = 10 * MiB, 20 * MiB, 2 * MiB
+# Used only where no GPU has measured it (planning on a CPU-only machine): the context of a
+# CUDA 12 process with lazy module loading after its first kernels. An assumption, not a
+# measurement of this machine: rows say so, and gpu_check's plan_check stage measures it.
+ASSUMED_CUDA_CONTEXT = 512 * MiB
+
+
+@dataclass(frozen=True)
+class OneTimeCost:
+    """Bytes a process needs over its step's tensor peak, what they are made of, and whence."""
+
+    bytes: int | None  # None: not known (the probe failed); ``source`` says why
+    source: str
+    parts: dict[str, int] = field(default_factory=dict)
+
+
+def cache_dir() -> Path:
+    """``$LEANOPT_CACHE`` if set, else ``~/.cache/leanopt``."""
+    root = os.environ.get("LEANOPT_CACHE", "").strip()
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "leanopt"
+
+
+# ---- the small model of the same class -----------------------------------------------------------
+_LAYERS = ("n_layers", "n_layer", "num_hidden_layers", "num_layers", "encoder_layers", "decoder_layers")
+_WIDTH = ("dim", "n_embd", "hidden_size", "d_model")
+_HEADS = ("n_heads", "n_head", "num_attention_heads", "encoder_attention_heads", "decoder_attention_heads")
+_INNER = ("hidden_dim", "intermediate_size", "n_inner", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "d_ff")
+
+
+def small_config(config: Any) -> dict[str, Any]:
+    """The config values of a small model of the same architecture: two layers, 128 wide, four
+    heads (two key/value heads where the model groups them), 512 inner, a 4,000-token vocabulary."""
+    values = config.to_dict()
+    grouped = isinstance(values.get("num_key_value_heads"), int) and values["num_key_value_heads"] < values.get("num_attention_heads", 0)
+    for key in _LAYERS:
+        if isinstance(values.get(key), int):
+            values[key] = min(values[key], 2)
+    for key in _WIDTH:
+        if isinstance(values.get(key), int):
+            values[key] = 128
+    for key in _HEADS:
+        if isinstance(values.get(key), int):
+            values[key] = 4
+    if isinstance(values.get("num_key_value_heads"), int):
+        values["num_key_value_heads"] = 2 if grouped else 4
+    if isinstance(values.get("head_dim"), int):
+        values["head_dim"] = 32
+    for key in _INNER:
+        if isinstance(values.get(key), int):
+            values[key] = 512
+    if isinstance(values.get("vocab_size"), int):
+        values["vocab_size"] = 4000
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id"):
+        if isinstance(values.get(key), int) and values[key] >= 4000:
+            values[key] = 0
+    return values
+
+
+def _probe_spec(module: torch.nn.Module, precision: str, optimizer: str, rounding: str | None) -> dict[str, Any]:
+    config = getattr(module, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        raise ValueError(f"{type(module).__name__} has no transformers config to build a small one from")
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    seq = PROBE_SEQ if not isinstance(positions, int) else min(PROBE_SEQ, positions)
+    cls = type(module)
+    return {"model": [cls.__module__, cls.__qualname__], "config": [type(config).__module__, type(config).__qualname__],
+            "values": small_config(config), "precision": precision, "optimizer": optimizer, "rounding": rounding,
+            "batch": PROBE_BATCH, "seq": seq}  # fmt: skip
+
+
+def _key(spec: dict[str, Any]) -> dict[str, Any]:
+    import transformers
+
+    import leanopt
+
+    return {"probe": PROBE_VERSION, "device": "cpu", "torch": torch.__version__, "transformers": transformers.__version__,
+            "leanopt": leanopt.__version__, "python": platform.python_version(), "machine": platform.machine(),
+            "threads": torch.get_num_threads(), "precision": spec["precision"], "model": ".".join(spec["model"]),
+            "optimizer": spec["optimizer"], "rounding": spec["rounding"]}  # fmt: skip
+
+
+def _cache_file(key: dict[str, Any]) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / "process" / f"cpu-{digest}.json"
+
+
+def cpu_one_time(module: torch.nn.Module, precision: str, optimizer: str = "adamw", rounding: str | None = None, *,
+                 measure: bool = True) -> OneTimeCost:  # fmt: skip
+    """The one-time costs of a first step of ``module``'s class at ``precision`` with ``optimizer``
+    (a registry name; ``rounding``: its ``rounding=`` for pure bf16), from the cache or
+    (``measure``) a probe now; ``bytes`` None where neither can answer, ``source`` says why."""
+    try:
+        spec = _probe_spec(module, precision, optimizer, rounding)
+    except ValueError as err:
+        return OneTimeCost(None, f"not measured: {err}")
+    key = _key(spec)
+    path = _cache_file(key)
+    try:
+        cached = json.loads(path.read_text())
+        if cached.get("key") == json.loads(json.dumps(key)) and isinstance(cached.get("bytes"), int):
+            return OneTimeCost(cached["bytes"], f"measured {cached.get('when', '?')}, cached in {path}", cached.get("parts", {}))
+    except (OSError, ValueError):
+        pass
+    if not measure:
+        return OneTimeCost(None, f"not measured yet for {key['model']} {precision} {optimizer} (no {path})")
+    try:
+        result = probe(spec)
+    except (RuntimeError, subprocess.TimeoutExpired, ValueError) as err:
+        return OneTimeCost(None, f"not measured: the probe failed ({str(err).strip().splitlines()[-1][:200]})")
+    entry = {"key": key, "when": time.strftime("%Y-%m-%d %H:%M"), **result}
+    try:
+        from leanopt.writing import write_text_atomically
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomically(path, json.dumps(entry, indent=1) + "\n")
+        where = f"cached in {path}"
+    except OSError as err:
+        where = f"not cached ({type(err).__name__})"
+    return OneTimeCost(result["bytes"], f"measured now, {where}", result["parts"])
+
+
+def probe(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run the small step in a fresh process and subtract ``plan``'s peak of it: the one-time cost."""
+    # A fixed mmap threshold: freed blocks go back to the system, so what is measured is the
+    # one-time costs, not what glibc's default allocator would keep of this small model's heap.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env.update(PYTHONWARNINGS="ignore", MALLOC_MMAP_THRESHOLD_=str(MALLOC_MMAP_THRESHOLD))
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "leanopt.memory.process", "--probe", json.dumps(spec)], env=env,
+                         capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, check=False)  # fmt: skip
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr.strip()[-400:] or f"exit {out.returncode}")
+    measured = json.loads(out.stdout.strip().splitlines()[-1])
+    from leanopt.memory.plan import plan
+
+    model = _build(spec, meta=True)
+    rounding = spec["rounding"]
+    (row,) = plan(model, batch=spec["batch"], seq=spec["seq"], optimizers=[spec["optimizer"]], precisions=[spec["precision"]],
+                  checkpointing=[False], grad_release=[False], roundings=[rounding] if rounding else None,
+                  process=False)  # fmt: skip
+    total = measured["peak"]
+    build = max(0, measured["built"] - measured["param_bytes"])
+    one_time = max(0, total - row.peak_bytes)
+    return {"bytes": one_time, "parts": {"model_build": min(build, one_time), "first_steps": one_time - min(build, one_time)},
+            "probe_peak": total, "probe_planned": row.peak_bytes, "probe_seconds": round(time.perf_counter() - t0, 1),
+            "spec": spec}  # fmt: skip
+
+
+def _build(spec: dict[str, Any], *, meta: bool = False) -> torch.nn.Module:
+    import importlib
+
+    mod, name = spec["model"]
+    cmod, cname = spec["config"]
+    config = getattr(importlib.import_module(cmod), cname).from_dict(spec["values"])
+    cls = getattr(importlib.import_module(mod), name)
+    if meta:
+        with torch.device("meta"):
+            return cls(config)
+    return cls(config)
+
+
+def _status_kib(field: str) -> int:
+    """The probe runs on Linux only: a missing field is an error there."""
+    value = status_kib(field)
+    if value is None:
+        raise RuntimeError(f"/proc/self/status has no {field}")
+    return value
+
+
+def _probe_main(spec: dict[str, Any]) -> None:
+    """In the fresh process: the small model's three steps, as a user's script runs them."""
+    import transformers  # noqa: F401 - imported before the baseline, as a user's script does
+
+    import leanopt  # noqa: F401
+    from leanopt.memory.estimate import resolve_optimizer
+
+    torch.manual_seed(0)
+    before = _status_kib("VmRSS")
+    model = _build(spec)
+    built = _status_kib("VmRSS") - before
+    param_bytes = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in [*model.parameters(), *model.buffers()]}.values())
+    precision = spec["precision"]
+    if precision == "bf16":
+        model.to(torch.bfloat16)
+    model.train()
+    rounding = spec["rounding"]
+    opt = resolve_optimizer(spec["optimizer"])(model.parameters(), **({"rounding": rounding} if rounding not in (None, "nearest") else {}))
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (spec["batch"], spec["seq"]))
+    classify = type(model).__name__.endswith("ForSequenceClassification")
+    labels = torch.randint(0, int(getattr(model.config, "num_labels", 2) or 2), (spec["batch"],)) if classify else ids
+    for _ in range(3):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+            loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    peak = _status_kib("VmHWM") - before
+    print(json.dumps({"peak": peak * 1024, "built": built * 1024, "param_bytes": param_bytes}))
+
+
+# ---- CUDA ------------------------------------------------------------------------------------------
+def cublas_workspace_bytes(device_capability: tuple[int, int] | None = None) -> int:
+    """cuBLAS's workspace, allocated through the caching allocator by the first matmul and kept:
+    ``CUBLAS_WORKSPACE_CONFIG`` (":SIZE_KiB:COUNT" pairs) when set, else torch's default
+    (aten/src/ATen/cuda/CublasHandlePool.cpp): ":4096:8" (32 MiB) on sm90 (H100/H200) and newer,
+    ":4096:2:16:8" (8.125 MiB) before."""
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG", "").strip()
+    if not config:
+        config = ":4096:8" if device_capability is None or device_capability[0] >= 9 else ":4096:2:16:8"
+    numbers = [int(x) for x in config.split(":") if x.strip().isdigit()]
+    return sum(size * 1024 * count for size, count in zip(numbers[0::2], numbers[1::2]))
+
+
+def cuda_segment_margin(sizes: list[int]) -> int:
+    """Reserved minus allocated for the blocks ``sizes`` (bytes, as the allocator counts them) if
+    they were packed into the fewest segments the caching allocator would make: a lower bound of
+    its fragmentation, from the block sizes alone (the order of allocations is not modelled)."""
+    small = sum(s for s in sizes if 0 < s <= SMALL_SIZE)
+    mid = sum(s for s in sizes if SMALL_SIZE < s < MIN_LARGE_ALLOC)
+    margin = math.ceil(small / SMALL_BUFFER) * SMALL_BUFFER - small
+    margin += math.ceil(mid / LARGE_BUFFER) * LARGE_BUFFER - mid
+    margin += sum(-(-s // ROUND_LARGE) * ROUND_LARGE - s for s in sizes if s >= MIN_LARGE_ALLOC)
+    return margin
+
+
+def _cuda_context_file() -> Path:
+    return cache_dir() / "process" / "cuda-context.json"
+
+
+def cuda_context(name: str | None = None) -> tuple[int, str]:
+    """(bytes, source) of the CUDA context: measured on ``name`` (a device name) and cached, or
+    :data:`ASSUMED_CUDA_CONTEXT`."""
+    try:
+        table = json.loads(_cuda_context_file().read_text())
+    except (OSError, ValueError):
+        table = {}
+    key = f"{name}|torch {torch.__version__}" if name else None
+    if key is None and len(table) == 1:
+        key = next(iter(table))
+    if key in table and isinstance(table[key].get("bytes"), int):
+        return table[key]["bytes"], f"CUDA context measured on {key.split('|')[0]} {table[key].get('when', '')}".strip()
+    return ASSUMED_CUDA_CONTEXT, f"CUDA context not measured here: assumed {ASSUMED_CUDA_CONTEXT // MiB} MiB"
+
+
+def measure_cuda_context() -> int:
+    """The context of this process's current GPU: what the driver reports in use less what torch's
+    allocator has reserved, after a first kernel (the GPU should be this process's alone); cached
+    for :func:`cuda_context`."""
+    torch.zeros(1, device="cuda").add_(1)
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    context = int(total - free - torch.cuda.memory_reserved())
+    name = torch.cuda.get_device_name()
+    path = _cuda_context_file()
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        table = {}
+    table[f"{name}|torch {torch.__version__}"] = {"bytes": context, "when": time.strftime("%Y-%m-%d %H:%M")}
+    try:
+        from leanopt.writing import write_text_atomically
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomically(path, json.dumps(table, indent=1) + "\n")
+    except OSError:
+        pass
+    return context
+
+
+def cuda_one_time(sizes: list[int], device_name: str | None = None, capability: tuple[int, int] | None = None) -> OneTimeCost:
+    """What a GPU process needs over ``max_memory_allocated``'s step peak: the context, cuBLAS's
+    workspace and the segment margin of the blocks live at the peak (``sizes``); the device is
+    this machine's GPU where there is one."""
+    if device_name is None and torch.cuda.is_available():
+        device_name, capability = torch.cuda.get_device_name(), torch.cuda.get_device_capability()
+    context, source = cuda_context(device_name)
+    parts = {"cuda_context": context, "cublas_workspace": cublas_workspace_bytes(capability),
+             "allocator_margin": cuda_segment_margin(sizes)}  # fmt: skip
+    return OneTimeCost(sum(parts.values()), f"{source}; cuBLAS workspace and allocator segments modelled", parts)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--probe":
+        _probe_main(json.loads(sys.argv[2]))
+    else:
+        print("usage: python -m leanopt.memory.process --probe SPEC_JSON", file=sys.stderr)
+        raise SystemExit(2)

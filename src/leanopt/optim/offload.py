@@ -1,0 +1,500 @@
+"""Optimizer offload to host memory (issue 21): ``offload="cpu"`` on every leanopt optimizer.
+
+The device keeps the params (and their gradients while they exist); the host keeps the
+optimizer's states -- low-bit ones stay low-bit -- and one host copy of each param, an fp32
+master for bf16/fp16 params. A step runs the optimizer's own update (the same kernels,
+:meth:`~leanopt.optim.base.LeanOptimizer._update_group`) on the host copy, on a worker thread,
+and copies the result into the device param. ``optimizer.state`` is keyed by the device params
+as always, so ``state_dict()``/``load_state_dict()`` have the format of the same optimizer
+without offload, and a checkpoint moves between the two both ways.
+
+Two ways gradients reach the host:
+
+* **Without release** the device gradients stay (autograd accumulates them, ``clip_grad_norm_``,
+  a GradScaler's ``unscale_`` and DDP see them as usual). ``optimizer.step()`` copies each
+  gradient to a host buffer, steps it and uploads the param, a few params in flight at a time:
+  the host holds a bounded number of gradient buffers.
+* **With** :func:`leanopt.release_gradients` each gradient is copied to the host as soon as
+  autograd has accumulated it (post-accumulate-grad hook; a side stream on CUDA) and the device
+  gradient is freed. A host buffer per param accumulates the gradients of several backward
+  passes (gradient accumulation), ``optimizer.clip_grad_norm_`` (and ``torch.nn.utils
+  .clip_grad_norm_``, which is routed there for these params) clips them on the host, and
+  ``optimizer.step()`` steps what is there. Once the loop has shown its shape -- ``k`` backward
+  passes per ``step()``, no clipping -- each param of the ``k``-th backward is stepped on the
+  worker thread as soon as its gradient is on the host, while backward goes on, and
+  ``step()`` waits for the rest. A later step with more backward passes, or a clip after params
+  were stepped that way, raises ``RuntimeError`` (the update cannot be taken back).
+
+The host copy follows the device param: a param written outside the optimizer (a model's
+``load_state_dict``, an in-place edit under ``no_grad``; anything that bumps its version
+counter or replaces its storage) is copied to the host again before its next step. Writes
+through ``param.data`` are invisible to the version counter: write the param itself.
+
+What moves data is one small interface, :class:`HostTransport` (host to host, for CPU params:
+what the tests exercise) and :class:`CudaTransport` (pinned buffers, two side streams, events:
+covered by the ``offload`` stage of ``scripts/gpu_check.sh``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import types
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from leanopt.optim.rounding import LOW_PRECISION
+
+OFFLOAD_CHOICES = (None, "cpu")
+# Params whose host step and upload may be in flight at once without release (each holds a
+# host gradient buffer): bounds the host gradient memory to two params' gradients (one being
+# copied while the other is stepped).
+IN_FLIGHT = 2
+
+
+def check_offload(value: Any) -> None:
+    if value not in OFFLOAD_CHOICES:
+        raise ValueError(f"Invalid offload: {value!r} (choose None, or 'cpu': states and master weights in host memory)")
+
+
+def host_memory_available() -> int | None:
+    """Bytes of host memory the kernel says are available (``MemAvailable``), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def master_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a param's host copy: fp32 for bf16/fp16 params (master weights), else its own."""
+    return torch.float32 if dtype in LOW_PRECISION else dtype
+
+
+# ---- transports -----------------------------------------------------------------------------
+class HostTransport:
+    """Copies for params in host memory: every copy is done when the call returns."""
+
+    pinned = False
+
+    def empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype)
+
+    def mark(self) -> Any:
+        """A point in the device's work (an event on CUDA) that copies of what the device
+        computed so far wait for; nothing on the host."""
+        return None
+
+    def to_host(self, src: torch.Tensor, dst: torch.Tensor, mark: Any) -> Any:
+        """Start copying device tensor ``src`` into host tensor ``dst``; the handle to wait on."""
+        dst.copy_(src)
+        return None
+
+    def to_device(self, src: torch.Tensor, dst: torch.Tensor, mark: Any) -> Any:
+        """Start copying host tensor ``src`` into device tensor ``dst`` (cast to its dtype: the
+        nearest value); ``src`` must not change until the handle is waited on."""
+        dst.copy_(src)
+        return None
+
+    def wait(self, handle: Any) -> None:
+        """Block the calling (host) thread until the copy of ``handle`` is done."""
+
+    def finish(self) -> None:
+        """Order the device's next work after every upload started so far."""
+
+
+class CudaTransport(HostTransport):
+    """Pinned host buffers, a side stream each way, events (thin: see the gpu_check stage)."""
+
+    pinned = True
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.down = torch.cuda.Stream(device)  # device -> host (gradients)
+        self.up = torch.cuda.Stream(device)  # host -> device (params)
+        self._staged: list[tuple[torch.Tensor, torch.cuda.Event]] = []
+        self._lock = threading.Lock()
+
+    def empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+    def mark(self) -> Any:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def to_host(self, src: torch.Tensor, dst: torch.Tensor, mark: Any) -> Any:
+        self.down.wait_event(mark)
+        with torch.cuda.stream(self.down):
+            dst.copy_(src, non_blocking=True)
+            src.record_stream(self.down)  # the caller may free src (release) before the copy ran
+            done = torch.cuda.Event()
+            done.record(self.down)
+        return done
+
+    def to_device(self, src: torch.Tensor, dst: torch.Tensor, mark: Any) -> Any:
+        torch.cuda.set_device(self.device)  # the worker thread's current device
+        if src.dtype != dst.dtype:  # an fp32 master of a bf16/fp16 param: rounded on the host
+            staged = torch.empty(src.shape, dtype=dst.dtype, pin_memory=True)
+            staged.copy_(src)
+            src = staged
+        with torch.cuda.stream(self.up):
+            if mark is not None:  # the backward kernels that still read the param come first
+                self.up.wait_event(mark)
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.up)
+        with self._lock:
+            self._staged.append((src, done))
+        return done
+
+    def wait(self, handle: Any) -> None:
+        if handle is not None:
+            handle.synchronize()
+
+    def finish(self) -> None:
+        torch.cuda.current_stream(self.device).wait_stream(self.up)
+        with self._lock:
+            self._staged = [(t, e) for t, e in self._staged if not e.query()]
+
+
+def transport_for(device: torch.device) -> HostTransport | None:
+    if device.type == "meta":
+        return None  # a model being estimated: nothing is ever stepped
+    if device.type == "cpu":
+        return HostTransport()
+    if device.type == "cuda":
+        return CudaTransport(device)
+    raise ValueError(f"offload='cpu' supports params on cuda or cpu, got params on {device}")
+
+
+# ---- the engine -----------------------------------------------------------------------------
+_ENGINES: weakref.WeakSet[Offload] = weakref.WeakSet()
+
+
+class Offload:
+    """The host side of one offloaded optimizer (``optimizer._offload``)."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer = weakref.proxy(optimizer)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        devices = sorted({str(p.device) for p in params})
+        if len(devices) > 1:
+            raise ValueError(
+                f"offload='cpu' needs every param on one device; {type(optimizer).__name__}'s params are on "
+                f"{', '.join(devices)} (one optimizer per device)"
+            )
+        from leanopt.optim.sharding import is_dtensor
+
+        if any(is_dtensor(p) for p in params):
+            raise ValueError("offload='cpu' does not support DTensor (FSDP2) params")
+        self.device = params[0].device if params else torch.device("cpu")
+        self.transport = transport_for(self.device) if params else HostTransport()
+        if self.device.type == "cuda" and optimizer.backend == "triton":
+            raise ValueError("backend='triton' with offload='cpu': the update runs on the host; use backend='auto' or 'cpu'")
+        for gi, group in enumerate(optimizer.param_groups):
+            self.check_group(group, gi)
+        self._twins: dict[int, torch.Tensor] = {}  # id(param) -> host copy (fp32 master for bf16/fp16)
+        self._synced: dict[int, tuple[int, int]] = {}  # id(param) -> (data_ptr, version) after our upload
+        self._uploads: dict[int, Any] = {}  # id(param) -> its last upload, not yet waited on
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._futures: list[concurrent.futures.Future] = []
+        # Release mode (leanopt.release_gradients): host gradients and the loop's shape.
+        self.released = False
+        self._grads: dict[int, torch.Tensor] = {}  # id(param) -> host gradient, accumulated
+        self._arrived: dict[int, Any] = {}  # id(param) -> what its host gradient waits for
+        self._backwards = 0  # backward passes since the last step()/zero_grad()
+        self._clipped = False
+        self._eager: set[int] = set()  # params stepped inside this step's backward
+        self._shape: tuple[int, bool] | None = None  # (backward passes, clipped) of the last step
+        if self.transport is not None:
+            check_host_memory(self.host_bytes(), "offload='cpu'")
+        _ENGINES.add(self)
+
+    # ---- bookkeeping ---------------------------------------------------------------------
+    def check_group(self, group: Mapping[str, Any], gi: int | None = None) -> None:
+        """Refuse a param group the offloaded step cannot run (another device, a rounding mode)."""
+        for p in group.get("params", []):
+            if isinstance(p, torch.Tensor) and p.device != self.device:
+                raise ValueError(
+                    f"offload='cpu' needs every param on one device: param group {gi} has a param on {p.device}, "
+                    f"the others are on {self.device} (one optimizer per device)"
+                )
+        rounding = group.get("rounding", "nearest")
+        if rounding == "nearest":
+            return
+        low = [p for p in group.get("params", []) if isinstance(p, torch.Tensor) and p.dtype in LOW_PRECISION]
+        if low or gi is None:
+            where = f"param group {gi}" if gi is not None else "a param group"
+            raise ValueError(
+                f"Invalid rounding: {rounding!r} with offload='cpu' ({where}): the host keeps an fp32 master of each "
+                "bf16/fp16 param, which the update runs on, so there is nothing for stochastic rounding or a Kahan "
+                "buffer to recover; use rounding='nearest'"
+            )
+
+    def host_bytes(self, *, released: bool | None = None) -> int:
+        """Host bytes this optimizer's params need at most: host copies, states (from the
+        layouts) and gradient buffers -- released, one per param; else the ``IN_FLIGHT``
+        largest params' (:func:`host_bytes`)."""
+        opt = self.optimizer
+        released = self.released if released is None else released
+        params = [(p, g) for g in opt.param_groups for p in g["params"] if p.requires_grad]
+        return host_bytes([(p, opt._param_layout(p, g)) for p, g in params], released=released)
+
+    def twin(self, p: torch.Tensor) -> torch.Tensor:
+        """``p``'s host copy, refreshed from ``p`` if it was written since our last upload."""
+        t = self._twins.get(id(p))
+        now = (p.data_ptr(), p._version)
+        if t is None or t.shape != p.shape or self._synced.get(id(p)) != now:
+            self.transport.wait(self._uploads.pop(id(p), None))
+            if t is None or t.shape != p.shape:
+                t = self.transport.empty(p.shape, master_dtype(p.dtype))
+                self._twins[id(p)] = t
+            t.copy_(p.detach())
+            self._synced[id(p)] = now
+        return t
+
+    def state_device(self) -> torch.device:
+        return torch.device("cpu") if self.transport is not None else torch.device("meta")
+
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="leanopt-offload")
+        future = self._executor.submit(fn, *args)
+        self._futures.append(future)
+        return future
+
+    def wait(self) -> None:
+        """Wait for every host step and accumulation submitted so far (re-raising their errors)."""
+        futures, self._futures = self._futures, []
+        error = None
+        for f in futures:
+            try:
+                f.result()
+            except BaseException as err:  # noqa: BLE001 - the first error is re-raised below
+                error = error or err
+        if error is not None:
+            raise error
+
+    def _wait_some(self, limit: int) -> None:
+        while len(self._futures) >= limit:
+            self._futures.pop(0).result()
+
+    # ---- the host step -----------------------------------------------------------------------
+    def _host_step(self, p: torch.Tensor, gi: int, index: int, twin: torch.Tensor, grad: torch.Tensor,
+                   waits: list[Any], mark: Any) -> None:  # fmt: skip
+        """Runs on the worker thread: the optimizer's update of ``p`` on its host copy, then the upload."""
+        for handle in waits:
+            if isinstance(handle, concurrent.futures.Future):
+                handle.result()
+            else:
+                self.transport.wait(handle)
+        self.transport.wait(self._uploads.pop(id(p), None))  # its last upload has read the host copy
+        opt = self.optimizer
+        group = opt.param_groups[gi]
+        with torch.no_grad():
+            opt._advance(p, group)  # the state, created on the host, and its step count
+            state = opt.state.get(p, {})  # {}: a stateless param (SGD without momentum)
+            twin.grad = grad if grad.dtype == twin.dtype else grad.to(twin.dtype)
+            opt.state[twin] = state
+            try:
+                opt._update_group(gi, group, [twin], f"group{gi}/param{index}")
+            finally:
+                del opt.state[twin]
+                twin.grad = None
+            self._uploads[id(p)] = self.transport.to_device(twin, p, mark)
+            self._synced[id(p)] = (p.data_ptr(), p._version)
+
+    def step(self) -> None:
+        """``optimizer.step()``: step every param with a gradient (host or device) not stepped yet."""
+        opt = self.optimizer
+        pending = [
+            (gi, i, p)
+            for gi, g in enumerate(opt.param_groups)
+            for i, p in enumerate(g["params"])
+            if id(p) not in self._eager and (p.grad is not None or id(p) in self._grads)
+        ]
+        for gi, i, p in pending:  # every gradient checked before any param changes
+            opt._check_grad(p, gi, i)
+        try:
+            for gi, i, p in pending:
+                twin = self.twin(p)
+                waits = []
+                grad = self._grads.pop(id(p), None)
+                if grad is not None:
+                    waits.append(self._arrived.pop(id(p), None))
+                if p.grad is not None:  # without release; released: one set by hand
+                    mark = self.transport.mark()
+                    if grad is None:
+                        grad = self.transport.empty(p.grad.shape, p.grad.dtype)
+                        waits.append(self.transport.to_host(p.grad, grad, mark))
+                    else:
+                        part = self.transport.empty(p.grad.shape, p.grad.dtype)
+                        waits.append(self.transport.to_host(p.grad, part, mark))
+                        waits = [self._submit(_accumulate, self.transport, grad, part, waits)]
+                    if self.released:
+                        p.grad = None
+                    self._wait_some(IN_FLIGHT)
+                self._submit(self._host_step, p, gi, i, twin, grad, waits, self.transport.mark())
+            self.wait()
+        finally:
+            self.transport.finish()
+        if self._backwards:
+            self._shape = (self._backwards, self._clipped)
+        self._new_cycle()
+
+    def zero_grad(self) -> None:
+        """``optimizer.zero_grad()``: drop the host gradients (a step's worth is abandoned)."""
+        self.wait()
+        self.transport.finish()
+        if self._eager:  # params stepped in backward: the loop's step() is only skipped this time
+            self._shape = (self._backwards, self._clipped)
+        self._grads.clear()
+        self._arrived.clear()
+        self._new_cycle()
+
+    def _new_cycle(self) -> None:
+        self._backwards = 0
+        self._clipped = False
+        self._eager.clear()
+
+    # ---- release ------------------------------------------------------------------------------
+    def backward_started(self) -> None:
+        """A released backward pass (outermost) delivered its first gradient."""
+        if self._eager:
+            k = self._backwards
+            raise RuntimeError(
+                f"leanopt offload: this step has more than {k} backward pass{'es' if k > 1 else ''}: the last step had "
+                f"{k}, so the params of backward pass {k} were already stepped as their gradients arrived, and "
+                "cannot take more gradient; call optimizer.step() once per "
+                f"{k} backward pass{'es' if k > 1 else ''}, or zero_grad() to start over"
+            )
+        self._backwards += 1
+
+    def receive(self, p: torch.Tensor, gi: int, index: int, *, outermost: bool) -> None:
+        """A released gradient: to the host (accumulated onto what is there), device copy freed;
+        stepped at once when the loop's shape says this was its last gradient of the step."""
+        grad = p.grad
+        mark = self.transport.mark()
+        buf = self._grads.get(id(p))
+        if buf is None:
+            buf = self._grads[id(p)] = self.transport.empty(grad.shape, grad.dtype)
+            self._arrived[id(p)] = self.transport.to_host(grad, buf, mark)
+        else:
+            part = self.transport.empty(grad.shape, grad.dtype)
+            handle = self.transport.to_host(grad, part, mark)
+            self._arrived[id(p)] = self._submit(_accumulate, self.transport, buf, part, [self._arrived.get(id(p)), handle])
+        p.grad = None
+        if outermost and self._shape is not None and self._shape == (self._backwards, False):
+            self._eager.add(id(p))
+            twin = self.twin(p)
+            self._grads.pop(id(p))
+            self._submit(self._host_step, p, gi, index, twin, buf, [self._arrived.pop(id(p), None)], mark)
+
+    def holds_gradients(self, params: Iterable[torch.Tensor]) -> bool:
+        return any(id(p) in self._grads for p in params)
+
+    def clip_grad_norm_(self, params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:  # fmt: skip
+        """``torch.nn.utils.clip_grad_norm_`` over ``params``' gradients, wherever they are
+        (host buffers of released params, device gradients of the others)."""
+        if self._eager:
+            raise RuntimeError(
+                "leanopt offload: clip_grad_norm_ after params were stepped inside backward (the last step had no "
+                "clipping, so this one's params were stepped as their gradients arrived); clip in every step, "
+                "or in none"
+            )
+        self.wait()
+        holders = []
+        for p in params:
+            if id(p) in self._grads:
+                holders.append(SimpleNamespace(grad=self._grads[id(p)]))
+            elif p.grad is not None:
+                holders.append(p)
+        grads = [h.grad for h in holders]
+        device = params[0].device if params else torch.device("cpu")
+        total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+        torch.nn.utils.clip_grads_with_norm_(holders, max_norm, total, foreach)
+        self._clipped = True
+        return total.to(device)
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+
+def host_bytes(params: list[tuple[torch.Tensor, list[Any]]], *, released: bool) -> int:
+    """Host bytes of offloading ``params`` (each with its state layout, a list of StateSpec):
+    the host copy of each (fp32 for bf16/fp16), its states, and the gradient buffers (released:
+    one per param, the bound while gradients accumulate; else the ``IN_FLIGHT`` largest)."""
+    total, grads = 0, []
+    for p, layout in params:
+        total += p.numel() * torch.empty((), dtype=master_dtype(p.dtype), device="meta").element_size()
+        total += sum(spec.nbytes() for spec in layout)
+        grads.append(p.numel() * p.element_size())
+    grads.sort(reverse=True)
+    return total + sum(grads if released else grads[:IN_FLIGHT])
+
+
+def _accumulate(transport: HostTransport, buf: torch.Tensor, part: torch.Tensor, waits: list[Any]) -> None:
+    for handle in waits:
+        if isinstance(handle, concurrent.futures.Future):
+            handle.result()
+        else:
+            transport.wait(handle)
+    buf.add_(part)  # what autograd does for a second gradient: the same sum, bit for bit
+
+
+def check_host_memory(needed: int, what: str) -> None:
+    available = host_memory_available()
+    if available is not None and needed > available:
+        raise RuntimeError(
+            f"{what} needs {needed / 2**30:.2f} GiB of host memory for host copies, states and gradient buffers; "
+            f"{available / 2**30:.2f} GiB are available (MemAvailable)"
+        )
+
+
+# ---- torch.nn.utils.clip_grad_norm_ over released, offloaded params -------------------------
+_torch_clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
+
+
+def _engine_holding(params: list[Any]) -> Offload | None:
+    tensors = [p for p in params if isinstance(p, torch.Tensor)]
+    for engine in list(_ENGINES):
+        if engine.released and engine.holds_gradients(tensors):
+            return engine
+    return None
+
+
+def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                    foreach: bool | None = None) -> torch.Tensor:  # fmt: skip
+    """``torch.nn.utils.clip_grad_norm_``, which also sees the gradients a released, offloaded
+    optimizer holds in host memory (installed in ``torch.nn.utils`` by the first such release)."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    engine = _engine_holding(params)
+    if engine is None:
+        # torch's own, given what it was given (it warns about an empty generator)
+        given = (p for p in params) if isinstance(parameters, types.GeneratorType) else params
+        return _torch_clip_grad_norm_(given, max_norm, norm_type, error_if_nonfinite, foreach)
+    return engine.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
+
+
+clip_grad_norm_.__wrapped__ = _torch_clip_grad_norm_  # type: ignore[attr-defined]
+
+
+def route_torch_clipping() -> None:
+    """Make ``torch.nn.utils.clip_grad_norm_`` (what Trainer and Accelerate call) see host
+    gradients; for every other param it is torch's own function, called as it was."""
+    import torch.nn.utils.clip_grad as clip_module
+
+    torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
+    clip_module.clip_grad_norm_ = clip_grad_norm_
+

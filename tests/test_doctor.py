@@ -1,0 +1,149 @@
+"""leanopt.doctor: real steps measured and attributed; categories add up; plan beside each (CPU).
+
+CUDA is covered by scripts/gpu_check.sh (stage plan_check, ``doctor`` rows)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+import transformers
+
+import leanopt
+from leanopt import cli
+from leanopt.memory.doctor import CATEGORIES, TENSOR_CATEGORIES, doctor, render
+from leanopt.memory.estimate import estimate
+from registry import OPTIMIZERS
+
+MiB = 2**20
+LINUX = Path("/proc/self/clear_refs").exists()
+
+TINY_DISTILBERT = {"vocab_size": 2000, "dim": 64, "n_layers": 2, "n_heads": 4, "hidden_dim": 256,
+                   "max_position_embeddings": 64, "num_labels": 3}  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("LEANOPT_CACHE", str(tmp_path / "cache"))
+
+
+def _setup(seed: int = 0, optimizer: str = "adamw", batch: int = 8, seq: int = 32):
+    torch.manual_seed(seed)
+    model = transformers.DistilBertForSequenceClassification(transformers.DistilBertConfig(**TINY_DISTILBERT))
+    opt = leanopt.memory.resolve_optimizer(optimizer)(model.parameters())
+    ids = torch.randint(0, 2000, (batch, seq))
+    return model, opt, {"input_ids": ids, "labels": torch.randint(0, 3, (batch,))}
+
+
+def test_categories_add_up_and_match_the_known_terms():
+    model, opt, batch = _setup()
+    d = doctor(model, opt, batch, plan=False)
+    m = d.measured
+    assert set(m) == set(CATEGORIES)
+    assert sum(m[c] for c in TENSOR_CATEGORIES) == d.tensor_peak_bytes
+    if LINUX:  # with the runtime overhead: the process's measured peak (within 1 %)
+        assert abs(sum(m.values()) - d.process_peak_bytes) <= 0.01 * d.process_peak_bytes
+    weights = sum(p.untyped_storage().nbytes() for p in model.parameters()) + sum(b.untyped_storage().nbytes() for b in model.buffers())
+    assert m["weights"] == weights
+    assert m["optimizer_state"] == estimate(model, "adamw").bytes  # AdamW's state, to the byte
+    assert m["activations"] > 0 and m["master_weights"] == 0
+    assert d.peak_phase in ("forward", "backward", "step", "zero_grad")
+
+
+def test_the_tensor_peak_is_the_profilers_independent_sum():
+    """The attribution replays the same events the meter sums: its peak is meter.TensorPeak's
+    growth plus the tensors live at the start (a separate profiled step, same allocations)."""
+    from leanopt.compare.meter import TensorPeak
+
+    model, opt, batch = _setup()
+    d = doctor(model, opt, batch, plan=False)
+    start = sum(p.untyped_storage().nbytes() for p in model.parameters())
+    start += sum(t.untyped_storage().nbytes() for st in opt.state.values() for t in st.values())
+    start += sum(t.untyped_storage().nbytes() for t in batch.values())
+    meter = TensorPeak()
+    assert meter.start()
+    loss = model(**batch).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    del loss
+    growth = meter.stop()
+    assert growth is not None
+    assert abs((start + growth) - d.tensor_peak_bytes) <= 0.01 * d.tensor_peak_bytes
+
+
+@pytest.mark.parametrize("optimizer", [c.name for c in OPTIMIZERS if not c.external])
+def test_measured_categories_are_the_plans(optimizer):
+    model, opt, batch = _setup(optimizer=optimizer)
+    d = doctor(model, opt, batch)
+    assert d.planned is not None, d.plan_note
+    for c in ("weights", "gradients", "optimizer_state"):
+        assert abs(d.measured[c] - d.planned[c]) <= 0.01 * d.tensor_peak_bytes + 4096, (c, d.measured, d.planned)
+    # the step's tensor peak against the plan's, fresh random inputs, within 5 % and the optimizers'
+    # module-level caches (code books, lookup tables, Adafactor's row-block workspace: ~1 MiB here),
+    # which the plan counts in its step and the measured step finds made by the first one
+    assert abs(d.tensor_peak_bytes - d.plan_row["peak_bytes"]) <= 0.05 * d.tensor_peak_bytes + 1.5 * MiB
+    text = "\n".join(d.explanations)
+    assert "of this step's peak" in text
+
+
+def test_explanations_name_small_params_of_a_quantized_optimizer():
+    model, opt, batch = _setup(optimizer="adamw8bit")
+    d = doctor(model, opt, batch, plan=False)
+    small = [p for p in model.parameters() if p.numel() < 4096]
+    n = sum(p.numel() for p in small)
+    assert any(f"these {n:,} params (in {len(small)} tensors) are under min_quant_size" in x for x in d.explanations)
+
+
+def test_activations_dominate_and_say_so():
+    model, opt, batch = _setup(batch=64, seq=64)
+    d = doctor(model, opt, batch, plan=False)
+    assert max(TENSOR_CATEGORIES, key=d.measured.get) == "activations"
+    assert any(x.startswith("activations are") and "checkpointing" in x for x in d.explanations)
+    lines = render(d)
+    assert lines[0].startswith("| category") and len(lines) == 2 + len(CATEGORIES) + 2
+
+
+def test_a_python_model_with_a_custom_loss():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10))
+    opt = leanopt.AdamW(model.parameters())
+    x, y = torch.randn(512, 256), torch.randint(0, 10, (512,))
+    d = doctor(model, opt, (x, y), loss_fn=lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]))
+    assert d.planned is None and d.plan_note.startswith("no plan")
+    params = sum(p.numel() for p in model.parameters())
+    assert d.measured["weights"] == 4 * params and d.measured["optimizer_state"] == 8 * params + 4 * 4
+    # backward's peak: the ReLU's output [512, 1024] fp32 is the one activation saved (ReLU's backward
+    # and the second Linear's need it; the first Linear's input is the batch, a temporary)
+    assert d.peak_phase == "backward" and d.measured["activations"] == 512 * 1024 * 4
+    assert d.measured["temporaries"] >= x.numel() * 4
+
+
+def test_errors_are_one_line():
+    model, opt, batch = _setup()
+    for kwargs, match in [({"steps": 1}, "steps"), ({"autocast": torch.float32}, "autocast")]:
+        with pytest.raises(ValueError, match=match):
+            doctor(model, opt, batch, **kwargs)
+    with pytest.raises(ValueError, match="loss"):
+        doctor(model, opt, {"input_ids": batch["input_ids"]}, plan=False)  # no labels: no loss
+
+
+def test_cli_doctor_prints_the_table_and_json(tmp_path, capsys):
+    config = transformers.DistilBertConfig(**TINY_DISTILBERT, architectures=["DistilBertForSequenceClassification"])
+    config.to_json_file(tmp_path / "config.json")
+    # the plan beside it probes its one-time cost once (a subprocess) for this class, optimizer and precision
+    assert cli.main(["doctor", str(tmp_path), "--batch", "4", "--seq", "32", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert set(d["measured"]) == set(CATEGORIES) and d["planned"] is not None
+    if LINUX:
+        assert abs(sum(d["measured"].values()) - d["process_peak_bytes"]) <= 0.01 * d["process_peak_bytes"]
+    assert cli.main(["doctor", str(tmp_path), "--batch", "4", "--seq", "32", "--optimizer", "adafactor"]) == 0
+    out = capsys.readouterr().out
+    assert "| runtime overhead |" in out and "- the step's tensors peaked at" in out and "plan: adafactor" in out
+    assert cli.main(["doctor", str(tmp_path), "--batch", "0", "--seq", "32"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "batch" in err[0]
