@@ -165,3 +165,50 @@ def test_build_kernels_says_where_or_why_not(tmp_path: Path) -> None:
     assert bad.returncode == 2 and not bad.stdout, bad
     assert bad.stderr.strip().splitlines() == [f"leanopt: error: the native CPU kernel cannot be built: no C++ compiler "
                                                f"({tmp_path / 'no-such-c++'} not found)"]  # fmt: skip
+
+
+def test_a_choice_runs_the_faster_way_and_retries_the_other() -> None:
+    from leanopt.kernels.cpu import Choice
+
+    choice, taken = Choice(), []
+    cost = {True: 3.0, False: 1.0}  # the second way is faster ...
+    for call in range(200):
+        if call == 100:
+            cost = {True: 1.0, False: 4.0}  # ... until the machine changes
+        way = choice.pick()
+        taken.append(way)
+        choice.record(way, cost[way])
+    first, second = taken[6:100], taken[120:]
+    assert taken[:6] == [True, False] * 3  # both ways measured before choosing
+    assert 0 < first.count(True) <= len(first) // 8 + 1  # retried, rarely
+    assert second.count(True) >= len(second) - len(second) // 8 - 1  # followed the change
+    assert choice.interval >= 2 * Choice.FIRST  # retries thin out while the choice stands
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_adafactor_spread_or_in_order_gives_the_same_bits(monkeypatch, threads: int) -> None:
+    import leanopt
+
+    shapes = [(700, 300), (64, 2000), (5, 30, 200), (3000,), (1, 1)]
+    gen = torch.Generator().manual_seed(7)
+    start = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(4)]
+
+    def run(way: str) -> list[torch.Tensor]:
+        monkeypatch.setenv("LEANOPT_CPU_SPREAD", way)
+        params = [torch.nn.Parameter(p.clone()) for p in start]
+        opt = leanopt.Adafactor(params, beta1=0.9, weight_decay=0.01)
+        for step in grads:
+            for p, g in zip(params, step):
+                p.grad = g.clone()
+            opt.step()
+        return [p.detach() for p in params]
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        spread, in_order = run("1"), run("0")
+    finally:
+        torch.set_num_threads(old)
+    for a, b in zip(spread, in_order):
+        assert torch.equal(a, b)

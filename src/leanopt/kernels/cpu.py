@@ -14,8 +14,9 @@ import os
 import shlex
 import shutil
 import threading
+import time
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -154,19 +155,94 @@ _spread_lock = threading.Lock()
 _in_spread = threading.local()
 
 
-def spread(run: Callable[[Any], None], items: Sequence[Any]) -> None:
+class Choice:
+    """Which of two ways to run the same work is faster here and now, from the wall time of the
+    calls themselves. The first calls alternate until each way has ``SAMPLES`` times; then the
+    way whose median of its last ``SAMPLES`` times is lower runs, and the other is tried again
+    after ``interval`` calls (8, doubling to 256 while the choice stands, back to 8 when it
+    changes), so a machine that becomes busy or idle is followed within a few hundred calls at a
+    cost of at most one call in 8 taken the slower way. For work whose result is the same to
+    the bit either way (the caller's guarantee): only the time depends on the choice."""
+
+    SAMPLES, FIRST, LONGEST = 3, 8, 256
+
+    def __init__(self) -> None:
+        self.seconds: dict[bool, list[float]] = {True: [], False: []}
+        self.interval = self.FIRST
+        self.calls = 0
+
+    def best(self) -> bool:
+        def median(way: bool) -> float:
+            return sorted(self.seconds[way])[len(self.seconds[way]) // 2]
+
+        return median(True) <= median(False)
+
+    def ready(self) -> bool:
+        return all(len(t) >= self.SAMPLES for t in self.seconds.values())
+
+    def pick(self) -> bool:
+        """The way to take on this call (``True``: the first way)."""
+        if not self.ready():
+            return len(self.seconds[True]) <= len(self.seconds[False])
+        best = self.best()
+        self.calls += 1
+        if self.calls >= self.interval:
+            self.calls = 0
+            return not best
+        return best
+
+    def record(self, way: bool, seconds: float) -> None:
+        before = self.best() if self.ready() else None
+        self.seconds[way] = (self.seconds[way] + [seconds])[-self.SAMPLES :]
+        if before is not None and way != before:  # a retry of the other way
+            self.interval = self.FIRST if self.best() != before else min(self.interval * 2, self.LONGEST)
+
+
+_choices: dict[Hashable, Choice] = {}
+
+
+def spread(run: Callable[[Any], None], items: Sequence[Any], *, choose: Hashable | None = None) -> None:
     """``run(item)`` for every item, on up to ``torch.get_num_threads()`` Python threads that
     take the next item as they finish one (torch releases the GIL in its ops), each torch op on
     one intra-op thread. For work made of many small ops (the eager rules' chunks, Adafactor's
     passes over one param): torch's OpenMP regions around each op wait at their barriers for a
     descheduled partner on a busy machine, and the ops of one param are too small to share.
     Items must be independent (the same bits in any order). Serial under a memory trace
-    (leanopt.tracing is per thread), inside a spread, or with one thread."""
+    (leanopt.tracing is per thread), inside a spread, or with one thread.
+
+    With ``choose`` (a key for the call site and its work), each call runs either spread or in order with
+    torch's own threads, whichever :class:`Choice` measured faster for that name: on an idle
+    machine the GIL hand-offs of the Python threads cost more than they save (Adafactor on
+    TinyLlama-shaped params, 2 threads: 23-27 ms spread, 15-22 ms in order), on a busy one the
+    OpenMP barriers cost far more (34-38 ms spread, 111-161 ms in order at load 3).
+    ``LEANOPT_CPU_SPREAD=1`` / ``0`` fixes the choice."""
     workers = min(torch.get_num_threads(), len(items))
     if workers <= 1 or tracing.active() is not None or getattr(_in_spread, "on", False):
         for item in items:
             run(item)
         return
+    if choose is None:
+        _spread(run, items)
+        return
+    fixed = os.environ.get("LEANOPT_CPU_SPREAD", "").strip()
+    if fixed in ("0", "1"):
+        (_spread if fixed == "1" else _in_order)(run, items)
+        return
+    choice = _choices.get(choose)
+    if choice is None:
+        choice = _choices.setdefault(choose, Choice())
+    way = choice.pick()
+    start = time.perf_counter()
+    (_spread if way else _in_order)(run, items)
+    choice.record(way, time.perf_counter() - start)
+
+
+def _in_order(run: Callable[[Any], None], items: Sequence[Any]) -> None:
+    for item in items:
+        run(item)
+
+
+def _spread(run: Callable[[Any], None], items: Sequence[Any]) -> None:
     threads = torch.get_num_threads()
     with _spread_lock:
         pool = _spread_pool.get(threads)

@@ -137,7 +137,7 @@ def adafactor(
         )
 
     # Largest first, so that the threads end together.
-    spread(step_factored, sorted(factored, key=lambda i: -params[i].numel()))
+    spread(step_factored, sorted(factored, key=lambda i: -params[i].numel()), choose=("adafactor", tuple(params[i].numel() for i in factored)))
 
 
 class _Factored:

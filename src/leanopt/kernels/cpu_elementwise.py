@@ -19,7 +19,6 @@ does not recompile.
 
 from __future__ import annotations
 
-import concurrent.futures
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -29,7 +28,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from leanopt import tracing
 from leanopt.kernels import cpu_native, reference
-from leanopt.kernels.cpu import can_compile, compiled, compiled_per_dtypes, own_code
+from leanopt.kernels.cpu import can_compile, compiled, compiled_per_dtypes, own_code, spread
 from leanopt.kernels.rules import ADAMW, Rule, skipped_elements
 from leanopt.quant import codebooks
 from leanopt.quant.formats import decay_rounded, dither, may_hold_true
@@ -124,28 +123,17 @@ EAGER_CHUNK = 1 << 15
 
 def _over_chunks(run: Callable[[int], None], chunks: int) -> None:
     """``run(k)`` for every chunk ``k``, spread over a few Python threads (torch releases the GIL
-    in its ops), each op on one intra-op thread. Eager ops on a chunk are too small for torch's
-    OpenMP regions, whose barriers wait for a descheduled partner on a busy machine: thousands of
-    regions made the eager step 20x slower at load 5 (measured). Chunks are independent: the same
-    bits in any order."""
-    workers = min(torch.get_num_threads(), chunks)
-    if workers <= 1:
-        for k in range(chunks):
-            run(k)
-        return
-    def worker(w: int) -> None:
-        with torch.no_grad():  # grad mode is per thread; the step runs under no_grad
-            for k in range(w, chunks, workers):
-                run(k)
+    in its ops; :func:`leanopt.kernels.cpu.spread`), each op on one intra-op thread. Eager ops on
+    a chunk are too small for torch's OpenMP regions, whose barriers wait for a descheduled
+    partner on a busy machine: thousands of regions made the eager step 20x slower at load 5
+    (measured). Chunks are independent: the same bits in any order."""
+    workers = max(1, min(torch.get_num_threads(), chunks))
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            for _ in pool.map(worker, range(workers)):
-                pass
-    finally:
-        torch.set_num_threads(threads)
+    def worker(w: int) -> None:
+        for k in range(w, chunks, workers):
+            run(k)
+
+    spread(worker, range(workers))
 
 
 def _eager(eligible_native: bool) -> bool:
