@@ -30,6 +30,11 @@ lr 1e-3, default weight decay, the last 397 images held out), per seed, and prin
 optimizer's held-out loss, final training loss (mean of the last 10 steps) and held-out
 accuracy relative to fp32 ``torch.optim.AdamW`` on the same seed.
 
+A fourth, ``--state-dtypes``, compares how leanopt AdamW stores its moments -- fp32, bf16
+with stochastic rounding (``state_dtype=torch.bfloat16``) and 8-bit (``AdamW8bit``) -- on the
+three 20-step scenarios over several seeds (``--state-seeds``), as mean +- standard deviation
+over the seeds of each run's max and mean distance from fp32 torch AdamW.
+
 Run: ``python benchmarks/accuracy_vs_peers.py [--size 1024] [--eager-peers] [--backend B]
 [--only NAMES] [--sparse-seeds 0,1,2] [--sparse-only | --no-sparse] [--training
 [--training-seeds 0,1,2,3,4]]``. Peers that are not installed are
@@ -259,8 +264,13 @@ def main(argv: list[str] | None = None) -> None:
     only.add_argument("--sparse-only", action="store_true", help="only the sparse table")
     only.add_argument("--no-sparse", action="store_true", help="only the 20-step table")
     only.add_argument("--training", action="store_true", help="only the digits training table")
+    only.add_argument("--state-dtypes", action="store_true", help="only the fp32 / bf16 / 8-bit states table")
     ap.add_argument("--training-seeds", default="0,1,2,3,4")
+    ap.add_argument("--state-seeds", default="0,1,2,3,4", help="seeds of the --state-dtypes table")
     args = ap.parse_args(argv)
+    if args.state_dtypes:
+        state_dtype_table(args.size, [int(s) for s in args.state_seeds.split(",") if s.strip()], args.backend)
+        return
 
     contenders: dict[str, Factory | None] = dict(leanopt_factories(args.backend))
     contenders["bitsandbytes AdamW8bit"] = bnb_factory()
@@ -280,6 +290,46 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_sparse:
         seeds = [int(s) for s in args.sparse_seeds.split(",") if s.strip()]
         sparse_table(contenders, seeds, args.sparse_steps, args.eager_peers)
+
+
+def state_dtype_factories(backend: str = "auto") -> dict[str, Factory]:
+    """leanopt AdamW with each storage of its moments (the --state-dtypes table)."""
+    return {
+        "leanopt AdamW (fp32 states)": lambda ps: leanopt.AdamW(ps, lr=LR, weight_decay=0.0, backend=backend),
+        "leanopt AdamW (bf16 states)": lambda ps: leanopt.AdamW(ps, lr=LR, weight_decay=0.0, backend=backend,
+                                                                state_dtype=torch.bfloat16),  # fmt: skip
+        "leanopt AdamW8bit": lambda ps: leanopt.AdamW8bit(ps, lr=LR, weight_decay=0.0, backend=backend),
+    }
+
+
+def state_dtype_drift(size: int, seeds: list[int], backend: str = "auto") -> dict[str, dict[str, list[tuple[float, float]]]]:
+    """``{optimizer: {scenario: [(max, mean) distance from fp32 torch AdamW, per seed]}}``."""
+    out: dict[str, dict[str, list[tuple[float, float]]]] = {name: {} for name in state_dtype_factories()}
+    for seed in seeds:
+        scenarios = {"randn": randn_scenario(size, seed=seed), "heavy": heavy_scenario(size, seed=seed),
+                     "hazard": hazard_scenario(size, seed=seed)[:2]}  # fmt: skip
+        for scenario, (p0, grads) in scenarios.items():
+            ref = fp32_reference(p0, grads)
+            for name, factory in state_dtype_factories(backend).items():
+                out[name].setdefault(scenario, []).append(distance(run(factory, p0, grads)[0], ref))
+    return out
+
+
+def state_dtype_table(size: int, seeds: list[int], backend: str = "auto") -> None:
+    drift = state_dtype_drift(size, seeds, backend)
+    print(f"Distance from fp32 torch.optim.AdamW after {STEPS} steps, one {size}x{size} tensor, lr {LR}, seeds {seeds}: "
+          "mean +- std over seeds of each run's max and mean |p - p_fp32|")  # fmt: skip
+    head = f"{'optimizer':30s}" + "".join(f" {s + ' max':>22s} {s + ' mean':>22s}" for s in ("randn", "heavy", "hazard"))
+    print(head)
+    print("-" * len(head))
+    for name, by_scenario in drift.items():
+        cells = []
+        for scenario in ("randn", "heavy", "hazard"):
+            for k in (0, 1):
+                v = torch.tensor([row[k] for row in by_scenario[scenario]], dtype=torch.float64)
+                std = v.std().item() if len(v) > 1 else 0.0
+                cells.append(f"{v.mean().item():.2e} +- {std:.1e}")
+        print(f"{name:30s}" + "".join(f" {c:>22s}" for c in cells))
 
 
 def _peer_context(name: str, eager: bool) -> contextlib.AbstractContextManager:

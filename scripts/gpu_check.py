@@ -718,7 +718,7 @@ def _pytest(label: str, extra: list[str], env: dict[str, str], xml: Path, timeou
 
 # Variants of leanopt.kernels.triton_elementwise's kernels, every rule (Adafactor's kernels:
 # tests/test_backends_adafactor.py::test_triton_kernels_compile_for_cuda).
-_DENSE = dict(CHUNK=2048)
+_DENSE = dict(CHUNK=2048, S_BF16=False)
 _Q8 = dict(BITS=8, BS=256, NB=8, LOG2_0=8, ZERO_0=127, LAST_0=254, DECAYS_0=True, LOG2_1=8, ZERO_1=0, LAST_1=255,
            DECAYS_1=False, LOG2_2=8, ZERO_2=0, LAST_2=255, DECAYS_2=False)  # fmt: skip
 _Q4 = dict(BITS=4, BS=128, NB=16, LOG2_0=4, ZERO_0=7, LAST_0=14, DECAYS_0=True, LOG2_1=4, ZERO_1=0, LAST_1=15,
@@ -737,6 +737,7 @@ HOPPER_VARIANTS = [
     ("triton_elementwise", "_dense_kernel", dict(K=14, P_DTYPE="bfloat16", RULE=_rule("ademamix"), N_STATES=3, FLAGS=0, SAFE=True, MAXIMIZE=False, **_DENSE)),
     ("triton_elementwise", "_dense_kernel", dict(K=5, P_DTYPE="float32", RULE=_rule("sgd"), N_STATES=1, FLAGS=1, SAFE=False, MAXIMIZE=False, **_DENSE)),
     ("triton_elementwise", "_dense_kernel", dict(K=5, P_DTYPE="bfloat16", RULE=_rule("sgd"), N_STATES=0, FLAGS=0, SAFE=True, MAXIMIZE=True, **_DENSE)),
+    ("triton_elementwise", "_dense_kernel", dict(K=8, P_DTYPE="float32", RULE=_rule("adamw"), N_STATES=2, FLAGS=0, SAFE=False, MAXIMIZE=False, CHUNK=2048, S_BF16=True)),
     ("triton_elementwise", "_quantized_kernel", dict(K=8, P_DTYPE="bfloat16", RULE=_rule("adamw"), N_STATES=2, FLAGS=0, MAXIMIZE=False, **_Q8)),
     ("triton_elementwise", "_quantized_kernel", dict(K=8, P_DTYPE="float16", RULE=_rule("adamw"), N_STATES=2, FLAGS=0, MAXIMIZE=True, **_Q4)),
     ("triton_elementwise", "_quantized_kernel", dict(K=6, P_DTYPE="float32", RULE=_rule("lion"), N_STATES=1, FLAGS=0, MAXIMIZE=False, **_Q4)),
@@ -771,7 +772,7 @@ def compile_for_hopper() -> dict[str, str]:
     for module, name, consts in HOPPER_VARIANTS:
         fn = getattr(importlib.import_module(f"leanopt.kernels.{module}"), name)
         consts = {k: getattr(tl, v) if isinstance(v, str) else v for k, v in consts.items()}
-        label = f"{module}.{name}[" + ",".join(f"{k}={v}" for k, v in consts.items() if k in ("P_DTYPE", "BITS", "SAFE", "RULE")) + "]"
+        label = f"{module}.{name}[" + ",".join(f"{k}={v}" for k, v in consts.items() if k in ("P_DTYPE", "BITS", "SAFE", "RULE", "S_BF16")) + "]"
         names = fn.arg_names
         src = ASTSource(fn, {a: ("constexpr" if a in consts else kind(a)) for a in names},
                         constexprs={(names.index(a),): consts[a] for a in names if a in consts})  # fmt: skip

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 import leanopt
 
 
@@ -48,6 +50,11 @@ class RMSprop(leanopt.ElementwiseOptimizer):
     def validate_group(self, group, *, loaded=False):
         for key, high in (("lr", math.inf), ("eps", math.inf), ("weight_decay", math.inf), ("alpha", 1.0)):
             value = group[key]
+            # lr may be a one-element floating tensor, as in torch (schedulers write into it).
+            if key == "lr" and isinstance(value, torch.Tensor):
+                if value.numel() != 1 or not value.is_floating_point():
+                    raise ValueError(f"Invalid lr: a tensor lr must have one floating element, got {tuple(value.shape)}")
+                value = 0.0 if value.device.type == "meta" else value.item()
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < high:
                 raise ValueError(f"Invalid {key}: {value!r}")
         if not isinstance(group["maximize"], bool):

@@ -18,9 +18,12 @@ registered only while its own tests run (:func:`registered`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 import leanopt
 from leanopt.optim.registry import REGISTRY
@@ -251,8 +254,25 @@ EXTERNAL: list[OptimizerCase] = [
                   backends=("reference", "cpu"), external=True, bytes_per_param=1.02),  # fmt: skip
 ]
 
-# What the generic suite runs: the library's optimizers and the ones defined outside it.
-GENERIC: list[OptimizerCase] = OPTIMIZERS + EXTERNAL
+
+def _bf16_states(case: OptimizerCase) -> OptimizerCase:
+    """``case`` with ``state_dtype=torch.bfloat16``: half its dense state's bytes, stochastically
+    rounded (leanopt.quant.bf16). Its published reference keeps fp32 states: the bf16 rule is
+    held to leanopt's own reference backend instead (tests/test_bf16_states.py)."""
+    return dataclasses.replace(case, name=f"{case.name}-bf16-states", kwargs={**case.kwargs, "state_dtype": torch.bfloat16},
+                               reference=None, bytes_per_param=case.bytes_per_param / 2, supports_complex=False)  # fmt: skip
+
+
+# Storage variants: every elementwise optimizer with dense states, its states stored in bf16
+# (the low-bit classes keep their block-quantized storage; Adafactor has no state_dtype).
+BF16_STATES: list[OptimizerCase] = [
+    _bf16_states(c) for c in OPTIMIZERS + EXTERNAL
+    if issubclass(c.cls, leanopt.ElementwiseOptimizer) and not issubclass(c.cls, leanopt.LowBit)
+]
+
+# What the generic suite runs: the library's optimizers, the ones defined outside it, and the
+# storage variants.
+GENERIC: list[OptimizerCase] = OPTIMIZERS + EXTERNAL + BF16_STATES
 
 
 @contextlib.contextmanager
@@ -271,3 +291,10 @@ def registered(case: OptimizerCase) -> Iterator[None]:
     finally:
         for cls in added:
             REGISTRY.pop(cls.name, None)
+
+
+# ---- what the contract and integration suites run ----------------------------------------------
+# Every registered optimizer: the library's and those defined outside it (registered while their
+# tests run, tests/conftest.py), each under its own name, which Trainer, Accelerate and Lightning
+# are given. GENERIC's storage variants are no optimizer of their own and have no such name.
+REGISTERED: list[OptimizerCase] = OPTIMIZERS + EXTERNAL

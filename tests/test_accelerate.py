@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from leanopt.memory import resolve_optimizer
-from registry import OPTIMIZERS
+from registry import REGISTERED
 
 pytest.importorskip("accelerate")
 from accelerate import Accelerator  # noqa: E402
@@ -26,10 +26,10 @@ example = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(example)
 
 
-names = pytest.mark.parametrize("name", [case.name for case in OPTIMIZERS])
+names = pytest.mark.parametrize("name", [case.name for case in REGISTERED])
 # What each optimizer takes besides lr (tests/registry.py: SGD's momentum, so there is a state to resume).
-EXTRA = {case.name: case.state_kwargs for case in OPTIMIZERS}
-CASES = {case.name: case for case in OPTIMIZERS}
+EXTRA = {case.name: case.state_kwargs for case in REGISTERED}
+CASES = {case.name: case for case in REGISTERED}
 
 
 @pytest.fixture(autouse=True)

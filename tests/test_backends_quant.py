@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import leanopt
-from registry import OPTIMIZERS
 from leanopt.quant import QuantizedState
+from registry import OPTIMIZERS
 
 SHAPES = [(1,), (0,), (5,), (300,), (2049,), (4097,), (33, 65), (3, 0)]
 LR = 1e-2

@@ -17,13 +17,13 @@ import sys
 import warnings
 
 import pytest
-import repo_modules
 import torch
 
 import leanopt
 from leanopt.integrations.distributed import measure_global
 from leanopt.memory import resolve_optimizer
 from leanopt.quant import QuantizedState
+import repo_modules
 
 SCRIPTS = pathlib.Path(__file__).resolve().parent / "dist_scripts"
 sys.path.insert(0, str(SCRIPTS))

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 import leanopt
-from external_optimizer import RMSPROP, RMSprop, RMSprop8bit
 from leanopt import kernels
 from leanopt.kernels import cpu_native, rules
 from leanopt.optim.registry import REGISTRY
 from leanopt.quant import QuantizedState
+from external_optimizer import RMSPROP, RMSprop, RMSprop8bit
 from registry import EXTERNAL, registered
 
 FP32, EIGHT_BIT = EXTERNAL

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from registry import OPTIMIZERS, OptimizerCase
+from registry import REGISTERED, OptimizerCase
 
 L = pytest.importorskip("lightning")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -46,7 +46,7 @@ def _plain_loop(case: OptimizerCase) -> tuple[list[float], list[torch.Tensor]]:
     return module.losses, [p.detach().clone() for p in module.parameters()]
 
 
-@pytest.mark.parametrize("case", OPTIMIZERS, ids=str)
+@pytest.mark.parametrize("case", REGISTERED, ids=str)
 def test_lightning_bf16_true_with_kahan_is_the_plain_loop(case: OptimizerCase) -> None:
     torch.manual_seed(0)
     module = lightning_train.Regressor(case.name, _lr(case), **_kwargs(case))

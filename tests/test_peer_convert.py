@@ -26,7 +26,6 @@ import time
 import warnings
 
 import pytest
-import repo_modules
 import torch
 
 import leanopt
@@ -43,6 +42,7 @@ from leanopt.cli import main
 from leanopt.optim import REGISTRY
 from leanopt.optim.identity import recognize_states
 from leanopt.optim.lowbit import LowBit
+import repo_modules
 from registry import OPTIMIZERS
 
 bench = repo_modules.benchmark("peer_resume")
@@ -538,7 +538,7 @@ def test_torchao_files_are_read_without_torchao_and_nothing_else_is(tmp_path) ->
 
 
 # ---- hostile DCP folders: a small one saved in this process, then damaged ---------------------------
-def dcp_folder(tmp_path) -> "os.PathLike[str]":
+def dcp_folder(tmp_path) -> os.PathLike[str]:
     import torch.distributed.checkpoint as dcp
 
     params = make_params()

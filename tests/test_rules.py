@@ -29,8 +29,8 @@ import leanopt
 from leanopt.kernels import cpu_native, rules
 from leanopt.optim.elementwise import ElementwiseOptimizer
 from leanopt.quant import QuantizedState
-from registry import GENERIC, OPTIMIZERS, OptimizerCase
 import repo_modules
+from registry import GENERIC, OPTIMIZERS, OptimizerCase
 
 drift = repo_modules.benchmark("lowbit_vs_bnb")
 
@@ -330,10 +330,9 @@ def _hp(rule, **group):
 
 
 def test_select_routes_a_rule_without_a_twin_to_the_cpu_paths() -> None:
-    from external_optimizer import RMSPROP
-
     from leanopt import kernels
     from leanopt.quant import BlockFormat
+    from external_optimizer import RMSPROP
 
     p, g = torch.randn(5000), torch.randn(5000)
     hp = _hp(RMSPROP, lr=1e-3, alpha=0.99, eps=1e-8, weight_decay=0.0)
@@ -371,10 +370,9 @@ def test_select_routes_zero_states_and_more_states_than_a_kernel_takes() -> None
 @pytest.mark.skipif("triton" not in BACKENDS, reason="triton not installed")
 def test_triton_kernel_refuses_a_rule_it_has_no_helper_for() -> None:
     # Its last branch used to run AdEMAMix for any unknown rule number.
-    from external_optimizer import RMSPROP
-
     from leanopt.kernels import triton_elementwise
     from leanopt.kernels.multi_tensor import TableCache
+    from external_optimizer import RMSPROP
 
     p, g, v = torch.randn(64), torch.randn(64), torch.zeros(64)
     before = p.clone()

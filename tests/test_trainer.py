@@ -13,7 +13,7 @@ import torch
 import leanopt
 from leanopt.memory import resolve_optimizer
 from leanopt.memory.inspect import inspect_file
-from registry import OPTIMIZERS
+from registry import OPTIMIZERS, REGISTERED
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -23,10 +23,9 @@ from leanopt.integrations.transformers import (  # noqa: E402
     unwrap_optimizer,
 )
 
-
-NAMES = [case.name for case in OPTIMIZERS]
+NAMES = [case.name for case in REGISTERED]
 # What each optimizer takes besides what Trainer fills (tests/registry.py: SGD's momentum).
-EXTRA = {case.name: case.state_kwargs for case in OPTIMIZERS}
+EXTRA = {case.name: case.state_kwargs for case in REGISTERED}
 names = pytest.mark.parametrize("name", NAMES)
 LR = 1e-3
 
@@ -54,7 +53,7 @@ def tiny_distilbert(seed: int = 0) -> torch.nn.Module:
     return transformers.DistilBertForSequenceClassification(config)
 
 
-def training_args(out, **kw) -> "transformers.TrainingArguments":
+def training_args(out, **kw) -> transformers.TrainingArguments:
     base = dict(
         output_dir=str(out),
         per_device_train_batch_size=16,
@@ -204,8 +203,8 @@ def test_example_script_runs_the_lesson_scenario_on_a_tiny_model(capsys) -> None
     spec = importlib.util.spec_from_file_location("trainer_distilbert", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    results = example.main(["--tiny", "--steps", "3", "--optimizer", NAMES[-1]])
-    assert results[NAMES[-1]]["state_bytes"] == results[NAMES[-1]]["estimate_bytes"]
+    results = example.main(["--tiny", "--steps", "3", "--optimizer", OPTIMIZERS[-1].name])
+    assert results[OPTIMIZERS[-1].name]["state_bytes"] == results[OPTIMIZERS[-1].name]["estimate_bytes"]
     assert "Number of model parameters: 81,602" in capsys.readouterr().out
 
 

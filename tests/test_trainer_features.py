@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from registry import OPTIMIZERS, OptimizerCase
+from registry import REGISTERED, OptimizerCase
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -65,7 +65,7 @@ def _reference(feature: str, tmp: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("feature", list(FEATURES))
-@pytest.mark.parametrize("case", OPTIMIZERS, ids=str)
+@pytest.mark.parametrize("case", REGISTERED, ids=str)
 def test_trainer_feature_with_every_optimizer(case: OptimizerCase, feature: str, tmp_path_factory) -> None:
     ref = _reference(feature, str(tmp_path_factory.getbasetemp() / "reference"))
     run = _run(case.name, case.state_kwargs, feature, tmp_path_factory.mktemp(case.name))

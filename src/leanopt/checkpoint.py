@@ -66,6 +66,7 @@ from leanopt.optim.lowbit import STORAGE_OPTIONS, LowBit, check_block_size, chec
 from leanopt.optim.registry import REGISTRY, optimizer_class
 from leanopt.optim.sharding import is_dtensor
 from leanopt.quant import QuantizedState, format_by_name
+from leanopt.quant.bf16 import check_state_dtype, state_dtype_name
 
 __all__ = ["IDENTITY_KEY", "TORCH_ADAMW", "Conversion", "convert_checkpoint", "convert_state_dict", "declared_optimizer",
            "family_members", "from_peer", "state_dict_layout"]  # fmt: skip
@@ -136,10 +137,12 @@ def convert_state_dict(
     block_size: int | None = None,
     min_quant_size: int = 4096,
     rule: str | None = None,
+    state_dtype: torch.dtype = torch.float32,
 ) -> dict[str, Any]:
     """A copy of ``state_dict`` with its states in the layout of optimizer ``to``
     (:func:`convert_checkpoint`'s ``state_dict``)."""
-    return convert_checkpoint(state_dict, to, block_size=block_size, min_quant_size=min_quant_size, rule=rule).state_dict
+    return convert_checkpoint(state_dict, to, block_size=block_size, min_quant_size=min_quant_size, rule=rule,
+                              state_dtype=state_dtype).state_dict  # fmt: skip
 
 
 def convert_checkpoint(
@@ -149,6 +152,7 @@ def convert_checkpoint(
     block_size: int | None = None,
     min_quant_size: int = 4096,
     rule: str | None = None,
+    state_dtype: torch.dtype = torch.float32,
 ) -> Conversion:
     """``state_dict`` with its states in the layout of optimizer ``to``, and what that left out.
 
@@ -165,6 +169,12 @@ def convert_checkpoint(
     each group declares ``to`` and gets the target's storage options. Each group is checked as
     the target's ``load_state_dict`` checks it (e.g. a state saved with amsgrad cannot become
     low-bit AdamW: ``ValueError``).
+
+    ``state_dtype`` (``torch.float32`` or ``torch.bfloat16``, :mod:`leanopt.quant.bf16`): the
+    dtype of the target's dense states, which each group declares; bf16 states (a
+    ``state_dtype=torch.bfloat16`` optimizer's) are upcast exactly to fp32, and fp32 or
+    dequantized ones are rounded to the nearest bf16 (a one-time conversion; the optimizer
+    rounds its own writes stochastically). fp64 and complex states are kept as they are.
 
     ``"torch-adamw"`` writes what ``torch.optim.AdamW(...).state_dict()`` holds: ``step`` a fp32
     scalar tensor, ``exp_avg``/``exp_avg_sq`` (and ``max_exp_avg_sq`` with amsgrad) fp32 for
@@ -190,7 +200,7 @@ def convert_checkpoint(
             f"cannot convert a {source} state_dict to {TORCH_ADAMW}: {REGISTRY[source].__name__} runs the "
             f"{REGISTRY[source].family} rule, torch.optim.AdamW the adamw rule (a state of one rule cannot continue another)"
         )
-    converted = _convert(state_dict, source, target_cls, block_size, min_quant_size)
+    converted = _convert(state_dict, source, target_cls, block_size, min_quant_size, check_state_dtype(state_dtype))
     notes: list[str] = []
     if to_torch:
         converted = _as_torch_adamw(converted, state_dict, notes)
@@ -198,7 +208,7 @@ def convert_checkpoint(
 
 
 def _convert(state_dict: Mapping[str, Any], source: str, target_cls: type, block_size: int | None,
-             min_quant_size: int) -> dict[str, Any]:  # fmt: skip
+             min_quant_size: int, state_dtype: torch.dtype = torch.float32) -> dict[str, Any]:  # fmt: skip
     """convert_checkpoint's work on a leanopt-layout ``state_dict`` of optimizer ``source``."""
     to = target_cls.name
     source_cls = REGISTRY[source]
@@ -222,6 +232,8 @@ def _convert(state_dict: Mapping[str, Any], source: str, target_cls: type, block
         if low_bit:
             g.update(quantize=group.get("quantize", True), block_size=block_size, min_quant_size=min_quant_size,
                      state_bits=target_cls.state_bits)  # fmt: skip
+        if "state_dtype" in target.defaults:
+            g["state_dtype"] = state_dtype_name(state_dtype)
         g[IDENTITY_KEY] = to
         filled = {**target.defaults, **g}
         try:
@@ -251,9 +263,9 @@ def _convert(state_dict: Mapping[str, Any], source: str, target_cls: type, block
                 if target.quantizes(shape, filled):
                     new[key] = _to_quantized(value, target.state_format(key, filled), where)
                     continue
-                new[key] = _to_dense(value, where)
+                new[key] = _stored(_to_dense(value, where), state_dtype)
             elif key in target_keys or _as_quantized(value, where) is not None:
-                new[key] = _to_dense(value, where)
+                new[key] = _stored(_to_dense(value, where), state_dtype)
         state_out[pid] = new
     return {**state_dict, "state": state_out, "param_groups": groups_out}
 
@@ -650,6 +662,13 @@ def _to_dense(value: Any, where: str) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value
     raise ValueError(f"{where} is a {type(value).__name__}, expected a tensor or a quantized state")
+
+
+def _stored(dense: torch.Tensor, state_dtype: torch.dtype) -> torch.Tensor:
+    """A dense state in the target's ``state_dtype``: bf16 <-> fp32; other dtypes (fp64, complex) as they are."""
+    if dense.dtype in (torch.float32, torch.bfloat16) and dense.dtype != state_dtype:
+        return dense.to(state_dtype)
+    return dense
 
 
 def _to_quantized(value: Any, fmt: Any, where: str) -> dict[str, Any]:

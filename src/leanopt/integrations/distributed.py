@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from leanopt.memory.measure import StateCounter, StateMeasurement, leaf_tensors, measure
 from leanopt.optim.sharding import (
     ShardQuantizedState,
     allocate_state,
@@ -34,7 +35,6 @@ from leanopt.optim.sharding import (
     state_placements,
     update_whole,
 )
-from leanopt.memory.measure import StateCounter, StateMeasurement, leaf_tensors, measure
 
 __all__ = [
     "DistributedMeasurement",

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from leanopt.memory import measure, resolve_optimizer
+from leanopt.memory import StateMeasurement, measure, resolve_optimizer
 
 logger = logging.getLogger("leanopt")
 
@@ -145,7 +145,7 @@ class OptimizerStateCallback(TrainerCallback):
     KEY = "optimizer_state_bytes"
 
     def __init__(self) -> None:
-        self.measurement = None
+        self.measurement: StateMeasurement | None = None
         self.record: dict[str, Any] | None = None
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:

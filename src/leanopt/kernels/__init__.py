@@ -187,8 +187,13 @@ def select(backend: str, rule: Any, p: torch.Tensor, g: torch.Tensor, states: Se
         return "reference"
     compute = torch.float64 if p.dtype == torch.float64 else torch.float32
     if resolved == "triton":
-        return "triton-dense" if all(s.dtype == torch.float32 for s in present) else "reference"
-    return "cpu-dense" if all(s.dtype in (compute, p.dtype) for s in present) else "reference"
+        # fp32 states, or all bf16 (read as fp32, written with stochastic rounding); fp64 params
+        # have no Triton kernel (dtypes above).
+        stored = {s.dtype for s in present}
+        return "triton-dense" if stored <= {torch.float32} or stored == {torch.bfloat16} else "reference"
+    # bf16 states in any mix: the CPU path writes each with the stochastic rounding of
+    # leanopt.quant.bf16 (never torch's fused AdamW or the native kernel, which round to nearest).
+    return "cpu-dense" if all(s.dtype in (compute, p.dtype, torch.bfloat16) for s in present) else "reference"
 
 
 def step(backend: str, rule, tables, key: str, params, grads, states, steps: Sequence[int], hp: Mapping[str, Any], *,
@@ -223,7 +228,8 @@ def step(backend: str, rule, tables, key: str, params, grads, states, steps: Seq
                 from leanopt.kernels import cpu_elementwise
 
                 if impl == "cpu-dense":
-                    cpu_elementwise.dense(rule, pick(params), pick(grads), pick(states), pick(steps), hp, safe=safe)
+                    cpu_elementwise.dense(rule, pick(params), pick(grads), pick(states), pick(steps), hp, safe=safe,
+                                          offsets=pick(offsets))  # fmt: skip
                 else:
                     cpu_elementwise.quantized(rule, pick(params), pick(grads), pick(states), pick(steps), hp, pick(offsets))
             else:
@@ -231,7 +237,7 @@ def step(backend: str, rule, tables, key: str, params, grads, states, steps: Seq
 
                 if impl == "triton-dense":
                     triton_elementwise.dense(rule, tables, key, pick(params), pick(grads), pick(states), pick(steps), hp,
-                                             safe=safe)  # fmt: skip
+                                             safe=safe, offsets=pick(offsets))  # fmt: skip
                 else:
                     triton_elementwise.quantized(rule, tables, key, pick(params), pick(grads), pick(states), pick(steps), hp,
                                                  pick(offsets))  # fmt: skip

@@ -31,6 +31,7 @@ from leanopt.kernels import cpu_native, reference
 from leanopt.kernels.cpu import can_compile, compiled, compiled_per_dtypes, own_code, spread
 from leanopt.kernels.rules import ADAMW, Rule, skipped_elements
 from leanopt.quant import codebooks
+from leanopt.quant.bf16 import stochastic_bf16
 from leanopt.quant.formats import decay_rounded, dither, may_hold_true
 
 
@@ -153,17 +154,90 @@ def _dense_eager(update: Callable[..., Any], p: Tensor, g: Tensor, states: Seque
     _over_chunks(chunk, -(-n // EAGER_CHUNK))
 
 
+# ---- bf16 states (leanopt.quant.bf16) ------------------------------------------------------
+# Neither torch's fused AdamW nor the native kernel writes a bf16 state with stochastic rounding:
+# a param with any bf16 state runs the rule's function with its states upcast, and each bf16
+# state written back through the shared dither, compiled once per (rule, flags, which states are
+# bf16) and dtypes, or eagerly over chunks (the same bits: the dither is keyed on global indices).
+_ROUNDED: dict[tuple, Callable[..., Any]] = {}
+_ROUNDED_UPDATES: dict[tuple, Callable[..., Any]] = {}
+
+
+def _rounded_update(rule: Rule, flags: tuple, safe: bool, maximize: bool, stored: tuple) -> Callable[..., Any]:
+    """The dense update of a param whose states ``j`` with ``stored[j]`` are bf16, as a function
+    of flat tensors; ``step`` and ``offset`` (0-dim int64) key the dither."""
+    key = (rule, flags, safe, maximize, stored)
+    update = _ROUNDED_UPDATES.get(key)
+    if update is None:
+        n = len(stored)
+
+        def update(p: Tensor, g: Tensor, states: list[Tensor], c: list[Tensor], step: Tensor, offset: Tensor) -> None:
+            pf = p.to(_compute_dtype(p.dtype))
+            gf = g.to(pf.dtype)
+            if maximize:
+                gf = -gf
+            read = [s.to(pf.dtype) if bf16 else s for s, bf16 in zip(states, stored)]
+            new_p, new = rule.apply(pf, gf, read, c, flags, safe)
+            if safe:
+                new_p, new = _safe_result(gf, pf, new_p, new)
+            p.copy_(new_p)
+            index = torch.arange(p.numel(), dtype=torch.int64) + offset
+            for j, (s, v, bf16) in enumerate(zip(states, new, stored)):
+                if bf16:
+                    s.copy_(stochastic_bf16(v.float(), dither(index * n + j, step)))
+                else:
+                    s.copy_(v)
+
+        _ROUNDED_UPDATES[key] = update
+    return update
+
+
+def _dense_rounded(rule: Rule, flags: tuple, safe: bool, maximize: bool, p: Tensor, g: Tensor, states: Sequence[Tensor],
+                   c: list[Tensor], step: int, offset: int) -> None:  # fmt: skip
+    if tracing.active() is not None:
+        return  # taken to allocate nothing of the param's size, as the dense graph (not measured)
+    stored = tuple(s.dtype == torch.bfloat16 for s in states)
+    update = _rounded_update(rule, flags, safe, maximize, stored)
+    step_t = torch.tensor(step, dtype=torch.int64)
+    if not can_compile():
+        flat = [t.view(-1) for t in (p, g.contiguous(), *states)]
+        n = flat[0].numel()
+
+        def chunk(k: int) -> None:
+            lo, hi = k * EAGER_CHUNK, min((k + 1) * EAGER_CHUNK, n)
+            update(flat[0][lo:hi], flat[1][lo:hi], [t[lo:hi] for t in flat[2:]], c, step_t,
+                   torch.tensor(offset + lo, dtype=torch.int64))  # fmt: skip
+
+        _over_chunks(chunk, -(-n // EAGER_CHUNK))
+        return
+    key = (rule, flags, safe, maximize, stored)
+    graph = _ROUNDED.get(key)
+    if graph is None:
+        variant = f"{rule.name}_bf16_states{'_safe' if safe else ''}{'_max' if maximize else ''}_" + "_".join(
+            map(str, map(int, flags + stored)))  # fmt: skip
+        graph = _ROUNDED[key] = compiled_per_dtypes(own_code(update, variant))
+    graph(p, g, list(states), c, step_t, torch.tensor(offset, dtype=torch.int64))
+
+
 def _fusable(rule: Rule, safe: bool, p: Tensor, g: Tensor, states: Sequence[Tensor]) -> bool:
     return rule is ADAMW and not safe and g.dtype == p.dtype and all(s.dtype == p.dtype for s in states)
 
 
-def dense(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mapping[str, Any], *, safe: bool) -> None:
-    """``rule`` over CPU params with dense states in the compute dtype (``states[i]``: param
-    ``i``'s states, in the rule's order); ``steps`` hold the new step counts."""
+def dense(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mapping[str, Any], *, safe: bool,
+          offsets: Sequence[int] | None = None) -> None:  # fmt: skip
+    """``rule`` over CPU params with dense states in the compute dtype or bf16 (``states[i]``:
+    param ``i``'s states, in the rule's order); ``steps`` hold the new step counts; ``offsets[i]``
+    (default 0): the flat index of param ``i``'s element 0 in its whole tensor, which keys the
+    stochastic rounding of bf16 states."""
     flags = rule.flag_values(hp)
     fused: dict[torch.dtype, list[int]] = {}
     for i, p in enumerate(params):
         if p.numel() == 0:
+            continue
+        if any(s.dtype == torch.bfloat16 for s in states[i]):
+            scalars = _as_tensors(rule.scalar_values(hp, steps[i], safe))
+            _dense_rounded(rule, flags, safe, hp["maximize"], p, grads[i], states[i], scalars, steps[i],
+                           0 if offsets is None else offsets[i])  # fmt: skip
             continue
         if _fusable(rule, safe, p, grads[i], states[i]):
             fused.setdefault(p.dtype, []).append(i)

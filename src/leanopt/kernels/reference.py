@@ -123,7 +123,7 @@ def rule_step_(
     rule: Rule,
     param: Tensor,
     grad: Tensor,
-    states: Sequence["QuantizedState | Tensor"],
+    states: Sequence[QuantizedState | Tensor],
     step: int,
     hp: Mapping[str, Any],
     *,
@@ -161,10 +161,15 @@ def rule_step_(
     or a tail's): the decay rounding's dither is keyed on global indices, so a tensor updated
     in pieces stores the same codes as one updated whole.
 
+    A bf16 state (``state_dtype=torch.bfloat16``) is read in the compute dtype and written back
+    with the stochastic rounding of :mod:`leanopt.quant.bf16`: state ``j`` of element ``i`` (its
+    global index, ``offset`` counted) rounded by the dither of ``i * len(states) + j`` and ``step``.
+
     Without ``safe`` and with dense states this is the rule as written (for AdamW:
     ``torch.optim.AdamW``'s single-tensor path, to rounding).
     """
     from leanopt.quant import QuantizedState
+    from leanopt.quant.bf16 import state_dither, stochastic_bf16
     from leanopt.quant.formats import Decay, may_hold_true
 
     ct = _compute_dtype(param)
@@ -172,7 +177,9 @@ def rule_step_(
     g = grad.to(ct)
     if hp["maximize"]:
         g = -g
-    dense = [s.dequantize().to(ct) if isinstance(s, QuantizedState) else s for s in states]
+    # bf16 states (leanopt.quant.bf16) are read as the compute dtype and written back rounded.
+    dense = [s.dequantize().to(ct) if isinstance(s, QuantizedState) else s.to(ct) if s.dtype == torch.bfloat16 else s
+             for s in states]  # fmt: skip
     new_p, new = rule.apply(p, g, dense, rule.scalar_values(hp, step, safe), rule.flag_values(hp), safe)
     if safe:
         bad = skipped_elements(g, new)
@@ -181,18 +188,21 @@ def rule_step_(
             new_p = torch.where(bad, p, new_p)
     param.copy_(new_p)
     zero_grad = None
-    for kind, state, old, value in zip(rule.states(hp), states, dense, new):
+    for j, (kind, state, old, value) in enumerate(zip(rule.states(hp), states, dense, new)):
         if isinstance(state, QuantizedState):
             if kind.decays and zero_grad is None:
                 zero_grad = g == 0
             # Decaying elements (gradient exactly 0) of a momentum: decay rounding (issue #11),
             # in expectation the fp32 decay; see BlockFormat.code_indices.
             state.quantize_(value, decay=Decay(zero_grad, old, step, offset) if kind.decays else None)
+        elif state.dtype == torch.bfloat16:
+            u = state_dither(value.numel(), offset, step, j, len(states), value.device).view(value.shape)
+            state.copy_(stochastic_bf16(value.float(), u))
         else:
             state.copy_(value)
 
 
-def partial_block(rule: Rule, p: Tensor, g: Tensor, states: Sequence["QuantizedState"], step: int,
+def partial_block(rule: Rule, p: Tensor, g: Tensor, states: Sequence[QuantizedState], step: int,
                   hp: Mapping[str, Any], offset: int, full: int) -> None:  # fmt: skip
     """Elements ``full:`` of the flat ``p``/``g`` (the last, partial block, independent of the
     others) by the reference, on views of the states; ``offset``: the flat index of element 0."""

@@ -30,9 +30,9 @@ from torch import Tensor
 from leanopt import tracing
 from leanopt.kernels.multi_tensor import TableCache
 from leanopt.kernels.rules import Rule, rule_id
-from leanopt.kernels.twins import flag_bits
 from leanopt.kernels.triton_common import TL_DTYPE, to_param_dtype
 from leanopt.kernels.triton_rules import rule_update, skipped_elements
+from leanopt.kernels.twins import flag_bits
 from leanopt.quant.formats import DECAY_GROWTH_RATIO as _GROWTH
 from leanopt.quant.formats import DECAY_PROGRESS as _PROGRESS
 
@@ -51,10 +51,33 @@ def _scalar_table(cache: TableCache, rule: Rule, hp: Mapping[str, Any], steps: S
 
 # ---- dense states ---------------------------------------------------------------------------
 @triton.jit
+def _load_dense(ptrs, t, offs, mask, S_BF16: tl.constexpr):
+    # One dense state as fp32: fp32, or bf16 (leanopt.quant.bf16) read exactly.
+    if S_BF16:
+        return tl.load(tl.load(ptrs + t).to(tl.pointer_type(tl.bfloat16)) + offs, mask=mask).to(tl.float32)
+    else:
+        return tl.load(tl.load(ptrs + t).to(tl.pointer_type(tl.float32)) + offs, mask=mask)
+
+
+@triton.jit
+def _store_dense(ptrs, t, offs, mask, x, index, step, S_BF16: tl.constexpr):
+    # fp32 as it is, or bf16 with leanopt.quant.bf16.stochastic_bf16 on the dither of ``index``
+    # and ``step``: the top half of bits(x) + floor(u * 2^16); NaN as a quiet NaN.
+    if S_BF16:
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = bits + (_dither(index, step) * 65536.0).to(tl.uint32)
+        rounded = tl.where(x != x, 0x7FC00000, rounded)
+        out = (rounded >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        tl.store(tl.load(ptrs + t).to(tl.pointer_type(tl.bfloat16)) + offs, out, mask=mask)
+    else:
+        tl.store(tl.load(ptrs + t).to(tl.pointer_type(tl.float32)) + offs, x, mask=mask)
+
+
+@triton.jit
 def _dense_kernel(
-    p_ptrs, g_ptrs, s0_ptrs, s1_ptrs, s2_ptrs, chunk_tensor, chunk_start, numels, scalars,
+    p_ptrs, g_ptrs, s0_ptrs, s1_ptrs, s2_ptrs, chunk_tensor, chunk_start, numels, scalars, dither_keys,
     K: tl.constexpr, P_DTYPE: tl.constexpr, RULE: tl.constexpr, N_STATES: tl.constexpr, FLAGS: tl.constexpr,
-    SAFE: tl.constexpr, MAXIMIZE: tl.constexpr, CHUNK: tl.constexpr,
+    SAFE: tl.constexpr, MAXIMIZE: tl.constexpr, CHUNK: tl.constexpr, S_BF16: tl.constexpr,
 ):  # fmt: skip
     c = tl.program_id(0)
     t = tl.load(chunk_tensor + c)
@@ -62,9 +85,6 @@ def _dense_kernel(
     mask = offs < tl.load(numels + t)
     p_ptr = tl.load(p_ptrs + t).to(tl.pointer_type(P_DTYPE))
     g_ptr = tl.load(g_ptrs + t).to(tl.pointer_type(P_DTYPE))
-    s0_ptr = tl.load(s0_ptrs + t).to(tl.pointer_type(tl.float32))
-    s1_ptr = tl.load(s1_ptrs + t).to(tl.pointer_type(tl.float32))
-    s2_ptr = tl.load(s2_ptrs + t).to(tl.pointer_type(tl.float32))
 
     p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
@@ -72,13 +92,13 @@ def _dense_kernel(
         g = -g
     s0 = p  # placeholders where the rule keeps fewer states: passed through, never stored
     if N_STATES > 0:
-        s0 = tl.load(s0_ptr + offs, mask=mask)
+        s0 = _load_dense(s0_ptrs, t, offs, mask, S_BF16)
     s1 = s0
     s2 = s0
     if N_STATES > 1:
-        s1 = tl.load(s1_ptr + offs, mask=mask)
+        s1 = _load_dense(s1_ptrs, t, offs, mask, S_BF16)
     if N_STATES > 2:
-        s2 = tl.load(s2_ptr + offs, mask=mask)
+        s2 = _load_dense(s2_ptrs, t, offs, mask, S_BF16)
     p_new, s0, s1, s2 = rule_update(p, g, s0, s1, s2, scalars + t * K, RULE, FLAGS, SAFE, N_STATES)
     if SAFE:
         bad = skipped_elements(g, s0, s1, s2, N_STATES)
@@ -87,37 +107,46 @@ def _dense_kernel(
         s1 = tl.where(bad, 0.0, s1)
         s2 = tl.where(bad, 0.0, s2)
     tl.store(p_ptr + offs, to_param_dtype(p_new, P_DTYPE), mask=mask)
+    # The stochastic rounding's dither key of bf16 states: this tensor's step and the global
+    # index of its element 0; state j of element i draws index i * N_STATES + j.
+    step = tl.load(dither_keys + 2 * t)
+    index = (tl.load(dither_keys + 2 * t + 1) + offs) * N_STATES
     if N_STATES > 0:
-        tl.store(s0_ptr + offs, s0, mask=mask)
+        _store_dense(s0_ptrs, t, offs, mask, s0, index, step, S_BF16)
     if N_STATES > 1:
-        tl.store(s1_ptr + offs, s1, mask=mask)
+        _store_dense(s1_ptrs, t, offs, mask, s1, index + 1, step, S_BF16)
     if N_STATES > 2:
-        tl.store(s2_ptr + offs, s2, mask=mask)
+        _store_dense(s2_ptrs, t, offs, mask, s2, index + 2, step, S_BF16)
 
 
 def dense(rule: Rule, cache: TableCache, key: str, params, grads, states, steps: Sequence[int], hp: Mapping[str, Any], *,
-          safe: bool) -> None:  # fmt: skip
-    """One launch per param dtype; ``states[i]`` are param ``i``'s fp32 states, contiguous."""
-    by_dtype: dict[torch.dtype, list[int]] = {}
+          safe: bool, offsets: Sequence[int] | None = None) -> None:  # fmt: skip
+    """One launch per (param dtype, state dtype); ``states[i]`` are param ``i``'s states,
+    contiguous, all fp32 or all bf16 (written with stochastic rounding, :mod:`leanopt.quant.bf16`);
+    ``offsets[i]`` (default 0): the flat index of param ``i``'s element 0 in its whole tensor."""
+    offsets = [0] * len(params) if offsets is None else offsets
+    by_dtype: dict[tuple[torch.dtype, bool], list[int]] = {}
     for i, p in enumerate(params):
         if p.numel():
-            by_dtype.setdefault(p.dtype, []).append(i)
-    for dtype, idx in by_dtype.items():
+            bf16 = bool(states[i]) and states[i][0].dtype == torch.bfloat16
+            by_dtype.setdefault((p.dtype, bf16), []).append(i)
+    for (dtype, bf16), idx in by_dtype.items():
         ps = [params[i] for i in idx]
         device = ps[0].device
         n = len(states[idx[0]])
         table = cache.chunks(ps, CHUNK)
         scalars, width = _scalar_table(cache, rule, hp, [steps[i] for i in idx], safe, device)
-        k = f"{key}/{rule.name}/{dtype}"
+        keys = cache.ints([v for i in idx for v in (steps[i], offsets[i])], device)
+        k = f"{key}/{rule.name}/{dtype}" + ("/bf16-states" if bf16 else "")
         # Tables for three states whatever the rule keeps (the kernel reads only N_STATES of
         # them): the last state repeated, or the params where there is none.
         state_tables = [cache.addresses(f"{k}/s{j}", [states[i][min(j, n - 1)] if n else params[i] for i in idx], device)
                         for j in range(3)]  # fmt: skip
         tracing.launch(_dense_kernel, (table.num_chunks,))(
             cache.addresses(k + "/p", ps, device), cache.addresses(k + "/g", [grads[i] for i in idx], device),
-            *state_tables, table.chunk_tensor, table.chunk_start, table.numel, scalars,
+            *state_tables, table.chunk_tensor, table.chunk_start, table.numel, scalars, keys,
             K=width, P_DTYPE=TL_DTYPE[dtype], RULE=rule_id(rule), N_STATES=n, FLAGS=flag_bits(rule, hp), SAFE=safe,
-            MAXIMIZE=bool(hp["maximize"]), CHUNK=CHUNK,
+            MAXIMIZE=bool(hp["maximize"]), CHUNK=CHUNK, S_BF16=bf16,
         )  # fmt: skip
 
 

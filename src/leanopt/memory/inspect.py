@@ -243,7 +243,7 @@ def inspect_state_dict(state_dict: Mapping[str, Any]) -> StateDictReport:
 
 def _entries(state: Mapping[str, Any]) -> list[tuple[str, Any]]:
     """(key, value) pairs to count; bitsandbytes' nested dict is opened into its own keys."""
-    out = []
+    out: list[tuple[str, Any]] = []
     for key, value in state.items():
         if key == BNB_KEY and isinstance(value, Mapping):
             out.extend((str(k), v) for k, v in value.items())

@@ -30,11 +30,11 @@ import torch
 from leanopt.memory.plan_trace import (
     LiveStorage,
     Peak,
-    traced_kernels,
-    track_module,
     traced_batch,
     traced_forward_backward,
+    traced_kernels,
     traced_steps,
+    track_module,
 )
 
 __all__ = ["check_shardable", "fake_process_group", "shard_blocks", "trace_forward_backward", "trace_step"]

@@ -9,6 +9,8 @@ quantized sibling adds :class:`leanopt.optim.lowbit.LowBit` (see ``AdamW8bit``).
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -19,6 +21,7 @@ from leanopt.kernels.rules import Rule
 from leanopt.optim.base import LeanOptimizer
 from leanopt.optim.layout import StateSpec
 from leanopt.optim.sharding import local, shard_offset
+from leanopt.quant.bf16 import check_state_dtype, state_dtype_name
 
 
 def state_dtype(param_dtype: torch.dtype) -> torch.dtype:
@@ -41,6 +44,57 @@ class ElementwiseOptimizer(LeanOptimizer):
     # Safe mode (the low-bit optimizers): second-moment floors and skipped non-finite elements.
     safe: ClassVar[bool] = False
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # Every elementwise optimizer takes ``state_dtype=`` (how its dense states are stored:
+        # fp32, or bf16 with stochastic rounding, leanopt.quant.bf16): its constructor is
+        # wrapped, as for ``offload=``, so that a subclass (one defined outside leanopt too)
+        # neither declares nor forwards it. Unlike offload it is saved: each param group holds its name ("bfloat16").
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is None or getattr(init, "_takes_state_dtype", False):
+            return
+
+        @functools.wraps(init)
+        def __init__(self: Any, *args: Any, state_dtype: torch.dtype | None = None, **kw: Any) -> None:
+            # None: not given here. A wrapped __init__ calling another (LowBit's calls its
+            # optimizer's) passes nothing on, and the inner one keeps what the outer one set.
+            if state_dtype is not None or "_state_dtype" not in self.__dict__:
+                self._state_dtype = check_state_dtype(torch.float32 if state_dtype is None else state_dtype)
+            init(self, *args, **kw)
+
+        signature = inspect.signature(init)
+        params = list(signature.parameters.values())
+        if "state_dtype" not in signature.parameters:
+            at = next((i for i, q in enumerate(params) if q.name == "offload" or q.kind == inspect.Parameter.VAR_KEYWORD), len(params))
+            params.insert(at, inspect.Parameter("state_dtype", inspect.Parameter.KEYWORD_ONLY, default=torch.float32,
+                                                annotation="torch.dtype"))  # fmt: skip
+        __init__.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
+        __init__._takes_state_dtype = True  # type: ignore[attr-defined]
+        __init__._takes_offload = getattr(init, "_takes_offload", False)  # type: ignore[attr-defined]
+        cls.__init__ = __init__  # type: ignore[method-assign]
+
+    def _complete_defaults(self, defaults: dict[str, Any]) -> dict[str, Any]:
+        return {**super()._complete_defaults(defaults), "state_dtype": state_dtype_name(getattr(self, "_state_dtype", torch.float32))}
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if isinstance(param_group, Mapping) and "state_dtype" in param_group:
+            param_group["state_dtype"] = state_dtype_name(param_group["state_dtype"])
+        super().add_param_group(param_group)
+
+    def _kept_on_load(self, group: Mapping[str, Any]) -> dict[str, Any]:
+        # Storage, not a hyper-parameter: a loaded state is converted to this optimizer's
+        # state_dtype (an fp32 checkpoint loads into bf16 states and back).
+        return {**super()._kept_on_load(group), "state_dtype": state_dtype_name(group.get("state_dtype", "float32"))}
+
+    def dense_state_dtype(self, dtype: torch.dtype, group: Mapping[str, Any]) -> torch.dtype:
+        """The dtype of the dense states of a ``dtype`` param in ``group``: :func:`state_dtype`,
+        or bf16 where the group's ``state_dtype`` says so (complex params keep complex states:
+        there is no bf16 complex dtype)."""
+        stored = check_state_dtype(group.get("state_dtype", torch.float32))
+        if stored == torch.bfloat16 and not dtype.is_complex:
+            return torch.bfloat16
+        return state_dtype(dtype)
+
     def state_keys(self, group: Mapping[str, Any]) -> list[str]:
         """The rule's state keys (besides ``step``) for params of ``group``."""
         return [kind.key for kind in self.rule.states(self.rule.hyperparameters(group))]
@@ -56,7 +110,7 @@ class ElementwiseOptimizer(LeanOptimizer):
         return [StateSpec("step", (), torch.float32, host=True)] if self.keeps_step(dtype, group) else []
 
     def state_layout(self, shape: tuple[int, ...], dtype: torch.dtype, group: Mapping[str, Any]) -> list[StateSpec]:
-        sd = state_dtype(dtype)
+        sd = self.dense_state_dtype(dtype, group)
         return self.step_layout(dtype, group) + [StateSpec(key, tuple(shape), sd) for key in self.state_keys(group)]
 
     def _step_group(self, gi: int, group: Mapping[str, Any], params: list[torch.Tensor], key: str) -> None:

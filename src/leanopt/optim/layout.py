@@ -9,8 +9,8 @@ no second formula.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import torch
 
 from leanopt.optim.base import check_flag
-from leanopt.optim.elementwise import ElementwiseOptimizer, state_dtype
+from leanopt.optim.elementwise import ElementwiseOptimizer
 from leanopt.optim.layout import StateSpec
 from leanopt.quant import BlockFormat
 from leanopt.quant.formats import MAX_BLOCK_SIZE
@@ -27,7 +27,7 @@ from leanopt.quant.formats import MAX_BLOCK_SIZE
 # Options that say how states are stored rather than how the optimizer steps. On load they
 # keep this optimizer's values (the loaded states are converted to them), so an 8-bit
 # checkpoint loads into the 4-bit optimizer as 4-bit and an fp32 one gains them.
-STORAGE_OPTIONS = ("quantize", "block_size", "min_quant_size", "state_bits")
+STORAGE_OPTIONS = ("quantize", "block_size", "min_quant_size", "state_bits", "state_dtype")
 
 
 def check_block_size(value: Any, bits: int | None = None) -> None:
@@ -122,9 +122,9 @@ class LowBit(ElementwiseOptimizer):
             if quantized:
                 specs.append(StateSpec(key, shape, torch.float32, quant=self.state_format(key, group)))
             else:
-                specs.append(StateSpec(key, shape, state_dtype(dtype)))
+                specs.append(StateSpec(key, shape, self.dense_state_dtype(dtype, group)))
         return specs
 
     # ---- save / load ----------------------------------------------------------------------
     def _kept_on_load(self, group: Mapping[str, Any]) -> dict[str, Any]:
-        return {k: group[k] for k in STORAGE_OPTIONS}
+        return {**super()._kept_on_load(group), **{k: group[k] for k in STORAGE_OPTIONS if k in group}}
