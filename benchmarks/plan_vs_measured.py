@@ -78,14 +78,23 @@ def full_config(config: tuple) -> tuple[str, str, bool, str | None, bool]:
     return optimizer, precision, bool(ckpt), rounding, release
 
 
+def offloaded(config: tuple) -> bool:
+    """A configuration's sixth item: ``offload="cpu"`` (default False)."""
+    return bool(config[5]) if len(config) > 5 else False
+
+
 def _encode(config: tuple) -> str:
     optimizer, precision, ckpt, rounding, release = full_config(config)
-    return f"{optimizer}:{precision}:{int(ckpt)}:{rounding or ''}:{int(release)}"
+    return f"{optimizer}:{precision}:{int(ckpt)}:{rounding or ''}:{int(release)}:{int(offloaded(config))}"
 
 
 def _decode(text: str) -> tuple[str, str, bool, str | None, bool]:
     optimizer, precision, ckpt, rounding, release = (text.split(":") + ["", "0"])[:5]
     return optimizer, precision, ckpt == "1", rounding or None, release == "1"
+
+
+def _decode_offload(text: str) -> bool:
+    return (text.split(":") + ["", "0", "0"])[5] == "1"
 
 
 def _status_kib() -> dict[str, int]:
@@ -146,7 +155,7 @@ def step_fn(model: Any, optimizer: Any, precision: str, batch: int, seq: int, de
 
 
 def prepare(model: Any, optimizer: str, precision: str, checkpointing: bool, *, sharded: bool = False,
-            rounding: str | None = None, release: bool = False) -> Any:
+            rounding: str | None = None, release: bool = False, offload: bool = False) -> Any:
     import warnings
 
     import torch
@@ -165,6 +174,8 @@ def prepare(model: Any, optimizer: str, precision: str, checkpointing: bool, *, 
 
         shard_blocks(model)
     kwargs = {"rounding": rounding} if rounding else {}
+    if offload:
+        kwargs["offload"] = "cpu"
     opt = resolve_optimizer(optimizer)(model.parameters(), **kwargs)
     if release:
         import leanopt
@@ -174,7 +185,7 @@ def prepare(model: Any, optimizer: str, precision: str, checkpointing: bool, *, 
 
 
 def worker(case: str, optimizer: str, precision: str, checkpointing: bool, *, sharded: bool = False,
-           rounding: str | None = None, release: bool = False) -> int:
+           rounding: str | None = None, release: bool = False, offload: bool = False) -> int:
     """Run in a fresh process: the measured peak of the third step, in bytes (``sharded``: this
     rank's, under FSDP2, in an initialized process group)."""
     import gc
@@ -188,7 +199,7 @@ def worker(case: str, optimizer: str, precision: str, checkpointing: bool, *, sh
     _, _, _, batch, seq = model_spec(case)
     # 1. warm-up on a small model of the same architecture
     tiny = build(case, tiny=True)
-    opt = prepare(tiny, optimizer, precision, checkpointing, sharded=sharded, rounding=rounding, release=release)
+    opt = prepare(tiny, optimizer, precision, checkpointing, sharded=sharded, rounding=rounding, release=release, offload=offload)
     warm = step_fn(tiny, opt, precision, batch, seq)
     warm()
     warm()
@@ -202,7 +213,7 @@ def worker(case: str, optimizer: str, precision: str, checkpointing: bool, *, sh
     base = _status_kib()["RssAnon"]
     # 3. the model, two steps, reset the high-water mark, the third step
     model = build(case)
-    opt = prepare(model, optimizer, precision, checkpointing, sharded=sharded, rounding=rounding, release=release)
+    opt = prepare(model, optimizer, precision, checkpointing, sharded=sharded, rounding=rounding, release=release, offload=offload)
     step = step_fn(model, opt, precision, batch, seq)
     step()
     step()
@@ -321,14 +332,19 @@ def measure(case: str, configs: list[tuple[str, str, bool]]) -> list[int]:
 
 
 def predict(case: str, optimizer: str, precision: str, checkpointing: bool, gpus: int = 1, rounding: str | None = None,
-            release: bool = False) -> int:  # fmt: skip
+            release: bool = False, offload: bool = False) -> int:  # fmt: skip
+    """The planned step's peak; ``offload``: of the offloaded row, plus its ``host_bytes`` (on the
+    CPU the process holds both)."""
     from leanopt.memory.plan import plan
 
     model = build_meta(case)
     _, _, _, batch, seq = model_spec(case)
     (row,) = plan(model, batch=batch, seq=seq, gpus=gpus, optimizers=[optimizer], precisions=[precision],
                   checkpointing=[checkpointing], roundings=[rounding] if rounding else None, grad_release=[release],
-                  process=False)  # fmt: skip
+                  process=False, offload=offload)[-1:]  # fmt: skip
+    if offload:
+        assert row.offload
+        return row.peak_bytes + row.host_bytes
     return row.peak_bytes
 
 
@@ -356,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
         measured = []
         for config in configs:
             optimizer, precision, ckpt, rounding, release = _decode(config)
-            measured.append(worker(case, optimizer, precision, ckpt, rounding=rounding, release=release))
+            measured.append(worker(case, optimizer, precision, ckpt, rounding=rounding, release=release,
+                                   offload=_decode_offload(config)))
         print(json.dumps(measured))
         return 0
     cases = {"full": list(CASES), "small": list(SMALL)}.get(args.cases) or args.cases.split(",")

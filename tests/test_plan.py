@@ -99,9 +99,11 @@ def test_rows_cover_every_configuration_ranked_by_precision_kept(gpt2_rows):
 def test_json_keys(gpt2_rows):
     d = json.loads(json.dumps(gpt2_rows[0].as_dict()))
     assert set(d) == {"optimizer", "precision", "rounding", "checkpointing", "grad_release", "gpus", "accum", "peak_bytes",
-                      "process_bytes", "fits", "compared", "breakdown", "one_time", "process_source"}  # fmt: skip
+                      "process_bytes", "fits", "compared", "breakdown", "one_time", "process_source", "offload",
+                      "host_bytes"}  # fmt: skip
     assert d["fits"] is None and isinstance(d["breakdown"], dict) and d["rounding"] is None
     assert d["process_bytes"] is None and d["compared"] is None and d["accum"] == 1
+    assert d["offload"] is False and d["host_bytes"] is None
 
 
 def test_terms_are_what_they_should_be(gpt2_rows):
@@ -184,7 +186,7 @@ def _released_direct(model, optimizer, precision, rounding, ckpt, batch, seq) ->
     optimizer stepping inside backward (its state made by a first, plain step)."""
     import leanopt
     from leanopt.memory import plan as P
-    from leanopt.memory.plan_trace import LiveStorage, state_tensors, track_module, traced_batch, traced_forward_backward, traced_kernels
+    from leanopt.memory.plan_trace import LiveStorage, state_tensors, traced_batch, traced_forward_backward, traced_kernels, track_module
 
     fake_mode, tracker = P._fake_mode(), LiveStorage()
     model, params = P._fake_copy(model, fake_mode, P._PARAM_DTYPE[precision])

@@ -10,7 +10,7 @@ to ``measure()`` after a real step, to the byte.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,13 +31,28 @@ PEER_NAMES: dict[str, str] = {
 }
 
 
-# Every name the library knows: leanopt's from its registry (leanopt.optim.REGISTRY, in
-# registration order; "leanopt:<class>", resolved through the registry), then the peers.
-# Registering an optimizer is what lists it here.
-OPTIMIZER_NAMES: dict[str, str] = {
-    **{name: f"leanopt:{cls.__name__}" for name, cls in REGISTRY.items()},
-    **PEER_NAMES,
-}
+class _OptimizerNames(Mapping[str, str]):
+    """Every name the library knows: leanopt's from its registry (leanopt.optim.REGISTRY, in
+    registration order; "leanopt:<class>", resolved through the registry), then the peers.
+    Read at each use, so an optimizer registered after import (``leanopt.register``) is listed."""
+
+    def _names(self) -> dict[str, str]:
+        return {**{name: f"leanopt:{cls.__name__}" for name, cls in REGISTRY.items()}, **PEER_NAMES}
+
+    def __getitem__(self, name: str) -> str:
+        return self._names()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __repr__(self) -> str:
+        return f"OPTIMIZER_NAMES({self._names()!r})"
+
+
+OPTIMIZER_NAMES: Mapping[str, str] = _OptimizerNames()
 
 
 def resolve_optimizer(optimizer: str | type) -> type:

@@ -44,6 +44,22 @@ tensors abort a CPU-only torch build) with what a GPU does differently put in
 attention kernel torch picks (no seq x seq matrix saved), CUDA autocast's fp32 ops, leanopt's
 Triton kernels (in place) and torch's foreach default. One GPU only (``gpus`` 1).
 
+``offload=True``: rows with ``offload="cpu"`` (:mod:`leanopt.optim.offload`) are added for
+leanopt's optimizers in ``fp32`` and pure ``bf16`` (``rounding="nearest"``: the fp32 master on
+the host leaves nothing for another rounding; ``bf16-mixed``'s masters are the model's own
+params), with and without release. The device keeps weights, gradients and activations: the
+optimizer state and the host copies (fp32 masters of bf16 params) are in host memory, counted
+in ``host_bytes`` (:meth:`leanopt.optim.offload.Offload.host_bytes`: host copies, states and
+host gradient buffers), not in ``peak_bytes``. The device's step is the same trace without
+an optimizer on it::
+
+    peak = max(peak(forward + backward), weights + gradients + left after backward)
+    released: peak(forward + backward, gradients freed at their hooks)
+
+On the CPU the host *is* the device: an offloaded row's budget is compared with what it needs
+plus ``host_bytes``. Offloaded rows rank after every on-device row, so :func:`recommend` picks one
+only when nothing on the device fits.
+
 Each row also says what the *process* needs (``process_bytes``, compared with ``budget``): the
 step's peak plus, on the CPU, the one-time costs of a first step (measured once in a subprocess,
 cached), on CUDA the context, cuBLAS's workspace and the allocator's segments
@@ -56,6 +72,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import math
 import re
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
@@ -73,14 +90,15 @@ from leanopt.memory.plan_trace import (
     LiveStorage,
     ParamSteps,
     Peak,
+    cuda_block_bytes,
     rounded_step_peak,
     swapped_copy,
-    track_module,
     traced_batch,
     traced_forward_backward,
     traced_kernels,
     traced_param_steps,
     traced_steps,
+    track_module,
 )
 from leanopt.optim.base import LeanOptimizer
 from leanopt.optim.rounding import LOW_PRECISION
@@ -134,6 +152,8 @@ class PlanRow:
     process_source: str = ""
     accum: int = 1
     compared: str | None = None
+    offload: bool = False  # offload="cpu": state and host copies in host memory (host_bytes)
+    host_bytes: int | None = None  # offloaded rows: host copies, states and host gradient buffers
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -151,6 +171,8 @@ class PlanRow:
             "breakdown": dict(self.breakdown),
             "one_time": dict(self.one_time),
             "process_source": self.process_source,
+            "offload": self.offload,
+            "host_bytes": self.host_bytes,
         }
 
 
@@ -435,10 +457,41 @@ def _combine_released(fb: _ForwardBackward, step: _Step, param_steps: ParamSteps
     return best.bytes + extra + sum(step.kept.values()), {k: breakdown[k] for k in KINDS}, sizes
 
 
-def _rank(row: PlanRow) -> tuple[int, int, int, bool, bool]:
+def _combine_offloaded(fb: _ForwardBackward, release: bool, shapes: list[tuple[tuple[int, ...], torch.dtype]],
+                       device: str) -> tuple[int, dict[str, int], list[int]]:  # fmt: skip
+    """The device's step with ``offload="cpu"``: nothing of the optimizer is on the device. Without
+    release ``step()`` reads the gradients (copied to the host chunk by chunk) while weights,
+    gradients and what backward left are live; with release the gradients leave at their hooks,
+    where the host, not the device, steps each param."""
+    if release:
+        assert fb.released is not None
+        best = fb.released
+        return best.bytes, {k: best.breakdown[k] for k in KINDS}, list(best.sizes)
+    nbytes = [math.prod(shape) * torch.empty((), dtype=dtype, device="meta").element_size() for shape, dtype in shapes]
+    if device == "cuda":
+        nbytes = [cuda_block_bytes(n) for n in nbytes]
+    during_step = 2 * sum(nbytes) + sum(fb.left.values())
+    if fb.peak.bytes >= during_step:
+        return fb.peak.bytes, {k: fb.peak.breakdown[k] for k in KINDS}, list(fb.peak.sizes)
+    breakdown = dict.fromkeys(KINDS, 0)
+    breakdown.update(weights=sum(nbytes), gradients=sum(nbytes))
+    for k, v in fb.left.items():
+        breakdown[k] += v
+    return during_step, breakdown, [*nbytes, *nbytes, *(v for v in fb.left.values() if v)]
+
+
+def _host_bytes(module: torch.nn.Module, optimizer: str, precision: str, release: bool) -> int:
+    """What an offloaded optimizer of ``module``'s trainable params holds in host memory
+    (:func:`leanopt.training_memory`, which counts what :class:`~leanopt.optim.offload.Offload` does)."""
+    from leanopt.memory.training import training_memory
+
+    return training_memory(module, optimizer, precision=precision, grad_release=release, offload=True).host_bytes
+
+
+def _rank(row: PlanRow) -> tuple[bool, int, int, int, bool, bool]:
     opt = _OPTIMIZER_RANK.index(row.optimizer) if row.optimizer in _OPTIMIZER_RANK else len(_OPTIMIZER_RANK)
     rounding = ROUNDINGS.index(row.rounding) if row.rounding in ROUNDINGS else -1
-    return (PLAN_PRECISIONS.index(row.precision), rounding, opt, row.grad_release, row.checkpointing)
+    return (row.offload, PLAN_PRECISIONS.index(row.precision), rounding, opt, row.grad_release, row.checkpointing)
 
 
 def _flags(values: Sequence[bool], what: str) -> list[bool]:
@@ -469,6 +522,7 @@ def plan(
     device: str = "cpu",
     accum: int = 1,
     process: bool = True,
+    offload: bool = False,
 ) -> list[PlanRow]:
     """Predicted peak memory of a steady-state training step, per configuration, ranked by precision kept.
 
@@ -497,7 +551,12 @@ def plan(
     a model class, precision and optimizer measures their one-time costs in a subprocess (~10-50 s,
     then cached: :mod:`leanopt.memory.process`; not for FSDP2 ranks, ``gpus`` > 1). False: ``process_bytes`` is None, budgets are
     compared with ``peak_bytes``.
+
+    ``offload``: also the rows of ``offload="cpu"`` (the module docstring): ``peak_bytes`` is the
+    device's, ``host_bytes`` what the host holds; ranked after every on-device row.
     """
+    if not isinstance(offload, bool):
+        raise ValueError(f"offload must be True or False, got {offload!r}")  # noqa: TRY004 - one-line ValueErrors
     for name, value in (("batch", batch), ("seq", seq), ("accum", accum)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
@@ -534,6 +593,10 @@ def plan(
             raise ValueError("gradient release is not planned under FSDP2 (--gpus > 1): release_gradients refuses DTensor params")
         precs = [p for p in precs if p != "bf16"]
         releases = [False]
+    if offload and gpus > 1:
+        raise ValueError("offload is not planned under FSDP2 (--gpus > 1): offload='cpu' refuses DTensor params")
+    if offload and not any(lean.values()):
+        raise ValueError(f"offload needs a leanopt optimizer (offload='cpu'); none of {', '.join(names)} is one")
     if releases == [True] and not any(lean.values()):
         raise ValueError(f"gradient release needs a leanopt optimizer; none of {', '.join(names)} is one")
     module, label = _model(model)
@@ -548,8 +611,8 @@ def plan(
 
         check_shardable(module, gpus)
 
-    def configurations(precision: str) -> list[tuple[str, str | None, bool]]:
-        """(optimizer, rounding, grad_release) rows of ``precision``."""
+    def configurations(precision: str) -> list[tuple[str, str | None, bool, bool]]:
+        """(optimizer, rounding, grad_release, offload) rows of ``precision``."""
         out = []
         for name in names:
             for rounding in (rounds if precision == "bf16" else [None]):
@@ -558,7 +621,10 @@ def plan(
                 for release in releases:
                     if release and not lean[name]:
                         continue
-                    out.append((name, rounding, release))
+                    out.append((name, rounding, release, False))
+            if offload and lean[name] and precision != "bf16-mixed":
+                # The fp32 master on the host: pure bf16 rounds to nearest only.
+                out.extend((name, "nearest" if precision == "bf16" else None, release, True) for release in releases)
         return out
 
     rows = []
@@ -567,7 +633,7 @@ def plan(
         if not configs:
             continue
         dtype = _PARAM_DTYPE[precision]
-        released = any(release for _, _, release in configs)
+        released = any(release for _, _, release, _ in configs)
         forward_backward: dict[bool, _ForwardBackward] = {}
         for ckpt in ckpts:
             try:
@@ -585,7 +651,21 @@ def plan(
                 ) from None
         steps: dict[tuple[str, str | None], _Step] = {}
         param_steps: dict[tuple[str, str | None], ParamSteps] = {}
-        for name, rounding, release in configs:
+        for name, rounding, release, offloaded in configs:
+            if offloaded:
+                host = _host_bytes(module, name, precision, release)
+                for ckpt in ckpts:
+                    peak, breakdown, sizes = _combine_offloaded(forward_backward[ckpt], release, _shapes(module, dtype), device)
+                    cost = _one_time(module, precision, device, sizes, name, rounding, gpus) if process else None
+                    needed = None if cost is None or cost.bytes is None else peak + cost.bytes
+                    compared = None if budget_bytes is None else ("peak_bytes" if needed is None else "process_bytes")
+                    # On the CPU the host memory is the device's.
+                    shared = host if device == "cpu" else 0
+                    fits = None if budget_bytes is None else (needed if needed is not None else peak) + shared <= budget_bytes
+                    source = "process=False" if cost is None else cost.source
+                    rows.append(PlanRow(name, precision, ckpt, release, gpus, peak, fits, breakdown, rounding, needed,
+                                        dict(cost.parts) if cost is not None else {}, source, accum, compared, True, host))  # fmt: skip
+                continue
             key = (name, rounding if lean[name] else None)
             what = f"{name}.step() on fake tensors ({precision}{f', rounding={rounding}' if rounding else ''})"
             try:

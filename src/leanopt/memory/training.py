@@ -47,7 +47,9 @@ runs) are temporaries, left out as the optimizer's are. Nothing of them persists
 ``offload=True`` is ``offload="cpu"`` (:mod:`leanopt.optim.offload`): the optimizer state and the
 host copies of the params -- fp32, the master weights of bf16 params -- are in host memory
 (:attr:`TrainingMemory.host_bytes`, with the host gradient buffers: one per param with
-``grad_release``, the bound while gradients accumulate; else the two largest params'), and
+``grad_release``, the bound while gradients accumulate; else the two largest buffers in flight,
+a param of an elementwise rule going in chunks of at most 2**22 elements:
+:meth:`leanopt.optim.offload.Offload.host_bytes`, whose count this is), and
 the device keeps weights and gradients only (``optimizer_state`` and ``master_weights`` are 0).
 It takes ``precision="fp32"`` or ``"bf16"`` (bf16 params with an fp32 master on the host);
 ``"bf16-mixed"``'s fp32 master weights are the model's own params, on the device.
@@ -231,11 +233,10 @@ def training_memory(
     if offload:
         if rounding not in (None, "nearest"):
             raise ValueError(f"offload with rounding={rounding!r}: the fp32 master on the host leaves nothing for it")
-        from leanopt.optim.offload import IN_FLIGHT
-
         host_copies = 4 * n  # fp32 host copies: the params' own, or bf16 params' masters
-        largest = sorted((p.numel() for p in _param_tensors(params)), reverse=True)[:IN_FLIGHT]
-        host_gradients = grad_b * (n if grad_release else sum(largest))
+        # The engine's own count, on the meta params (nothing allocated, no host memory checked).
+        offloaded = resolve_optimizer(optimizer)(params, **optimizer_kwargs, offload="cpu")
+        host_gradients = offloaded._offload.host_bytes(released=grad_release) - host_copies - state.bytes
     return TrainingMemory(
         optimizer=state.optimizer,
         precision=precision,

@@ -12,8 +12,13 @@ Two ways gradients reach the host:
 
 * **Without release** the device gradients stay (autograd accumulates them, ``clip_grad_norm_``,
   a GradScaler's ``unscale_`` and DDP see them as usual). ``optimizer.step()`` copies each
-  gradient to a host buffer, steps it and uploads the param, a few params in flight at a time:
-  the host holds a bounded number of gradient buffers.
+  gradient to a host buffer, steps it and uploads the param, ``IN_FLIGHT`` buffers in flight at
+  a time. A param of an elementwise rule goes in chunks of at most ``CHUNK_ELEMENTS`` (a
+  multiple of its quantized states' block size): each chunk of its gradient is copied, stepped
+  -- the same kernels on the same elements, their flat index the offset that keys the decay
+  rounding's dither, so the same bits -- and uploaded, so the host's gradient buffers (and the
+  step's own temporaries) are bounded whatever the largest param (TinyLlama's 65.5M-element
+  embedding). Adafactor (statistics of a whole matrix) steps each param whole.
 * **With** :func:`leanopt.release_gradients` each gradient is copied to the host as soon as
   autograd has accumulated it (post-accumulate-grad hook; a side stream on CUDA) and the device
   gradient is freed. A host buffer per param accumulates the gradients of several backward
@@ -38,6 +43,7 @@ covered by the ``offload`` stage of ``scripts/gpu_check.sh``).
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import threading
 import types
 import weakref
@@ -50,10 +56,13 @@ import torch
 from leanopt.optim.rounding import LOW_PRECISION
 
 OFFLOAD_CHOICES = (None, "cpu")
-# Params whose host step and upload may be in flight at once without release (each holds a
-# host gradient buffer): bounds the host gradient memory to two params' gradients (one being
-# copied while the other is stepped).
+# Gradient chunks (or whole params) whose host step and upload may be in flight at once without
+# release, each in its own host gradient buffer: one being copied while the other is stepped.
 IN_FLIGHT = 2
+# Elements of a param of an elementwise rule stepped at once on the host (2**22: a 16 MiB fp32
+# or 8 MiB bf16 gradient buffer). TinyLlama-1.1B's two 65.5M-element params (embedding, head)
+# made the two whole-param buffers 0.24 B/param of host memory; in chunks they are 0.015.
+CHUNK_ELEMENTS = 1 << 22
 
 
 def check_offload(value: Any) -> None:
@@ -175,6 +184,61 @@ def transport_for(device: torch.device) -> HostTransport | None:
     raise ValueError(f"offload='cpu' supports params on cuda or cpu, got params on {device}")
 
 
+# ---- chunks ---------------------------------------------------------------------------------
+def chunk_elements(optimizer: Any, p: torch.Tensor, layout: list[Any]) -> int | None:
+    """Elements per chunk of ``p``'s host step (``layout``: its StateSpecs), or None where it is
+    stepped whole: a rule that is not elementwise (the optimizer has its own ``_step_group``),
+    complex or non-contiguous params. A chunk is a multiple of each quantized state's block
+    size, so no block straddles two chunks."""
+    from leanopt.optim.elementwise import ElementwiseOptimizer
+
+    if not isinstance(optimizer, ElementwiseOptimizer) or optimizer.__class__._step_group is not ElementwiseOptimizer._step_group:
+        return None
+    if p.is_complex() or not p.is_floating_point() or not p.is_contiguous():
+        return None
+    block = 1
+    for spec in layout:
+        if spec.quant is not None:
+            block = math.lcm(block, getattr(spec.quant, "block_size", 1))
+    return max(block, CHUNK_ELEMENTS // block * block)
+
+
+def spans(numel: int, chunk: int | None) -> list[tuple[int, int]] | None:
+    """The ``[start, stop)`` ranges of the flat param stepped one after the other (None: whole)."""
+    if chunk is None or numel <= chunk:
+        return None
+    return [(start, min(start + chunk, numel)) for start in range(0, numel, chunk)]
+
+
+def _state_chunk(value: Any, start: int, stop: int) -> Any:
+    """Elements ``[start, stop)`` of a param's state: a view of a dense state's flat memory, or
+    a quantized state over its codes and block scales from ``start`` (a block boundary)."""
+    from leanopt.quant import QuantizedState
+
+    if isinstance(value, QuantizedState):
+        fmt = value.format
+        byte0, byte1 = fmt.code_bytes(start), fmt.code_bytes(stop)
+        block0 = start // fmt.block_size
+        return QuantizedState(value.codes[byte0:byte1], value.absmax[block0:block0 + fmt.num_blocks(stop - start)], fmt,
+                              (stop - start,))  # fmt: skip
+    return value.view(-1)[start:stop]
+
+
+def _step_chunk(opt: Any, gi: int, group: Mapping[str, Any], p: torch.Tensor, twin: torch.Tensor, grad: torch.Tensor,
+                start: int, stop: int, key: str) -> None:  # fmt: skip
+    """``ElementwiseOptimizer._step_group`` on elements ``[start, stop)`` of ``p``'s host copy:
+    the rule's kernels on views of the host copy and of the states, ``grad`` the chunk's
+    gradient, ``start`` the flat index of its first element (as a shard's offset)."""
+    from leanopt import kernels
+
+    state = opt.state[p]
+    kernels.step(
+        opt.backend, opt.rule, opt._tables, key, [twin.view(-1)[start:stop]], [grad],
+        [[_state_chunk(state[k], start, stop) for k in opt.state_keys(group)]],
+        opt._steps([p]), opt.rule.hyperparameters(group), safe=opt.safe, offsets=[start],
+    )  # fmt: skip
+
+
 # ---- the engine -----------------------------------------------------------------------------
 _ENGINES: weakref.WeakSet[Offload] = weakref.WeakSet()
 
@@ -246,7 +310,13 @@ class Offload:
         opt = self.optimizer
         released = self.released if released is None else released
         params = [(p, g) for g in opt.param_groups for p in g["params"] if p.requires_grad]
-        return host_bytes([(p, opt._param_layout(p, g)) for p, g in params], released=released)
+        layouts = [(p, opt._param_layout(p, g)) for p, g in params]
+        return host_bytes([(p, layout, chunk_elements(opt, p, layout)) for p, layout in layouts], released=released)
+
+    def spans(self, p: torch.Tensor, gi: int) -> list[tuple[int, int]] | None:
+        """The chunks ``p`` (of param group ``gi``) is stepped in, or None: whole (:func:`spans`)."""
+        group = self.optimizer.param_groups[gi]
+        return spans(p.numel(), chunk_elements(self.optimizer, p, self.optimizer._param_layout(p, group)))
 
     def twin(self, p: torch.Tensor) -> torch.Tensor:
         """``p``'s host copy, refreshed from ``p`` if it was written since our last upload."""
@@ -289,8 +359,10 @@ class Offload:
 
     # ---- the host step -----------------------------------------------------------------------
     def _host_step(self, p: torch.Tensor, gi: int, index: int, twin: torch.Tensor, grad: torch.Tensor,
-                   waits: list[Any], mark: Any) -> None:  # fmt: skip
-        """Runs on the worker thread: the optimizer's update of ``p`` on its host copy, then the upload."""
+                   waits: list[Any], mark: Any, span: tuple[int, int] | None = None) -> None:  # fmt: skip
+        """Runs on the worker thread: the optimizer's update of ``p`` on its host copy, then the
+        upload; ``span``: only elements ``[start, stop)`` (``grad`` is theirs), the step count
+        advanced by the first chunk."""
         for handle in waits:
             if isinstance(handle, concurrent.futures.Future):
                 handle.result()
@@ -300,9 +372,18 @@ class Offload:
         opt = self.optimizer
         group = opt.param_groups[gi]
         with torch.no_grad():
-            opt._advance(p, group)  # the state, created on the host, and its step count
+            if span is None or span[0] == 0:
+                opt._advance(p, group)  # the state, created on the host, and its step count
+            if grad.dtype != twin.dtype:
+                grad = grad.to(twin.dtype)  # a bf16/fp16 gradient for the fp32 master (exact)
+            if span is not None:
+                start, stop = span
+                _step_chunk(opt, gi, group, p, twin, grad, start, stop, f"group{gi}/param{index}/chunk")
+                self._uploads[id(p)] = self.transport.to_device(twin.view(-1)[start:stop], p.view(-1)[start:stop], mark)
+                self._synced[id(p)] = (p.data_ptr(), p._version)
+                return
             state = opt.state.get(p, {})  # {}: a stateless param (SGD without momentum)
-            twin.grad = grad if grad.dtype == twin.dtype else grad.to(twin.dtype)
+            twin.grad = grad
             opt.state[twin] = state
             try:
                 opt._update_group(gi, group, [twin], f"group{gi}/param{index}")
@@ -326,23 +407,32 @@ class Offload:
         try:
             for gi, i, p in pending:
                 twin = self.twin(p)
-                waits = []
-                grad = self._grads.pop(id(p), None)
-                if grad is not None:
-                    waits.append(self._arrived.pop(id(p), None))
-                if p.grad is not None:  # without release; released: one set by hand
-                    mark = self.transport.mark()
-                    if grad is None:
-                        grad = self.transport.empty(p.grad.shape, p.grad.dtype)
-                        waits.append(self.transport.to_host(p.grad, grad, mark))
-                    else:
-                        part = self.transport.empty(p.grad.shape, p.grad.dtype)
-                        waits.append(self.transport.to_host(p.grad, part, mark))
-                        waits = [self._submit(_accumulate, self.transport, grad, part, waits)]
-                    if self.released:
-                        p.grad = None
-                    self._wait_some(IN_FLIGHT)
-                self._submit(self._host_step, p, gi, i, twin, grad, waits, self.transport.mark())
+                host = self._grads.pop(id(p), None)  # released: the host gradient
+                arrived = self._arrived.pop(id(p), None) if host is not None else None
+                device = p.grad  # without release; released: one set by hand (or None)
+                parts = self.spans(p, gi) or [None]
+                if device is not None and parts[0] is not None:
+                    device = device.reshape(-1)  # a view (a copy for a non-contiguous gradient)
+                for span in parts:
+                    grad = host if host is None or span is None else host.view(-1)[span[0]:span[1]]
+                    waits = [] if host is None else [arrived]
+                    if device is not None:
+                        src = device if span is None else device[span[0]:span[1]]
+                        # A slot is free before its buffer exists: IN_FLIGHT buffers at most.
+                        self._wait_some(IN_FLIGHT)
+                        mark = self.transport.mark()
+                        part = self.transport.empty(src.shape, src.dtype)
+                        waits.append(self.transport.to_host(src, part, mark))
+                        if grad is None:
+                            grad = part
+                        else:
+                            waits = [self._submit(_accumulate, self.transport, grad, part, waits)]
+                        del part, src
+                    self._submit(self._host_step, p, gi, i, twin, grad, waits, self.transport.mark(), span)
+                    del grad, waits
+                if device is not None and self.released:
+                    p.grad = None
+                del device, host
             self.wait()
         finally:
             self.transport.finish()
@@ -396,7 +486,10 @@ class Offload:
             self._eager.add(id(p))
             twin = self.twin(p)
             self._grads.pop(id(p))
-            self._submit(self._host_step, p, gi, index, twin, buf, [self._arrived.pop(id(p), None)], mark)
+            arrived = self._arrived.pop(id(p), None)
+            for span in self.spans(p, gi) or [None]:
+                grad = buf if span is None else buf.view(-1)[span[0]:span[1]]
+                self._submit(self._host_step, p, gi, index, twin, grad, [arrived], mark, span)
 
     def holds_gradients(self, params: Iterable[torch.Tensor]) -> bool:
         return any(id(p) in self._grads for p in params)
@@ -431,15 +524,20 @@ class Offload:
             self._executor = None
 
 
-def host_bytes(params: list[tuple[torch.Tensor, list[Any]]], *, released: bool) -> int:
-    """Host bytes of offloading ``params`` (each with its state layout, a list of StateSpec):
-    the host copy of each (fp32 for bf16/fp16), its states, and the gradient buffers (released:
-    one per param, the bound while gradients accumulate; else the ``IN_FLIGHT`` largest)."""
+def host_bytes(params: list[tuple[torch.Tensor, list[Any], int | None]], *, released: bool) -> int:
+    """Host bytes of offloading ``params`` (each with its state layout, a list of StateSpec, and
+    its :func:`chunk_elements`): the host copy of each (fp32 for bf16/fp16), its states, and the
+    gradient buffers (released: one per param, the bound while gradients accumulate; else the
+    ``IN_FLIGHT`` largest buffers, each a whole param's or one chunk's)."""
     total, grads = 0, []
-    for p, layout in params:
+    for p, layout, chunk in params:
         total += p.numel() * torch.empty((), dtype=master_dtype(p.dtype), device="meta").element_size()
         total += sum(spec.nbytes() for spec in layout)
-        grads.append(p.numel() * p.element_size())
+        if released:
+            grads.append(p.numel() * p.element_size())
+        else:
+            parts = spans(p.numel(), chunk) or [(0, p.numel())]
+            grads.extend((stop - start) * p.element_size() for start, stop in parts[:IN_FLIGHT])
     grads.sort(reverse=True)
     return total + sum(grads if released else grads[:IN_FLIGHT])
 
@@ -476,10 +574,22 @@ def _engine_holding(params: list[Any]) -> Offload | None:
 
 def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                     foreach: bool | None = None) -> torch.Tensor:  # fmt: skip
-    """``torch.nn.utils.clip_grad_norm_``, which also sees the gradients a released, offloaded
-    optimizer holds in host memory (installed in ``torch.nn.utils`` by the first such release)."""
+    """``torch.nn.utils.clip_grad_norm_``, aware of gradient release (installed in
+    ``torch.nn.utils`` by the first :func:`leanopt.release_gradients`; leanopt's one patch of
+    torch): it clips the gradients a released, offloaded optimizer holds in host memory, and
+    raises ``RuntimeError`` for params whose gradients an on-device release has already applied
+    and freed (torch's would silently clip nothing) -- except a call with ``max_norm=inf``,
+    which clips nothing and returns NaN, the norm of gradients that are gone (Trainer makes it
+    to log ``grad_norm`` at ``max_grad_norm=0``). Every other call is torch's own."""
+    from leanopt.optim.release import CLIP_AFTER_RELEASE, freed_by_release
+
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     engine = _engine_holding(params)
+    if engine is None and freed_by_release(params) is not None:
+        if float(max_norm) != math.inf or error_if_nonfinite:
+            raise RuntimeError(CLIP_AFTER_RELEASE)
+        device = next(p.device for p in params if isinstance(p, torch.Tensor))
+        return torch.full((), math.nan, device=device)
     if engine is None:
         # torch's own, given what it was given (it warns about an empty generator)
         given = (p for p in params) if isinstance(parameters, types.GeneratorType) else params
