@@ -7,6 +7,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 # before any kernel module is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (the README's `-n 2`) each worker gets its share of the cores, so that two
+# workers do not run 2 intra-op threads each on 2 cores; a test that needs more sets its own.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _share = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_share))
+    import torch as _torch
+
+    _torch.set_num_threads(_share)
+
 
 # ---- the `cuda` marker: the suite's GPU cases (tests/test_cuda.py; scripts/gpu_check.sh runs them)
 # Skipped where CUDA is absent, unless LEANOPT_CUDA_TESTS_ON_CPU=1 runs them on the CPU at small
@@ -34,10 +43,19 @@ def pytest_collection_modifyitems(config, items):
 
 # ---- optimizers defined outside leanopt (tests/registry.py EXTERNAL): registered, as their
 # author's leanopt.register would, only while a test of theirs runs, so that no other test sees
-# them in leanopt's registry.
+# them in leanopt's registry. A test is theirs when one of its parameters is the case or its
+# name (the integration suites parametrize by name).
 def _case_of(request):
     callspec = getattr(request.node, "callspec", None)
-    return callspec.params.get("case") if callspec is not None else None
+    if callspec is None:
+        return None
+    from registry import GENERIC
+
+    for value in callspec.params.values():
+        for case in GENERIC:
+            if case.external and (value is case or (isinstance(value, str) and value == case.name)):
+                return case
+    return None
 
 
 import pytest  # noqa: E402

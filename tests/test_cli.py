@@ -45,7 +45,7 @@ def test_estimate_seed_preset_table(capsys: pytest.CaptureFixture[str]) -> None:
     adamw = next(line for line in out.splitlines() if line.strip().startswith("adamw "))
     # state 502 MB, 8 B/param; training fp32 16 B/param, bf16-mixed 18 B/param
     assert [c.strip() for c in adamw.split("│")][2:] == ["502", "8.00", "1,004", "1,129"]
-    assert "torch-adamw" in out and "adafactor" in out and "MB (MiB)" in out
+    assert "torch-adamw" in out and "adafactor" in out and "MB = MiB" in out
 
 
 def test_estimate_json(capsys: pytest.CaptureFixture[str]) -> None:
@@ -84,13 +84,16 @@ def test_estimate_training_modes(capsys: pytest.CaptureFixture[str]) -> None:
     assert released["fp32"]["total"] == training["fp32"]["total"] - 4 * SEED_PARAMS + 4 * largest
     assert torch_adamw["training"]["bf16-kahan"] is None and torch_adamw["training_grad_release"]["fp32"] is None
     code, out, _ = run(capsys, "estimate", "distilbert-base-cased", "--optimizers", "adamw,torch-adamw")
-    modes = out[out.index("training MB by mode"):]
-    cells = lambda label: [c.strip() for c in next(l for l in modes.splitlines() if l.strip().startswith(label + " ")).split("│")]
-    assert cells("bf16 kahan")[1:] == ["878", "n/a"]  # 753 + 2 B/param
-    assert cells("fp32 + grad release")[1:] == ["838", "n/a"]
-    # a bare count has no largest param: no release rows
+    # a row per optimizer, a column per mode; the modes with gradient release in a second table
+    modes = out[out.index("training MB by mode"):out.index("training MB by mode, with grad release")]
+    released = out[out.index("training MB by mode, with grad release"):]
+    header = [c.strip() for c in next(l for l in modes.splitlines() if l.strip().startswith("optimizer ")).split("┃")]
+    cell = lambda text, name, mode: [c.strip() for c in next(l for l in text.splitlines() if l.strip().startswith(name + " ")).split("│")][header.index(mode)]  # noqa: E731
+    assert (cell(modes, "adamw", "bf16-kahan"), cell(modes, "torch-adamw", "bf16-kahan")) == ("878", "n/a")  # 753 + 2 B/param
+    assert (cell(released, "adamw", "fp32"), cell(released, "torch-adamw", "fp32")) == ("838", "n/a")
+    # a bare count has no largest param: no release table
     code, out, _ = run(capsys, "estimate", "7b", "--optimizers", "adamw")
-    assert "bf16 kahan" in out and "grad release │" not in out and "no grad release rows" in out
+    assert "bf16-kahan" in out and "with grad release" not in out and "no grad release table" in out
 
 
 def test_estimate_config_folder_and_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

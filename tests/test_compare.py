@@ -19,8 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from leanopt.compare import compare, get_task, main
-from leanopt.compare import stats
+from leanopt.compare import compare, get_task, main, stats
 from leanopt.compare.contenders import CONTENDERS, DEFAULT_CONTENDERS, MODES, RELATIVE, Contender, contender
 from leanopt.compare.meter import Recorder
 from leanopt.compare.progress import RemainingTime, RunLines, eta_check, load_summary
@@ -479,9 +478,12 @@ def test_mode_names() -> None:
 
 def test_registered_optimizers_are_contenders_with_modes(monkeypatch: pytest.MonkeyPatch) -> None:
     """An optimizer added to the library's registry is a contender, with every mode, by its name alone."""
+    import leanopt
     from leanopt.compare import contenders
+    from leanopt.optim.registry import REGISTRY
 
-    monkeypatch.setitem(OPTIMIZER_NAMES, "newopt", "leanopt:AdamW")
+    monkeypatch.setitem(REGISTRY, "newopt", leanopt.AdamW)
+    assert OPTIMIZER_NAMES["newopt"] == "leanopt:AdamW"  # a live view of the registry
     entry = contenders.contender("newopt+bf16-kahan")
     assert (entry.optimizer, entry.origin, entry.family, entry.rounding) == ("newopt", "leanopt", "plain", "kahan")
     assert entry.default_lr == 1e-3  # the class's own default lr centres its grid
@@ -1120,8 +1122,7 @@ def needs_wheel(module: str) -> None:
 
 
 def test_minilm_data_sets() -> None:
-    from leanopt.compare.tasks import (DOCSTRING_PACKAGES, TWEET_LABELS, package_docstrings, sentiment_tweets,
-                                       split_examples)
+    from leanopt.compare.tasks import DOCSTRING_PACKAGES, TWEET_LABELS, package_docstrings, sentiment_tweets, split_examples
 
     docs = package_docstrings()
     counts = [sum(label == i for _, label in docs) for i in range(len(DOCSTRING_PACKAGES))]

@@ -9,11 +9,11 @@ import sys
 import textwrap
 
 import pytest
-import repo_modules
 import torch
-from registry import OPTIMIZERS, OptimizerCase
 
 import leanopt
+import repo_modules
+from registry import OPTIMIZERS, OptimizerCase
 
 try:
     import triton  # noqa: F401
@@ -391,3 +391,95 @@ def test_a_weight_used_inside_and_outside_a_reentrant_checkpoint(case: Optimizer
     opt = case.cls(m.parameters(), **case.kwargs)
     with leanopt.release_gradients(m, opt), pytest.raises(RuntimeError, match="inside and outside checkpoint"):
         m(torch.randn(8, 16)).square().mean().backward()
+
+
+# ---- clipping after an on-device release: refused, not a silent no-op -------------------------
+def _released_after_backward(case: OptimizerCase):
+    m = model()
+    opt = case.cls(m.parameters(), **{**case.kwargs, **case.state_kwargs})
+    handle = leanopt.release_gradients(m, opt)
+    loss_of(m, 0).backward()  # every param stepped and its gradient freed
+    return m, opt, handle
+
+
+@pytest.mark.parametrize("case", OPTIMIZERS, ids=str)
+def test_clipping_gradients_the_release_freed_is_refused(case: OptimizerCase) -> None:
+    m, opt, handle = _released_after_backward(case)
+    assert all(p.grad is None for p in m.parameters())
+    for clip in (lambda: torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0),
+                 lambda: torch.nn.utils.clip_grad.clip_grad_norm_(list(m.parameters())[:1], 0.5, norm_type=1.0),
+                 lambda: torch.nn.utils.clip_grad_norm_(m.parameters(), float("inf"), error_if_nonfinite=True)):  # fmt: skip
+        with pytest.raises(RuntimeError, match="already applied and freed inside backward.*max_grad_norm=0.*offload='cpu'"):
+            clip()
+    with pytest.raises(RuntimeError, match="release_gradients"):
+        opt.clip_grad_norm_(1.0)
+    # A norm-only call (Trainer's grad_norm log at max_grad_norm=0) clips nothing: the norm is unknown.
+    assert torch.isnan(torch.nn.utils.clip_grad_norm_(m.parameters(), float("inf")))
+    # Once the loop has stepped, no gradient is missing: torch's own answer (no gradients: 0).
+    opt.step()
+    opt.zero_grad()
+    assert torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0).item() == 0.0
+    loss_of(m, 1).backward()
+    with pytest.raises(RuntimeError, match="already applied and freed"):
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+    handle.remove()
+    # After remove() the usual loop clips as torch does.
+    from leanopt.optim import offload as offload_module
+
+    loss_of(m, 2).backward()
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in m.parameters()]
+    for t, p in zip(twin, m.parameters()):
+        t.grad = p.grad.clone()
+    assert torch.equal(torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3), offload_module._torch_clip_grad_norm_(twin, 1e-3))
+    assert all(torch.equal(p.grad, t.grad) for p, t in zip(m.parameters(), twin))
+
+
+def test_clipping_other_params_is_torch_s_own_while_released() -> None:
+    from leanopt.optim import offload as offload_module
+
+    case = OPTIMIZERS[0]
+    _, _, handle = _released_after_backward(case)
+    assert torch.nn.utils.clip_grad_norm_ is offload_module.clip_grad_norm_  # the one patch point
+    a, b = model(1), model(1)
+    loss_of(a, 0).backward()
+    loss_of(b, 0).backward()
+    na = torch.nn.utils.clip_grad_norm_(a.parameters(), 0.01)
+    nb = offload_module._torch_clip_grad_norm_(b.parameters(), 0.01)
+    assert torch.equal(na, nb)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(a.parameters(), b.parameters()))
+    handle.remove()
+
+
+# One optimizer of each rule family: the refusal is the wrapper's, the same for every optimizer
+# (test_clipping_gradients_the_release_freed_is_refused runs them all); a Trainer run costs ~10 s.
+ONE_PER_FAMILY = list({case.cls.family: case for case in reversed(OPTIMIZERS)}.values())
+
+
+@pytest.mark.parametrize("case", ONE_PER_FAMILY, ids=str)
+def test_trainer_with_release_and_its_default_clipping_raises_the_clear_error(case: OptimizerCase, tmp_path) -> None:
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from test_trainer import TokenDataset, tiny_distilbert, training_args
+
+    def trainer(max_grad_norm: float, accumulate: int = 1):
+        m = tiny_distilbert()
+        opt = case.cls(m.parameters(), **{**case.kwargs, **case.state_kwargs})
+        handle = leanopt.release_gradients(m, opt)
+        args = training_args(tmp_path / f"{max_grad_norm}-{accumulate}", max_grad_norm=max_grad_norm, max_steps=2,
+                             logging_steps=1, gradient_accumulation_steps=accumulate)  # fmt: skip
+        return transformers.Trainer(model=m, args=args, train_dataset=TokenDataset(), optimizers=(opt, None)), handle
+
+    t, handle = trainer(1.0)  # Trainer's default max_grad_norm
+    with pytest.raises(RuntimeError, match="already applied and freed inside backward.*max_grad_norm=0"):
+        t.train()
+    handle.remove()
+    t, handle = trainer(0.0, accumulate=2)  # the second window's second backward: refused
+    with pytest.raises(RuntimeError, match="gradient accumulation cannot work"):
+        t.train()
+    handle.remove()
+    # The documented alternative trains; the gradient norm it logs is unknown (NaN), not 0.
+    t, handle = trainer(0.0)
+    t.train()
+    norms = [log["grad_norm"] for log in t.state.log_history if "grad_norm" in log]
+    assert len(norms) == 2 and all(n != n for n in norms)
+    handle.remove()

@@ -18,34 +18,41 @@ Every error exits with status 2 and one line on stderr. ``--json`` output is str
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import math
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from rich.console import Console
-from rich.table import Table
 
 from leanopt import __version__
-from leanopt.memory.estimate import MiB, OPTIMIZER_NAMES, available_optimizers, resolve_optimizer
+from leanopt.memory.estimate import OPTIMIZER_NAMES, MiB, available_optimizers, resolve_optimizer
 from leanopt.memory.inspect import StateDictReport, inspect_file, inspect_state_dict
 from leanopt.memory.presets import ModelSource, resolve_model, shape_dependent
 from leanopt.memory.training import TRAINING_MODES, TrainingMemory, supports_training_modes, training_memory
+from leanopt.tables import console as _console
+from leanopt.tables import new_table, print_table
 from leanopt.writing import write_atomically
 
 TABLE_PRECISIONS = ("fp32", "bf16-mixed")
+# Printed as paragraphs under the tables, wrapped to the terminal's width.
 NOTES = (
-    "MB = MiB (1024² bytes). Training = weights + gradients + master weights + optimizer state; no activations.",
-    "fp32: 4 + 4 B/param + state. bf16-mixed (torch.autocast, Trainer(bf16=True)): 2 (bf16 weights) + 4 (fp32 grads)",
-    "+ 4 (fp32 master weights) B/param + state. Formulas: docs/memory.md.",
+    "MB = MiB (1024² bytes). state: the optimizer's state, MB and bytes per param. fp32, bf16-mixed: training MB "
+    "= weights + gradients + master weights + optimizer state; no activations. fp32: 4 + 4 B/param + state. "
+    "bf16-mixed (torch.autocast, Trainer(bf16=True)): 2 (bf16 weights) + 4 (fp32 grads) + 4 (fp32 master weights) "
+    "B/param + state. Formulas: docs/memory.md."
 )
 MODE_NOTES = (
-    "bf16: pure bf16 weights and gradients (2 + 2 B/param), no master weights, the optimizer's rounding=; kahan adds a",
-    "2 B/param compensation. Persistent memory only: a stochastic/kahan step also makes an fp32 copy of one param at a",
-    "time. + grad release (leanopt.release_gradients): gradients = the largest param's. n/a: not a leanopt optimizer.",
+    "A column per mode, its --json key: fp32, bf16-mixed as above; bf16: pure bf16 weights and gradients "
+    "(2 + 2 B/param), no master weights, rounding='nearest'; bf16-stochastic, bf16-kahan: rounding='stochastic', "
+    "'kahan' (kahan adds a 2 B/param compensation). Persistent memory only: a stochastic/kahan step also makes an "
+    "fp32 copy of one param at a time. Grad release (leanopt.release_gradients): gradients = the largest param's. "
+    "n/a: not a leanopt optimizer."
 )
 
 
@@ -117,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--no-process", action="store_true", help="skip process_bytes (the CPU's one-time costs are measured "
                     "once per model class, precision and optimizer in a subprocess, ~10-50 s, then cached): --budget is then compared "
                     "with the step's peak")  # fmt: skip
+    pl.add_argument("--offload", action="store_true", help="also rows with offload='cpu' (states and fp32 masters in host "
+                    "memory: host MB; leanopt's optimizers, fp32 and pure bf16), ranked after the on-device rows")  # fmt: skip
     pl.add_argument("--json", action="store_true", help="print the rows as JSON")
     pl.set_defaults(run=cmd_plan)
 
@@ -274,12 +283,6 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def _console() -> Console:
-    console = Console()
-    # Not a terminal (a pipe, a test): wide enough that tables never wrap.
-    return console if console.is_terminal else Console(width=120)
-
-
 def _quiet_peer_import_warnings() -> None:
     # Building transformers models imports torchao when installed; a torchao built for another
     # Python logs one warning per missing extension, which is noise on a CLI's stderr.
@@ -288,6 +291,33 @@ def _quiet_peer_import_warnings() -> None:
     # A meta kernel that fails under fake tensors (a size that overflows at --seq 10^9) is logged
     # by torch with its traceback (24 lines) before it raises; plan reports it in one line.
     logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
+    _quiet_transformers()
+
+
+# What transformers says about the models leanopt builds, not about the user's: plan turns
+# activation checkpointing on itself ("`use_cache=True` is incompatible with gradient
+# checkpointing. Setting `use_cache=False`", or "Caching is incompatible ..." in transformers 5),
+# and a config without a loss_type gets "`loss_type=None` was set in the config but it is
+# unrecognized" on the first loss. A config the user wrote (a token id outside the vocabulary)
+# is still reported.
+_NOT_THE_USERS = re.compile(r"incompatible with gradient checkpointing|`loss_type=None` was set in the config")
+
+
+class _LeanoptsOwnModels(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not _NOT_THE_USERS.search(record.getMessage())
+
+
+def _quiet_transformers() -> None:
+    """Drop :data:`_NOT_THE_USERS` messages at transformers' own handler (the records come from
+    its many module loggers, a logger's filter would see only its own)."""
+    if importlib.util.find_spec("transformers") is None:
+        return
+    from transformers.utils import logging as hf_logging
+
+    for handler in hf_logging.get_logger("transformers").handlers:
+        if not any(isinstance(f, _LeanoptsOwnModels) for f in handler.filters):
+            handler.addFilter(_LeanoptsOwnModels())
 
 
 def _mb(nbytes: int | None) -> str:
@@ -330,7 +360,7 @@ def estimate_rows(source: ModelSource, names: list[str]) -> list[dict[str, Any]]
         row: dict[str, Any] = {"name": name, "class": _class_name(name)}
         if not source.exact_shapes and shape_dependent(name):
             row.update(state_bytes=None, state_elements=None, bytes_per_param=None, by_key=None, training=None,
-                       training_grad_release=None)
+                       training_grad_release=None, training_offload=None)
         else:
             per_precision: dict[str, TrainingMemory] = {
                 p: training_memory(source.params, name, precision=p) for p in ("fp32", "bf16-mixed", "bf16")
@@ -356,9 +386,25 @@ def estimate_rows(source: ModelSource, names: list[str]) -> list[dict[str, Any]]
                 by_key=dict(state.by_key),
                 training=training,
                 training_grad_release=released,
+                training_offload=_offload_modes(source, name) if lean and source.exact_shapes else None,
             )
         rows.append(row)
     return rows
+
+
+OFFLOAD_MODES = (("fp32", False), ("bf16", False), ("fp32", True), ("bf16", True))
+
+
+def _offload_modes(source: ModelSource, name: str) -> dict[str, Any]:
+    """``offload="cpu"`` (leanopt's optimizers; params with shapes: the host gradient buffers are
+    the largest params' or chunks'): device bytes (``total``) and ``host_bytes``, per precision,
+    without and with gradient release."""
+    return {
+        precision + ("-grad-release" if release else ""): training_memory(
+            source.params, name, precision=precision, grad_release=release, offload=True
+        ).as_dict()
+        for precision, release in OFFLOAD_MODES
+    }
 
 
 def _mode_key(precision: str, rounding: str | None) -> str:
@@ -390,13 +436,13 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     tensors = f" in {source.tensors:,} tensors" if source.tensors is not None else ""
     console.print(f"[bold]{source.name}[/bold]: {source.description}")
     console.print(f"{source.param_count:,} trainable parameters{tensors}")
-    table = Table(show_edge=False, header_style="bold")
+    table = new_table()  # headers short enough for 80 columns; NOTES says what they are
     table.add_column("optimizer")
     table.add_column("class")
-    table.add_column("state MB (MiB)", justify="right")
+    table.add_column("state", justify="right")
     table.add_column("B/param", justify="right")
     for precision in TABLE_PRECISIONS:
-        table.add_column(f"training {precision} MB", justify="right")
+        table.add_column(precision, justify="right")
     for row in rows:
         training = row["training"] or {}
         table.add_row(
@@ -406,42 +452,51 @@ def cmd_estimate(args: argparse.Namespace) -> int:
             _per_param(row["bytes_per_param"]),
             *(_mb(training[p]["total"]) if training else "n/a" for p in TABLE_PRECISIONS),
         )
-    console.print(table)
-    notes = list(NOTES)
+    print_table(console, table)
+    note = NOTES
     if not source.exact_shapes:
-        notes.append(
-            "A bare count has no shapes: one 1-D tensor is assumed. n/a: the state depends on matrix shapes "
-            "(Adafactor)."
-        )
-    for note in notes:
-        console.print(note, style="dim", highlight=False)
+        note += " A bare count has no shapes: one 1-D tensor is assumed. n/a: the state depends on matrix shapes (Adafactor)."
+    console.print(note, style="dim", highlight=False)
     _print_modes(console, rows, source.exact_shapes)
     return 0
 
 
 def _print_modes(console: Console, rows: list[dict[str, Any]], exact_shapes: bool) -> None:
-    """Training memory of every mode (rows) for every optimizer (columns), with and without release."""
-    modes = Table(title="training MB by mode", show_edge=False, header_style="bold")
-    modes.add_column("mode")
-    for row in rows:
-        modes.add_column(row["name"], justify="right")
+    """Training memory of every mode (columns) for every optimizer (rows): one table without
+    gradient release, one with it (a row per optimizer keeps 80 columns whatever the count)."""
+    keys = [_mode_key(precision, rounding) for precision, rounding in TRAINING_MODES]
     for released in (False, True) if exact_shapes else (False,):
-        for precision, rounding in TRAINING_MODES:
-            key = _mode_key(precision, rounding)
-            label = f"{precision} {rounding}" if rounding else precision
+        title = "training MB by mode, with grad release" if released else "training MB by mode"
+        modes = new_table(title)
+        modes.add_column("optimizer")
+        for key in keys:
+            modes.add_column(key, justify="right")
+        for row in rows:
+            table = row.get("training_grad_release" if released else "training") or {}
+            modes.add_row(row["name"], *(_mb(table[k]["total"]) if table.get(k) else "n/a" for k in keys))
+        console.print()
+        print_table(console, modes)
+    if any(row.get("training_offload") for row in rows):
+        modes = new_table("training MB with offload='cpu': device / host")
+        modes.add_column("optimizer")
+        for precision, release in OFFLOAD_MODES:
+            modes.add_column(precision + (" release" if release else ""), justify="right")
+        for row in rows:
+            table = row.get("training_offload") or {}
             cells = []
-            for row in rows:
-                table = row.get("training_grad_release" if released else "training") or {}
-                value = table.get(key)
-                cells.append(_mb(value["total"]) if value else "n/a")
-            modes.add_row(label + (" + grad release" if released else ""), *cells)
-    console.print()
-    console.print(modes)
-    notes = list(MODE_NOTES)
+            for precision, release in OFFLOAD_MODES:
+                value = table.get(precision + ("-grad-release" if release else ""))
+                cells.append(f"{_mb(value['total'])} / {_mb(value['host_bytes'])}" if value else "n/a")
+            modes.add_row(row["name"], *cells)
+        console.print()
+        print_table(console, modes)
+        console.print("offload: device = weights and gradients (released: the largest param's); host = host copies "
+                      "(fp32 masters of bf16 params), states and host gradient buffers (released: one per param).",
+                      style="dim", highlight=False)  # fmt: skip
+    note = MODE_NOTES
     if not exact_shapes:
-        notes.append("A bare count has no largest param: no grad release rows (name a preset or a config).")
-    for note in notes:
-        console.print(note, style="dim", highlight=False)
+        note += " A bare count has no largest param: no grad release table (name a preset or a config)."
+    console.print(note, style="dim", highlight=False)
 
 
 # ---- inspect -------------------------------------------------------------------------------------
@@ -460,6 +515,10 @@ def _split(text: str | None, what: str) -> list[str] | None:
 def _mib(nbytes: int) -> str:
     mb = nbytes / 2**20
     return f"{mb:.1f}" if mb < 10 else f"{mb:,.0f}"
+
+
+# plan's breakdown columns: short headers (the legend under the table gives the kinds' names).
+PLAN_HEADERS = {"gradients": "grads", "optimizer_state": "state", "activations": "activ."}
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -485,37 +544,41 @@ def cmd_plan(args: argparse.Namespace) -> int:
         device=args.device,
         accum=args.accum,
         process=not args.no_process,
+        offload=args.offload,
     )
     if args.json:
         print(_json([r.as_dict() for r in rows]))
         return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console()
-    console = console if console.is_terminal else Console(width=140)
+    console = _console()
     whose = "one GPU's torch.cuda.max_memory_allocated" if args.device == "cuda" else "the process's resident memory"
     accum = f" x {args.accum} micro-batches" if args.accum > 1 else ""
     console.print(f"[bold]{args.model}[/bold]: one training step at batch {args.batch}{accum}, seq {args.seq}, peak of {whose} "
                   "per setup (MB = MiB)", highlight=False)  # fmt: skip
-    table = Table(show_edge=False, header_style="bold")
+    # Short headers (PLAN_HEADERS, explained under the table) and the verdict beside the peaks: a
+    # narrow terminal gets the setup, the peaks and the verdict first, then the breakdown.
+    table = new_table()
     left = ("optimizer", "precision", "ckpt", "release")
-    for title in (*left, "step MB", "process MB", *(k.replace("_", " ") for k in KINDS)):
-        table.add_column(title, justify="left" if title in left else "right")
     compared = "process" if any(r.compared == "process_bytes" for r in rows) else "step"
-    if budget is not None:
-        table.add_column(f"{compared} ≤ {_mib(budget)} MB", justify="center")
+    budget_title = ["fits"] if budget is not None else []
+    host_title = ["host MB"] if args.offload else []  # offloaded rows' host_bytes; "-": on the device
+    for title in (*left, "step MB", "process MB", *host_title, *budget_title, *(PLAN_HEADERS.get(k, k.replace("_", " ")) for k in KINDS)):
+        table.add_column(title, justify="left" if title in left else "center" if title in budget_title else "right")
     for r in rows:
         process = "-" if r.process_bytes is None else _mib(r.process_bytes)
         cells = [r.optimizer, _precision(r), "on" if r.checkpointing else "off", "on" if r.grad_release else "off",
-                 _mib(r.peak_bytes), process, *(_mib(r.breakdown[k]) for k in KINDS)]  # fmt: skip
+                 _mib(r.peak_bytes), process]  # fmt: skip
+        if args.offload:
+            cells.append("-" if r.host_bytes is None else _mib(r.host_bytes))
         if budget is not None:
             cells.append(("[green]✔[/green]" if r.fits else "[red]✘[/red]") + ("" if r.compared == "process_bytes" else " (step)"))
-        table.add_row(*cells)
-    console.print(table)
+        table.add_row(*cells, *(_mib(r.breakdown[k]) for k in KINDS))
+    print_table(console, table, keys=len(left))
+    console.print("step MB = " + " + ".join(PLAN_HEADERS.get(k, k) + (f" ({k.replace('_', ' ')})" if k in PLAN_HEADERS else "")
+                                            for k in KINDS), style="dim", highlight=False)  # fmt: skip
     if budget is not None:
         unknown = [r for r in rows if r.compared != "process_bytes"]
-        said = ("budget compared with process MB (step MB, the step's peak, + what the process needs besides: "
+        said = (f"fits: {compared} MB ≤ the --budget of {_mib(budget)} MB. "
+                "budget compared with process MB (step MB, the step's peak, + what the process needs besides: "
                 + ("the CUDA context, cuBLAS's workspace, the allocator's segments" if args.device == "cuda"
                    else "the one-time costs of a first step, measured once and cached") + ")")  # fmt: skip
         if unknown:
@@ -532,7 +595,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         line = (f"recommended: {best.optimizer}, {_precision(best)}, activation checkpointing "
                 f"{'on' if best.checkpointing else 'off'}, gradient release {'on' if best.grad_release else 'off'} "
                 f"({_mib(best.peak_bytes)} MB step peak, {'?' if best.process_bytes is None else _mib(best.process_bytes)} MB process)")  # fmt: skip
+        if best.offload:
+            line += (f", offload='cpu': nothing fits on the device without it ({_mib(best.host_bytes)} MB of host memory for "
+                     "states, fp32 masters and gradient buffers)")  # fmt: skip
     console.print(line, highlight=False)
+    if args.offload:
+        console.print("host MB: rows with offload='cpu' (host copies, fp32 masters of bf16 params, states, host gradient "
+                      "buffers); their step MB is the device's" + (" (on the CPU the same memory: fits counts both)"
+                      if args.device == "cpu" else ""), style="dim", highlight=False)  # fmt: skip
     kernels = "CUDA kernels (--device cuda)" if args.device == "cuda" else "CPU kernels (GPU memory: --device cuda)"
     console.print(f"MB = MiB. Second step's peak (state exists), {kernels}, docs/plan.md; "
                   "--gpus N: rank 0's peak under FSDP2 (fp32 and bf16-mixed, no release). bf16 = pure bf16 with the "
@@ -674,16 +744,17 @@ def _print_report(console: Console, file: str, r: StateDictReport) -> None:
     )
     if r.formats:
         console.print(f"quantized formats: {', '.join(r.formats)}")
-    keys = Table(show_edge=False, header_style="bold")
+    keys = new_table()
     for title in ("state key", "dtype", "elements", "bytes", "MB (MiB)"):
         keys.add_column(title, justify="left" if title in ("state key", "dtype") else "right")
     for key, nbytes in r.by_key.items():
         keys.add_row(key, ", ".join(r.dtypes_by_key.get(key, [])), f"{r.elements_by_key.get(key, 0):,}", f"{nbytes:,}", f"{nbytes / MiB:,.2f}")
-    console.print(keys)
-    groups = Table(show_edge=False, header_style="bold")
-    for title in ("group", "params", "MB (MiB)", "options"):
-        groups.add_column(title, justify="left" if title == "options" else "right")
+    print_table(console, keys)
+    groups = new_table()
+    for title in ("group", "params", "MB (MiB)", "options"):  # options: free text, may wrap at its spaces
+        groups.add_column(title, justify="left" if title == "options" else "right",
+                          overflow="fold" if title == "options" else "ellipsis")  # fmt: skip
     for gi, g in enumerate(r.groups):
         shown = ", ".join(f"{k}={_short(g['options'][k])}" for k in _SHOWN_OPTIONS if k in g["options"])
         groups.add_row(str(gi), f"{g['params']:,}", f"{g['bytes'] / MiB:,.2f}", shown)
-    console.print(groups)
+    print_table(console, groups)

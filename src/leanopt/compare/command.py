@@ -5,19 +5,18 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import tempfile
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import NoReturn
 
 import torch
-from rich.console import Console
 
+from leanopt import tables
 from leanopt.compare.contenders import DEFAULT_CONTENDERS, MODES, PRECISIONS, contender
 from leanopt.compare.output import RunLog, claim, logged_plan, read_runs, settings, write_results
-from leanopt.compare.progress import (LoadMonitor, RemainingTime, RunBars, RunLines, eta_check, load_summary,
-                                      threads_for, threads_note)
+from leanopt.compare.progress import LoadMonitor, RemainingTime, RunBars, RunLines, eta_check, load_summary, threads_for, threads_note
 from leanopt.compare.report import command_line, print_recommendation, print_table, to_json
 from leanopt.compare.runner import compare, runs_left
 from leanopt.compare.tasks import BUILTIN_TASKS, DEFAULT_TASK, LR_MULTIPLIERS, SEEDS, TaskUnavailable, get_task
@@ -208,9 +207,9 @@ def _run(args: argparse.Namespace) -> int:
     claim(out, resume=args.resume)
     log = RunLog(out, run_settings, resume=args.resume)
 
-    # Piped output keeps the whole table instead of squeezing it to 80 columns.
+    # Piped output keeps the whole table (150 columns) unless $COLUMNS says how wide to be.
     tty = sys.stdout.isatty()
-    console = Console(highlight=False, width=None if tty else 150)
+    console = tables.console(highlight=False, pipe_width=150)
     thread_text = threads_note(plan.threads, args.jobs, threads_by, cores, load_at_start)
     runnable = [n for n in names if n not in skip and contender(n).unavailable() is None]
     planned = {n: runs_left(plan, contender(n), (resumed.get(n) or {}).get("runs") or []) for n in runnable}

@@ -35,7 +35,7 @@ import importlib.util
 import inspect
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -43,10 +43,9 @@ from leanopt.memory import OPTIMIZER_NAMES, resolve_optimizer
 from leanopt.optim.lowbit import LowBit
 from leanopt.optim.registry import REGISTRY
 
-
 # A grid point: a learning rate, or RELATIVE for Adafactor's own relative step size.
 RELATIVE = "relative"
-LR = Union[float, str]
+LR = float | str
 
 # The lr each family is usually run with, relative to AdamW's 1e-3 (torch's default): a task
 # states the AdamW-family centre and every family's grid is centred on it times this factor.
@@ -351,7 +350,8 @@ DEFAULT_CONTENDERS: tuple[str, ...] = tuple(CONTENDERS) + tuple(n for n in OPTIM
 
 def decay_groups(named_params: Iterable[tuple[str, torch.nn.Parameter]], weight_decay: float) -> list[dict[str, Any]]:
     """Matrices decay, vectors (biases, norms) don't: the two groups the HF Trainer makes too."""
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for _, p in named_params:
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)

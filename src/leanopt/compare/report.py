@@ -9,8 +9,8 @@ from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
+from leanopt import tables
 from leanopt.compare import stats
 from leanopt.compare.contenders import MODES
 from leanopt.compare.progress import duration, lr_text
@@ -148,6 +148,10 @@ TERMINAL_COLUMNS = {"rank", "optimizer", "mode", "lr (pick)", "val loss (mean ±
                     "val loss vs ref", "state MiB", "vs AdamW", "weights+grads+state B/param", "peak MiB", "step ms median [IQR]",
                     "accuracy", "F1 (macro)", "F1 vs AdamW"}
 TEXT_COLUMNS = {"optimizer", "mode", "verdict vs AdamW", "lr (pick)", "F1 vs AdamW"}
+# Cells of several words ("2.354 ± 0.005 (n=3)", "better by 0.111 ± 0.021"), which may wrap at their
+# spaces in a narrow terminal; the others (names, single figures) are never broken.
+WRAPPED_COLUMNS = {"mode", "lr (pick)", "val loss (mean ± std)", "verdict vs AdamW", "step ms median [IQR]", "accuracy",
+                   "F1 (macro)", "F1 vs AdamW"}
 
 
 def _cells(r: dict[str, Any], ref: tuple[str, int] | None, digits: int = 3,
@@ -235,17 +239,19 @@ def print_table(data: dict[str, Any], console: Console, said: set[str] | frozens
     """The table, then each optimizer not ranked, once (``said``: those whose failure the
     progress display printed already); :func:`print_recommendation` ends the output."""
     settings = data["settings"]
-    table = Table(title=f"leanopt compare: {settings['task']} ({settings['steps']} steps, {settings['device']}, "
-                        f"seeds {','.join(map(str, settings['seeds']))})")
+    table = tables.new_table(f"leanopt compare: {settings['task']} ({settings['steps']} steps, {settings['device']}, "
+                      f"seeds {','.join(map(str, settings['seeds']))})")
     cols = columns(data)
     shown = TERMINAL_COLUMNS if _has_modes(data) else TERMINAL_COLUMNS - {"weights+grads+state B/param"}
     keep = [i for i, c in enumerate(cols) if c in shown]  # report.md has them all
     numeric = set(cols) - TEXT_COLUMNS
     for i in keep:
-        table.add_column(cols[i], justify="right" if cols[i] in numeric else "left")
+        table.add_column(cols[i], justify="right" if cols[i] in numeric else "left",
+                         overflow="fold" if cols[i] in WRAPPED_COLUMNS else "ellipsis")  # fmt: skip
     for row in table_rows(data):
         table.add_row(*(row[i] for i in keep))
-    console.print(table)
+    # A narrow terminal gets stacked tables, each led by the rank, the optimizer and its mode.
+    tables.print_table(console, table, keys=sum(cols[i] in ("rank", "optimizer", "mode") for i in keep))
     for line in not_run(data, said):
         console.print(f"[yellow]not ranked[/yellow] {escape(line)}")
 

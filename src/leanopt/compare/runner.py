@@ -348,7 +348,8 @@ def compare(
     runs: dict[str, list[dict[str, Any]]] = {}
     setups: dict[str, dict[str, Any]] = {}
     rows: dict[str, dict[str, Any]] = {}
-    todo, finished = [], []
+    todo: list[str] = []
+    finished: list[str] = []
     for name in optimizers:
         reason = (skip or {}).get(name) or contender(name).unavailable()
         earlier = (resumed or {}).get(name)

@@ -9,12 +9,12 @@ from typing import Any
 import torch
 
 from leanopt import kernels
-from leanopt.optim.elementwise import state_dtype
 from leanopt.kernels.reference import adafactor_schedule
 from leanopt.optim.base import LeanOptimizer, as_float, check_beta, check_flag, check_nonnegative
-from leanopt.optim.sharding import is_dtensor, shardable, update_whole
+from leanopt.optim.elementwise import state_dtype
 from leanopt.optim.layout import StateSpec
 from leanopt.optim.registry import register
+from leanopt.optim.sharding import is_dtensor, shardable, update_whole
 
 
 @register
@@ -112,7 +112,7 @@ class Adafactor(LeanOptimizer):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float | None = None,
+        lr: float | torch.Tensor | None = None,
         eps: tuple[float, float] = (1e-30, 1e-3),
         clip_threshold: float = 1.0,
         decay_rate: float = -0.8,

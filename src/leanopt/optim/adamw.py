@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from leanopt.kernels import rules
-from leanopt.optim.base import check_beta, check_flag, check_nonnegative
+from leanopt.optim.base import backend_for_torch_flags, check_beta, check_flag, check_nonnegative
 from leanopt.optim.elementwise import ElementwiseOptimizer
 from leanopt.optim.layout import StateSpec
 from leanopt.optim.registry import register
@@ -47,8 +47,16 @@ class AdamW(ElementwiseOptimizer):
         rounding: how the fp32 update is written into a bf16/fp16 param: ``"nearest"``
             (default), ``"stochastic"`` or ``"kahan"`` (a compensation buffer, 2 B/param for
             bf16); fp32/fp64 params ignore it. See :mod:`leanopt.optim.rounding`.
+        foreach, fused: torch's implementation choice, accepted so that torch's calls run:
+            ``fused=True``/``foreach=True`` is leanopt's fast path (what ``"auto"`` picks
+            anyway), ``foreach=False`` the ``"reference"`` backend; see
+            :func:`leanopt.optim.base.backend_for_torch_flags`.
+        capturable, differentiable: accepted as False; True is a ``ValueError`` (not supported).
         backend: ``"auto"`` (Triton on CUDA, the fast CPU path on CPU), ``"reference"``
             (plain tensor maths, for debugging), ``"cpu"`` or ``"triton"``.
+        state_dtype: how dense states are stored: ``torch.float32`` (default) or
+            ``torch.bfloat16`` (half the bytes, written with stochastic rounding; see
+            :mod:`leanopt.quant.bf16`). Taken by every elementwise optimizer.
 
     Example:
         >>> import torch, leanopt
@@ -70,17 +78,23 @@ class AdamW(ElementwiseOptimizer):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float = 1e-3,
+        lr: float | torch.Tensor = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         amsgrad: bool = False,
         *,
         maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
         rounding: str = "nearest",
         backend: str = "auto",
     ) -> None:
         validate_adam_hparams(lr, betas, eps, weight_decay)
+        backend = backend_for_torch_flags(type(self).__name__, backend, foreach=foreach, fused=fused,
+                                          capturable=capturable, differentiable=differentiable)  # fmt: skip
         defaults = dict(
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize, rounding=rounding
         )
@@ -107,7 +121,7 @@ def validate_betas(betas: Any) -> None:
     check_beta("beta2 (betas[1])", betas[1])
 
 
-def validate_adam_hparams(lr: float, betas: Any, eps: float, weight_decay: float) -> None:
+def validate_adam_hparams(lr: float | torch.Tensor, betas: Any, eps: float, weight_decay: float) -> None:
     check_nonnegative("lr", lr)
     check_nonnegative("eps", eps)
     check_nonnegative("weight_decay", weight_decay)

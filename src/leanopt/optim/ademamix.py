@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import torch
+
 from leanopt.kernels import rules
 from leanopt.optim.base import check_beta, check_flag, check_nonnegative
 from leanopt.optim.elementwise import ElementwiseOptimizer
@@ -49,6 +51,9 @@ class AdEMAMix(ElementwiseOptimizer):
         maximize: maximize the objective instead of minimizing it (default False).
         rounding: how the update is written into a bf16/fp16 param (see :mod:`leanopt.optim.rounding`).
         backend: ``"auto"``, ``"reference"``, ``"cpu"`` or ``"triton"``.
+        state_dtype: how dense states are stored: ``torch.float32`` (default) or
+            ``torch.bfloat16`` (half the bytes, written with stochastic rounding; see
+            :mod:`leanopt.quant.bf16`). Taken by every elementwise optimizer.
 
     Example:
         >>> import torch, leanopt
@@ -68,7 +73,7 @@ class AdEMAMix(ElementwiseOptimizer):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float = 1e-3,
+        lr: float | torch.Tensor = 1e-3,
         betas: tuple[float, float, float] = (0.9, 0.999, 0.9999),
         alpha: float = 5.0,
         t_alpha: int | None = None,

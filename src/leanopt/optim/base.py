@@ -66,6 +66,53 @@ def check_flag(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
+def backend_for_torch_flags(
+    cls: str, backend: str, *, foreach: bool | None = None, fused: bool | None = None,
+    capturable: bool = False, differentiable: bool = False,
+) -> str:  # fmt: skip
+    """The backend that torch's implementation flags ask for, so that a call written for
+    ``torch.optim.AdamW``/``SGD`` runs unchanged (issue 25).
+
+    ``fused=True`` or ``foreach=True``: leanopt's fast path, which ``backend="auto"`` already
+    picks (Triton on CUDA, the compiled or native CPU kernel on CPU; each a multi-tensor,
+    one-pass update: torch's fused and foreach in one). ``foreach=False`` (torch's per-tensor
+    loop), with ``fused`` not True: ``"reference"``, the plain per-tensor maths every fast path
+    is tested against. ``fused=False`` alone, and ``None``: leanopt's own choice, as torch
+    makes its own. These flags only choose when ``backend`` is ``"auto"``: an explicit backend
+    they contradict (``backend="reference", fused=True``) is a ``ValueError``.
+    ``capturable=True`` (CUDA-graph capture) and ``differentiable=True`` (autograd through
+    ``step``) cannot be honoured and are a ``ValueError`` naming them; False is accepted.
+    """
+    for name, value in (("foreach", foreach), ("fused", fused)):
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"{name} must be True, False or None, got {value!r}")
+    check_flag("capturable", capturable)
+    check_flag("differentiable", differentiable)
+    if capturable:
+        raise ValueError(
+            f"{cls}: capturable=True is not supported: leanopt keeps each step count on the host and launches its "
+            "kernels with host scalars, so a step cannot be captured in a CUDA graph (torch.compile(optimizer.step) "
+            "is supported)"
+        )
+    if differentiable:
+        raise ValueError(
+            f"{cls}: differentiable=True is not supported: leanopt's step updates params and states in place under "
+            "no_grad, so autograd cannot differentiate through it (use torch.optim's optimizer for that)"
+        )
+    if fused and foreach:
+        raise ValueError(f"{cls}: fused=True and foreach=True cannot both be set (as in torch)")
+    fast = bool(fused or foreach)
+    wanted = "auto" if fast else "reference" if foreach is False else None
+    if wanted is None:
+        return backend
+    if backend == "auto":
+        return wanted
+    if (backend == "reference") == fast:
+        given = "fused=True" if fused else "foreach=True" if foreach else "foreach=False"
+        raise ValueError(f"{cls}: {given} asks for {'a fast' if fast else 'the reference'} backend, but backend={backend!r}")
+    return backend
+
+
 def as_float(value: Any) -> float:
     """A group's ``lr`` (a number or a one-element tensor) as the float the kernels take."""
     return float(value.item()) if isinstance(value, torch.Tensor) else float(value)

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import torch
+
 from leanopt.kernels import rules
 from leanopt.optim.adamw import validate_betas
 from leanopt.optim.base import check_flag, check_nonnegative
@@ -40,6 +42,9 @@ class Lion(ElementwiseOptimizer):
         rounding: how the update is written into a bf16/fp16 param: ``"nearest"`` (default),
             ``"stochastic"`` or ``"kahan"``; see :mod:`leanopt.optim.rounding`.
         backend: ``"auto"``, ``"reference"``, ``"cpu"`` or ``"triton"``.
+        state_dtype: how dense states are stored: ``torch.float32`` (default) or
+            ``torch.bfloat16`` (half the bytes, written with stochastic rounding; see
+            :mod:`leanopt.quant.bf16`). Taken by every elementwise optimizer.
 
     Example:
         >>> import torch, leanopt
@@ -59,7 +64,7 @@ class Lion(ElementwiseOptimizer):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float = 1e-4,
+        lr: float | torch.Tensor = 1e-4,
         betas: tuple[float, float] = (0.9, 0.99),
         weight_decay: float = 0.0,
         *,

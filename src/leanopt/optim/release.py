@@ -31,8 +31,15 @@ What cannot work is refused rather than trained wrongly:
   takes one step per backward, which is what release means).
 * **Global gradient-norm clipping** (``clip_grad_norm_``, Trainer's default
   ``max_grad_norm=1.0``): the norm needs every gradient at once, and they are freed as they
-  come; after backward there is nothing to clip. Set ``max_grad_norm=0`` (Trainer) or drop the
-  clip; this module cannot see a plain ``clip_grad_norm_`` call, which would return 0.
+  come; after backward there is nothing to clip, and torch's function would silently clip
+  nothing. The first release routes ``torch.nn.utils.clip_grad_norm_`` (what Trainer and
+  Accelerate call) through leanopt's one wrapper (:func:`leanopt.optim.offload.clip_grad_norm_`),
+  which raises ``RuntimeError`` for params whose gradients were stepped and freed since the
+  loop's last ``step()``/``zero_grad()`` (:func:`freed_by_release`). Set ``max_grad_norm=0``
+  (Trainer) or drop the clip, or use ``offload="cpu"``, whose released gradients wait on the host
+  and are clipped there. A call with ``max_norm=inf`` clips nothing, and is what Trainer makes
+  to log ``grad_norm`` even at ``max_grad_norm=0``: it returns NaN (the norm of gradients that
+  are gone is not known), not torch's 0.
 * **An AMP GradScaler**: the hooks would step the scaled (possibly inf) gradients, and skipping
   a step on inf needs every gradient before any param is stepped. The scaler is invisible to an
   optimizer until ``scaler.step``, so the first released gradient looks for one: an enabled
@@ -56,6 +63,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -64,7 +72,7 @@ import torch
 from leanopt.optim.base import LeanOptimizer
 from leanopt.optim.sharding import is_dtensor
 
-__all__ = ["GradientRelease", "OffloadRelease", "release_gradients"]
+__all__ = ["GradientRelease", "OffloadRelease", "freed_by_release", "release_gradients"]
 
 # A custom autograd Function's backward runs inside this frame; a backward that starts there (a
 # reentrant checkpoint's recomputation) is nested in another. The engine tells Python neither
@@ -96,11 +104,39 @@ def _live(classes: list[type]) -> list[Any]:
     return [o for o in gc.get_referrers(*classes) if type(o) in classes]
 
 
+# The on-device releases in effect: what the clipping wrapper asks (freed_by_release).
+_RELEASES: weakref.WeakSet[GradientRelease] = weakref.WeakSet()
+
+CLIP_AFTER_RELEASE = (
+    "torch.nn.utils.clip_grad_norm_ over params whose gradients leanopt.release_gradients already applied and "
+    "freed inside backward: there is nothing left to clip, and clipping would silently do nothing. Clipping needs "
+    "every gradient before any param is stepped: set max_grad_norm=0 in Trainer (or drop the clip), train without "
+    "release, or make the optimizer with offload='cpu', whose released gradients wait on the host and are clipped there"
+)
+
+
+def freed_by_release(params: Iterable[Any]) -> GradientRelease | None:
+    """The on-device release (if any) that stepped and freed the gradient of one of ``params``
+    since its loop last called ``step()`` or ``zero_grad()``: a clip of ``params`` now would
+    find that gradient gone."""
+    ids = {id(p) for p in params if isinstance(p, torch.Tensor)}
+    for release in list(_RELEASES):
+        if not ids.isdisjoint(release._seen):
+            return release
+    return None
+
+
 class GradientRelease:
     """The hooks of :func:`release_gradients`; ``remove()`` (or leaving a ``with`` block)
     restores the ordinary loop."""
 
+    # Whether a released gradient is freed once stepped (so a later clip cannot see it); an
+    # offloaded release keeps it on the host until step().
+    frees_gradients = True
+
     def __init__(self, optimizer: LeanOptimizer) -> None:
+        from leanopt.optim.offload import route_torch_clipping
+
         self.optimizer = optimizer
         self._handles: dict[int, Any] = {}  # id(param) -> its hook
         self._seen: set[int] = set()  # ids of params stepped since the loop last called step/zero_grad
@@ -113,6 +149,9 @@ class GradientRelease:
         self._deferred: set[int] = set()
         self._hook_params()
         optimizer._gradient_release = self
+        route_torch_clipping()  # the one patch point: refuses a clip of freed gradients (offload: clips host ones)
+        if self.frees_gradients:
+            _RELEASES.add(self)
         # GradScaler.step then calls optimizer.step() (instead of asserting that it found no
         # gradient to unscale), where a scaler used after the first check is refused by name.
         optimizer._step_supports_amp_scaling = True
@@ -249,6 +288,8 @@ class GradientRelease:
             handle.remove()
         self._handles.clear()
         self._forget_backward()
+        _RELEASES.discard(self)
+        self._seen.clear()
         if getattr(self.optimizer, "_gradient_release", None) is self:
             self.optimizer._gradient_release = None
             self.optimizer.__dict__.pop("_step_supports_amp_scaling", None)
@@ -270,12 +311,11 @@ class OffloadRelease(GradientRelease):
     params) clips the host gradients. The GradScaler and DDP refusals are the same.
     """
 
-    def __init__(self, optimizer: LeanOptimizer) -> None:
-        from leanopt.optim.offload import route_torch_clipping
+    frees_gradients = False
 
+    def __init__(self, optimizer: LeanOptimizer) -> None:
         self.engine = optimizer._offload
         self._task: int | None = None  # the outermost backward whose gradients are arriving
-        route_torch_clipping()
         super().__init__(optimizer)
         self.engine.released = True
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from leanopt.kernels import rules
-from leanopt.optim.base import _number, check_flag, check_nonnegative
+from leanopt.optim.base import _number, backend_for_torch_flags, check_flag, check_nonnegative
 from leanopt.optim.elementwise import ElementwiseOptimizer
 from leanopt.optim.layout import StateSpec
 from leanopt.optim.lowbit import LowBit
@@ -47,7 +47,15 @@ class SGD(ElementwiseOptimizer):
         maximize: maximize the objective instead of minimizing it (default False).
         rounding: how the update is written into a bf16/fp16 param: ``"nearest"`` (default),
             ``"stochastic"`` or ``"kahan"``; see :mod:`leanopt.optim.rounding`.
+        foreach, fused: torch's implementation choice, accepted so that torch's calls run:
+            ``fused=True``/``foreach=True`` is leanopt's fast path (what ``"auto"`` picks
+            anyway), ``foreach=False`` the ``"reference"`` backend; see
+            :func:`leanopt.optim.base.backend_for_torch_flags`.
+        differentiable: accepted as False; True is a ``ValueError`` (not supported).
         backend: ``"auto"``, ``"reference"``, ``"cpu"`` or ``"triton"``.
+        state_dtype: how dense states are stored: ``torch.float32`` (default) or
+            ``torch.bfloat16`` (half the bytes, written with stochastic rounding; see
+            :mod:`leanopt.quant.bf16`). Taken by every elementwise optimizer.
 
     Example:
         >>> import torch, leanopt
@@ -79,9 +87,14 @@ class SGD(ElementwiseOptimizer):
         nesterov: bool = False,
         *,
         maximize: bool = False,
+        foreach: bool | None = None,
+        differentiable: bool = False,
+        fused: bool | None = None,
         rounding: str = "nearest",
         backend: str = "auto",
     ) -> None:
+        backend = backend_for_torch_flags(type(self).__name__, backend, foreach=foreach, fused=fused,
+                                          differentiable=differentiable)  # fmt: skip
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
                         maximize=maximize, rounding=rounding)  # fmt: skip
         super().__init__(params, defaults, backend=backend)

@@ -208,16 +208,13 @@ class ShardQuantizedState(QuantizedState):
         self.codes.copy_(self.format._pack(idx.to(torch.uint8)))
         self.absmax.copy_(scale)
 
-    def _like(self, codes: torch.Tensor, absmax: torch.Tensor) -> "ShardQuantizedState":
+    def _like(self, codes: torch.Tensor, absmax: torch.Tensor) -> ShardQuantizedState:
         return ShardQuantizedState(codes, absmax, self.format, self.shape, self.lead, self.shared, self.n_shared, self.group)
 
-    def to(self, device: torch.device | str) -> "ShardQuantizedState":
-        return self._like(self.codes.to(device), self.absmax.to(device))
-
-    def clone(self) -> "ShardQuantizedState":
+    def clone(self) -> ShardQuantizedState:
         return self._like(self.codes.clone(), self.absmax.clone())
 
-    def __deepcopy__(self, memo: dict) -> "ShardQuantizedState":
+    def __deepcopy__(self, memo: dict) -> ShardQuantizedState:
         return self.clone()
 
 

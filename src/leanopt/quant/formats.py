@@ -20,6 +20,14 @@ read them. Optimizers call ``dequantize()`` and ``quantize_(x)``; how bits are p
 format's business alone. In ``optimizer.state`` a quantized entry is a ``QuantizedState``; in a
 ``state_dict`` it is a plain dict of tensors, ints and strings (:meth:`QuantizedState.to_state_dict`),
 so checkpoints load with ``torch.load(weights_only=True)``.
+
+Code written for tensor states meets a ``QuantizedState`` in ``optimizer.state`` and treats it as
+one where it can: ``torch.tensor(state)`` (the DistilBERT lesson's ``compute_optimizer_size``
+calls it on every value) and ``torch.from_dlpack(state)`` give a copy of its memory as one flat
+uint8 tensor (:meth:`QuantizedState.as_bytes`: ``numel() * element_size()`` is its true size),
+``state.to(device, non_blocking=...)``, ``.cpu()`` and ``.cuda()`` move it, and ``.nbytes`` is
+its size. It is not a ``torch.Tensor``: a walk that moves only ``isinstance(v, torch.Tensor)``
+values leaves it where it is.
 """
 
 from __future__ import annotations
@@ -33,7 +41,6 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from leanopt.quant.codebooks import CodeBook, code_bits, codebook
-
 
 # Decay rounding: the nearest code counts as progress only below this fraction of the previous
 # stored magnitude (an ulp of the new block scale must not decide between nearest and dither).
@@ -64,7 +71,7 @@ class Decay:
     step: int
     offset: int = 0
 
-    def flat(self) -> "Decay":
+    def flat(self) -> Decay:
         return Decay(self.mask.reshape(-1), self.previous.reshape(-1), self.step, self.offset)
 
     def scaled(self, safe_scale: torch.Tensor, block_size: int, lead: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -175,19 +182,66 @@ class QuantizedState:
         """fp32 tensor of ``shape``."""
         return self.format.decode(self.codes, self.absmax, self.numel).view(self.shape)
 
-    def quantize_(self, x: torch.Tensor, decay: "Decay | None" = None) -> None:
+    def quantize_(self, x: torch.Tensor, decay: Decay | None = None) -> None:
         """Store ``x`` (any float dtype, ``shape``) in place: each element becomes the nearest
         code, or, where ``decay.mask`` is set, the decay rounding of
         :meth:`BlockFormat.code_indices`."""
         self.format.encode_(x.reshape(-1), self.codes, self.absmax, decay=None if decay is None else decay.flat())
 
-    def to(self, device: torch.device | str) -> "QuantizedState":
-        return QuantizedState(self.codes.to(device), self.absmax.to(device), self.format, self.shape)
+    @property
+    def nbytes(self) -> int:
+        """Bytes of memory held: codes plus fp32 block scales (``format.nbytes(numel)`` for a whole state)."""
+        return self.codes.nbytes + self.absmax.nbytes
 
-    def clone(self) -> "QuantizedState":
-        return QuantizedState(self.codes.clone(), self.absmax.clone(), self.format, self.shape)
+    def _like(self, codes: torch.Tensor, absmax: torch.Tensor) -> QuantizedState:
+        """The same state (format, shape) over other ``codes`` and ``absmax`` tensors."""
+        return QuantizedState(codes, absmax, self.format, self.shape)
 
-    def __deepcopy__(self, memo: dict) -> "QuantizedState":
+    def to(self, *args: Any, copy: bool = False, **kwargs: Any) -> QuantizedState:
+        """This state on another device, taking ``Tensor.to``'s forms as generic code calls
+        them: ``to(device)``, ``to(device=..., non_blocking=...)``, ``to(other_tensor)`` (its
+        device; its dtype is not taken), ``copy=True`` for new tensors on the same device.
+        A ``dtype`` (``to(torch.float16)``, ``to(device, dtype)``) is a ``TypeError``: codes
+        and block scales have no dtype to convert to (``dequantize()`` gives the fp32 values)."""
+        device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+        takes_tensor = bool(args) and isinstance(args[0], torch.Tensor)
+        if dtype is not None and not takes_tensor:
+            raise TypeError(
+                f"QuantizedState.to: a quantized state ({self.format.name}) has no dtype to convert to {dtype}; "
+                "move it with to(device), or dequantize() it"
+            )
+        device = self.device if device is None else device
+        move = lambda t: t.to(device, non_blocking=non_blocking, copy=copy)  # noqa: E731
+        return self._like(move(self.codes), move(self.absmax))
+
+    def cpu(self) -> QuantizedState:
+        return self.to("cpu")
+
+    def cuda(self, device: torch.device | str | int | None = None, non_blocking: bool = False) -> QuantizedState:
+        return self.to(torch.device("cuda") if device is None else torch.device("cuda", device) if isinstance(device, int)
+                       else torch.device(device), non_blocking=non_blocking)  # fmt: skip
+
+    def as_bytes(self) -> torch.Tensor:
+        """A new flat uint8 tensor of this state's memory: the codes, then the block scales'
+        bytes (``nbytes`` elements). What ``torch.tensor(state)`` returns; writing to it does
+        not change the state."""
+        return torch.cat([self.codes.reshape(-1), self.absmax.reshape(-1).contiguous().view(torch.uint8)])
+
+    # DLPack export (what torch.tensor, torch.asarray and torch.from_dlpack read from an object
+    # that is not a tensor): codes and scales are two tensors, so the export is always a copy,
+    # which the protocol allows unless the consumer asks for copy=False.
+    def __dlpack__(self, *, copy: bool | None = None, **kwargs: Any) -> Any:
+        if copy is False:
+            raise BufferError("a QuantizedState is two tensors (codes and block scales): it can only be exported as a copy")
+        return self.as_bytes().__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> tuple[Any, int]:
+        return self.codes.__dlpack_device__()
+
+    def clone(self) -> QuantizedState:
+        return self._like(self.codes.clone(), self.absmax.clone())
+
+    def __deepcopy__(self, memo: dict) -> QuantizedState:
         return self.clone()
 
     def __repr__(self) -> str:
@@ -202,7 +256,7 @@ class QuantizedState:
         return all(k in value for k in _STATE_DICT_KEYS)
 
     @classmethod
-    def from_state_dict(cls, value: Mapping[str, Any], device: torch.device | str | None = None) -> "QuantizedState":
+    def from_state_dict(cls, value: Mapping[str, Any], device: torch.device | str | None = None) -> QuantizedState:
         """The state saved by :meth:`to_state_dict`, checked field by field before anything is
         allocated (the dict may come from an untrusted file): a known format with a bounded
         block size, a shape of non-negative ints, uint8 codes and floating-point block scales
@@ -307,7 +361,7 @@ class BlockFormat:
             vals[full * bs :].mul_(absmax[full])
         return vals
 
-    def encode_(self, flat: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, decay: "Decay | None" = None) -> None:
+    def encode_(self, flat: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, decay: Decay | None = None) -> None:
         """Write ``flat`` (finite values; any float dtype) into ``codes`` and ``absmax``: the
         nearest code, or where ``decay.mask`` is set (flat), the decay rounding of
         :meth:`code_indices`."""
