@@ -225,13 +225,19 @@ def test_the_engine_waits_for_every_asynchronous_copy(case, release) -> None:
 # ---- bf16 params: an fp32 master on the host ---------------------------------------------------
 @cases
 def test_bf16_params_step_an_fp32_master_on_the_host(case) -> None:
-    # The reference: the same optimizer, without offload, on fp32 copies given the same gradients;
-    # the device param is the master rounded to nearest.
+    opt = bf16_run_beside_fp32_masters(case, steps=10)
+    assert all(t.dtype == torch.float32 for t in opt._offload._twins.values())
+
+
+def bf16_run_beside_fp32_masters(case, steps: int):
+    """An offloaded run on bf16 params held, every step, to its reference: the same optimizer,
+    without offload, on fp32 copies given the same gradients (the device param is the master
+    rounded to nearest); the offloaded optimizer, for further checks."""
     model = make_model(dtype=torch.bfloat16)
     opt = case.cls(model.parameters(), **case.kwargs, offload="cpu")
     masters = [torch.nn.Parameter(p.detach().float()) for p in model.parameters()]
     ref = case.cls(masters, **case.kwargs)
-    for step in range(10):
+    for step in range(steps):
         loss_of(model, batch(step, 0, torch.bfloat16)).backward()
         for m, p in zip(masters, model.parameters()):
             m.grad = p.grad.float()
@@ -241,7 +247,7 @@ def test_bf16_params_step_an_fp32_master_on_the_host(case) -> None:
         ref.zero_grad()
         assert same(params_of(model), [m.detach().to(torch.bfloat16) for m in masters]), step
     assert same(opt.state_dict()["state"], ref.state_dict()["state"])
-    assert all(t.dtype == torch.float32 for t in opt._offload._twins.values())
+    return opt
 
 
 @pytest.mark.parametrize("rounding", ["stochastic", "kahan"])

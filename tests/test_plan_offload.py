@@ -23,7 +23,7 @@ import torch
 import leanopt
 from leanopt.optim import offload as offload_module
 from registry import OPTIMIZERS
-from test_offload import assert_same_run, batch, loss_of, make_model, same, train
+from test_offload import assert_same_run, batch, bf16_run_beside_fp32_masters, loss_of, make_model, train
 
 cases = pytest.mark.parametrize("case", OPTIMIZERS, ids=str)
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,20 +67,7 @@ def test_chunked_bf16_masters_step_as_fp32_params(case, small_chunks) -> None:
     # bf16 params: chunks of the fp32 master stepped from chunks of the bf16 gradient give the
     # bits of the same optimizer on fp32 copies from the same gradients (test_offload.py's
     # reference for the whole-param host step).
-    model = make_model(dtype=torch.bfloat16)
-    opt = case.cls(model.parameters(), **case.kwargs, offload="cpu")
-    masters = [torch.nn.Parameter(p.detach().float()) for p in model.parameters()]
-    ref = case.cls(masters, **case.kwargs)
-    for step in range(6):
-        loss_of(model, batch(step, 0, torch.bfloat16)).backward()
-        for m, p in zip(masters, model.parameters()):
-            m.grad = p.grad.float()
-        opt.step()
-        ref.step()
-        opt.zero_grad()
-        ref.zero_grad()
-        assert same([p.detach() for p in model.parameters()], [m.detach().to(torch.bfloat16) for m in masters]), step
-    assert same(opt.state_dict()["state"], ref.state_dict()["state"])
+    bf16_run_beside_fp32_masters(case, steps=6)
     assert (max(small_chunks, default=0) > 0) == _elementwise(case)
 
 

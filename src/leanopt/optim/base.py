@@ -113,6 +113,41 @@ def backend_for_torch_flags(
     return backend
 
 
+def wrap_constructor(
+    cls: type, keyword: str, *, shown_default: Any, annotation: str,
+    before: Callable[[Any, Any], None] | None = None, after: Callable[[Any, Any], None] | None = None,
+    ahead_of: tuple[str, ...] = (),
+) -> None:  # fmt: skip
+    """Make ``cls``'s own ``__init__`` take the keyword-only ``keyword`` without declaring or
+    forwarding it: the wrapper takes it out of the call (``None`` when not given) and runs
+    ``before(self, value)``, the constructor, then ``after(self, value)``. The signature shows
+    it (default ``shown_default``) ahead of the first of ``ahead_of`` or of ``**kwargs``. Each
+    keyword wraps a constructor once (a subclass of a wrapped class without an ``__init__`` of
+    its own is left alone). The mechanism of ``offload=`` and ``state_dtype=``."""
+    init = cls.__dict__.get("__init__")
+    taken = getattr(init, "_leanopt_keywords", frozenset())
+    if init is None or keyword in taken:
+        return
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kw: Any) -> None:
+        value = kw.pop(keyword, None)
+        if before is not None:
+            before(self, value)
+        init(self, *args, **kw)
+        if after is not None:
+            after(self, value)
+
+    signature = inspect.signature(init)
+    params = list(signature.parameters.values())
+    if keyword not in signature.parameters:
+        at = next((i for i, q in enumerate(params) if q.name in ahead_of or q.kind == inspect.Parameter.VAR_KEYWORD), len(params))
+        params.insert(at, inspect.Parameter(keyword, inspect.Parameter.KEYWORD_ONLY, default=shown_default, annotation=annotation))
+    __init__.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
+    __init__._leanopt_keywords = taken | {keyword}  # type: ignore[attr-defined]
+    cls.__init__ = __init__  # type: ignore[attr-defined]
+
+
 def as_float(value: Any) -> float:
     """A group's ``lr`` (a number or a one-element tensor) as the float the kernels take."""
     return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
@@ -149,25 +184,12 @@ class LeanOptimizer(torch.optim.Optimizer):
         # constructor is wrapped, so a subclass neither declares nor forwards it. Like the
         # backend it says where to compute, not what: it is not a hyper-parameter, not saved.
         super().__init_subclass__(**kwargs)
-        init = cls.__dict__.get("__init__")
-        if init is None or getattr(init, "_takes_offload", False):
-            return
 
-        @functools.wraps(init)
-        def __init__(self: Any, *args: Any, offload: str | None = None, **kw: Any) -> None:
-            check_offload(offload)
-            init(self, *args, **kw)
+        def after(self: Any, offload: str | None) -> None:
             if offload is not None:
                 self._offload = Offload(self)
 
-        signature = inspect.signature(init)
-        params = list(signature.parameters.values())
-        if "offload" not in signature.parameters:
-            at = next((i for i, q in enumerate(params) if q.kind == inspect.Parameter.VAR_KEYWORD), len(params))
-            params.insert(at, inspect.Parameter("offload", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="str | None"))
-        __init__.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
-        __init__._takes_offload = True  # type: ignore[attr-defined]
-        cls.__init__ = __init__  # type: ignore[method-assign]
+        wrap_constructor(cls, "offload", shown_default=None, annotation="str | None", before=lambda self, v: check_offload(v), after=after)
 
     @property
     def offload(self) -> str | None:

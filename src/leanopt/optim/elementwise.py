@@ -9,8 +9,6 @@ quantized sibling adds :class:`leanopt.optim.lowbit.LowBit` (see ``AdamW8bit``).
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -18,7 +16,7 @@ import torch
 
 from leanopt import kernels
 from leanopt.kernels.rules import Rule
-from leanopt.optim.base import LeanOptimizer
+from leanopt.optim.base import LeanOptimizer, wrap_constructor
 from leanopt.optim.layout import StateSpec
 from leanopt.optim.sharding import local, shard_offset
 from leanopt.quant.bf16 import check_state_dtype, state_dtype_name
@@ -50,28 +48,14 @@ class ElementwiseOptimizer(LeanOptimizer):
         # wrapped, as for ``offload=``, so that a subclass (one defined outside leanopt too)
         # neither declares nor forwards it. Unlike offload it is saved: each param group holds its name ("bfloat16").
         super().__init_subclass__(**kwargs)
-        init = cls.__dict__.get("__init__")
-        if init is None or getattr(init, "_takes_state_dtype", False):
-            return
 
-        @functools.wraps(init)
-        def __init__(self: Any, *args: Any, state_dtype: torch.dtype | None = None, **kw: Any) -> None:
+        def before(self: Any, state_dtype: torch.dtype | None) -> None:
             # None: not given here. A wrapped __init__ calling another (LowBit's calls its
             # optimizer's) passes nothing on, and the inner one keeps what the outer one set.
             if state_dtype is not None or "_state_dtype" not in self.__dict__:
                 self._state_dtype = check_state_dtype(torch.float32 if state_dtype is None else state_dtype)
-            init(self, *args, **kw)
 
-        signature = inspect.signature(init)
-        params = list(signature.parameters.values())
-        if "state_dtype" not in signature.parameters:
-            at = next((i for i, q in enumerate(params) if q.name == "offload" or q.kind == inspect.Parameter.VAR_KEYWORD), len(params))
-            params.insert(at, inspect.Parameter("state_dtype", inspect.Parameter.KEYWORD_ONLY, default=torch.float32,
-                                                annotation="torch.dtype"))  # fmt: skip
-        __init__.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
-        __init__._takes_state_dtype = True  # type: ignore[attr-defined]
-        __init__._takes_offload = getattr(init, "_takes_offload", False)  # type: ignore[attr-defined]
-        cls.__init__ = __init__  # type: ignore[method-assign]
+        wrap_constructor(cls, "state_dtype", shown_default=torch.float32, annotation="torch.dtype", before=before, ahead_of=("offload",))
 
     def _complete_defaults(self, defaults: dict[str, Any]) -> dict[str, Any]:
         return {**super()._complete_defaults(defaults), "state_dtype": state_dtype_name(getattr(self, "_state_dtype", torch.float32))}
