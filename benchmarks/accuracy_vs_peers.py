@@ -150,18 +150,19 @@ def sparse_distance(a: torch.Tensor, b: torch.Tensor, far: float = SPARSE_FAR) -
     return d.mean().item(), int((d > far).sum().item()), d.max().item()
 
 
-def run(factory: Factory, p0: torch.Tensor, grads: Iterable[torch.Tensor]) -> tuple[torch.Tensor, torch.optim.Optimizer]:
-    """Final param after feeding ``grads`` to ``factory([param])``, and the optimizer."""
-    p = torch.nn.Parameter(p0.clone())
+def run(factory: Factory, p0: torch.Tensor, grads: Iterable[torch.Tensor], *,
+        device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.optim.Optimizer]:  # fmt: skip
+    """Final param after feeding ``grads`` to ``factory([param])`` on ``device``, and the optimizer."""
+    p = torch.nn.Parameter(p0.to(device, copy=True))
     opt = factory([p])
     for grad in grads:
-        p.grad = grad.clone()
+        p.grad = grad.to(device, copy=True)
         opt.step()
     return p.detach(), opt
 
 
-def fp32_reference(p0: torch.Tensor, grads: Iterable[torch.Tensor]) -> torch.Tensor:
-    return run(lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=0.0, foreach=False), p0, grads)[0]
+def fp32_reference(p0: torch.Tensor, grads: Iterable[torch.Tensor], *, device: torch.device | str = "cpu") -> torch.Tensor:
+    return run(lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=0.0, foreach=False), p0, grads, device=device)[0]
 
 
 def distance(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
@@ -332,7 +333,8 @@ def state_dtype_table(size: int, seeds: list[int], backend: str = "auto") -> Non
         print(f"{name:30s}" + "".join(f" {c:>22s}" for c in cells))
 
 
-def _peer_context(name: str, eager: bool) -> contextlib.AbstractContextManager:
+def peer_context(name: str, eager: bool) -> contextlib.AbstractContextManager:
+    """Where ``eager``, torchao's optimizers run their maths without ``torch.compile``."""
     return eager_torch_compile() if (eager and name.startswith("torchao")) else contextlib.nullcontext()
 
 
@@ -348,7 +350,7 @@ def dense_table(args: argparse.Namespace, contenders: dict[str, Factory | None])
         if factory is None:
             absent.append(name)
             continue
-        with _peer_context(name, args.eager_peers):
+        with peer_context(name, args.eager_peers):
             try:
                 rows.append(measure_contender(name, factory, scenarios, refs))
             except Exception as err:  # noqa: BLE001 - report a peer that fails here, keep going
@@ -377,7 +379,7 @@ def sparse_table(contenders: dict[str, Factory | None], seeds: list[int], steps:
         for kind, grads in sparse_variants(seed, steps).items():
             ref = fp32_reference(grads.p0, grads)
             for name in names:
-                with _peer_context(name, eager_peers):
+                with peer_context(name, eager_peers):
                     try:
                         results[(kind, name, seed)] = sparse_distance(run(contenders[name], grads.p0, grads)[0], ref)
                     except Exception as err:  # noqa: BLE001 - report a peer that fails here, keep going
@@ -478,7 +480,7 @@ def training_table(names: list[str], seeds: list[int], eager_peers: bool, backen
     for name, factory in training_factories(backend).items():
         if name not in names or factory is None:
             continue
-        with _peer_context(name, eager_peers):
+        with peer_context(name, eager_peers):
             try:
                 runs = {s: digits_run(factory, s) for s in seeds}
             except Exception as err:  # noqa: BLE001 - report a peer that fails here, keep going

@@ -10,12 +10,15 @@ and file-backed pages), builds the model (random weights, train mode), trains th
 (the step of ``benchmarks/plan_vs_measured.py``: forward, backward, ``optimizer.step()``,
 ``zero_grad(set_to_none=True)``) and reads the resident-set high-water mark (``VmHWM``).
 Measured = ``VmHWM`` - the resident set before the model. No warm-up, the machine's thread
-count, and ``MALLOC_MMAP_THRESHOLD_=65536`` (every block of 64 KiB or more mapped on its own and
-returned when freed, the setting of the issue's measurement); ``--default-malloc`` measures with
-glibc's defaults too (its dynamic threshold keeps freed heap blocks: a second column).
+count, once with ``MALLOC_MMAP_THRESHOLD_=65536`` (every block of 64 KiB or more mapped on its
+own and returned when freed: what ``leanopt.pin_allocator()`` sets) and once with glibc's
+defaults (no ``MALLOC_*`` variable: its dynamic threshold keeps freed heap blocks), each in its
+own fresh process.
 
-Predicted = the row's ``process_bytes`` from ``leanopt.memory.plan.plan`` (its step peak plus
-the one-time costs of a first step, :mod:`leanopt.memory.process`), computed in this process.
+Predicted, from ``leanopt.memory.plan.plan`` in this process: ``process_bytes_pinned`` (the step
+peak plus the one-time costs of a first step, :mod:`leanopt.memory.process`) against the first,
+``process_bytes`` (that plus ``one_time["glibc_heap"]``, the heap glibc's defaults keep) against
+the second.
 """
 
 from __future__ import annotations
@@ -91,37 +94,36 @@ def predict(case: str, optimizer: str, precision: str, checkpointing: bool) -> A
     b = bench()
     _, _, _, batch, seq = b.model_spec(case)
     (row,) = plan(b.build_meta(case), batch=batch, seq=seq, optimizers=[optimizer], precisions=[precision],
-                  checkpointing=[checkpointing], grad_release=[False])  # fmt: skip
+                  checkpointing=[checkpointing], grad_release=[False], allocator="glibc")  # fmt: skip
     return row
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="full", help="full (the six rows) or small")
-    parser.add_argument("--repeat", type=int, default=1, help="measure each row this many times (fresh processes)")
-    parser.add_argument("--default-malloc", action="store_true", help="also measure with glibc's default allocator settings")
+    parser.add_argument("--repeat", type=int, default=1, help="measure each row this many times (fresh processes, each allocator)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     rows = []
+    if not args.json:
+        print("| model | optimizer | precision | ckpt | step peak | pinned: process_bytes_pinned | measured | error "
+              "| glibc defaults: process_bytes | measured | error |", flush=True)  # fmt: skip
     for case, optimizer, precision, ckpt in (ROWS if args.cases == "full" else SMALL_ROWS):
         t0 = time.perf_counter()
         row = predict(case, optimizer, precision, ckpt)
-        measured = [measure(case, optimizer, precision, ckpt) for _ in range(args.repeat)]
-        m = sorted(measured)[len(measured) // 2]
-        default = measure(case, optimizer, precision, ckpt, default_malloc=True) if args.default_malloc else None
-        out = {"case": case, "optimizer": optimizer, "precision": precision, "checkpointing": ckpt,
-               "peak_mib": round(row.peak_bytes / 2**20, 1), "process_mib": round(row.process_bytes / 2**20, 1),
-               "measured_mib": [round(x / 2**20, 1) for x in measured],
-               "peak_error_pct": round(100 * (row.peak_bytes - m) / m, 1),
-               "process_error_pct": round(100 * (row.process_bytes - m) / m, 1), "seconds": round(time.perf_counter() - t0),
-               "default_malloc_mib": None if default is None else round(default / 2**20, 1)}  # fmt: skip
+        out: dict[str, Any] = {"case": case, "optimizer": optimizer, "precision": precision, "checkpointing": ckpt,
+                               "peak_mib": round(row.peak_bytes / 2**20, 1), "glibc_heap_mib": round(row.one_time.get("glibc_heap", 0) / 2**20, 1)}  # fmt: skip
+        cells = []
+        for label, predicted, default in (("pinned", row.process_bytes_pinned, False), ("default", row.process_bytes, True)):
+            measured = [measure(case, optimizer, precision, ckpt, default_malloc=default) for _ in range(args.repeat)]
+            m = sorted(measured)[len(measured) // 2]
+            out[label] = {"process_mib": round(predicted / 2**20, 1), "measured_mib": [round(x / 2**20, 1) for x in measured],
+                          "error_pct": round(100 * (predicted - m) / m, 1)}  # fmt: skip
+            cells.append(f"{predicted / 2**20:,.0f} | {', '.join(f'{x / 2**20:,.0f}' for x in measured)} | {100 * (predicted - m) / m:+.1f} %")
+        out["seconds"] = round(time.perf_counter() - t0)
         rows.append(out)
         if not args.json:
-            print(f"| {case} | {optimizer} | {precision} | {'on' if ckpt else 'off'} | {out['peak_mib']:,.0f} | "
-                  f"{out['process_mib']:,.0f} | {', '.join(f'{x:,.0f}' for x in out['measured_mib'])} | "
-                  f"{out['peak_error_pct']:+.1f} % | {out['process_error_pct']:+.1f} % |"
-                  + ("" if default is None else f" {default / 2**20:,.0f} | {100 * (row.process_bytes - default) / default:+.1f} % |"),
-                  flush=True)  # fmt: skip
+            print(f"| {case} | {optimizer} | {precision} | {'on' if ckpt else 'off'} | {out['peak_mib']:,.0f} | {' | '.join(cells)} |", flush=True)
     if args.json:
         print(json.dumps(rows, indent=2))
     return 0

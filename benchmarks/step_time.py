@@ -31,6 +31,7 @@ fastest, the same in every process. ``--allocator default`` leaves glibc's defau
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import statistics
@@ -43,75 +44,91 @@ import torch
 
 import leanopt
 
+# Llama shapes by config: TinyLlama-1.1B's config.json (TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T),
+# the same widths scaled to ~8M params for a CPU, and a toy set for a dry run (scripts/gpu_check.py).
+TINYLLAMA = dict(layers=22, hidden=2048, intermediate=5632, heads=32, kv_heads=4, vocab=32000)
+TINYLLAMA_PARAMS = 1_100_048_384
+TINYLLAMA_CPU = dict(layers=6, hidden=256, intermediate=704, heads=32, kv_heads=4, vocab=8000)
+TOY = dict(layers=1, hidden=32, intermediate=88, heads=4, kv_heads=2, vocab=256)
+
+
+def llama_shapes(cfg: dict[str, int]) -> list[tuple[int, ...]]:
+    """Parameter shapes of a Llama model of config ``cfg`` (untied embeddings), in the model's order."""
+    hidden, inter, vocab = cfg["hidden"], cfg["intermediate"], cfg["vocab"]
+    kv = cfg["kv_heads"] * (hidden // cfg["heads"])
+    shapes: list[tuple[int, ...]] = [(vocab, hidden)]  # embed_tokens
+    for _ in range(cfg["layers"]):
+        shapes += [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden)]  # q, k, v, o
+        shapes += [(inter, hidden), (inter, hidden), (hidden, inter)]  # gate, up, down
+        shapes += [(hidden,), (hidden,)]  # input / post-attention RMSNorm
+    shapes += [(hidden,), (vocab, hidden)]  # final norm, lm_head
+    return shapes
+
 
 def tinyllama_shapes(scale: str) -> list[tuple[int, ...]]:
     """TinyLlama-1.1B's parameter shapes; ``scale="cpu"`` shrinks widths to ~8M params."""
-    if scale == "full":
-        hidden, inter, layers, vocab, kv = 2048, 5632, 22, 32000, 256
-    else:
-        hidden, inter, layers, vocab, kv = 256, 704, 6, 8000, 32
-    shapes: list[tuple[int, ...]] = [(vocab, hidden)]
-    for _ in range(layers):
-        shapes += [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden)]
-        shapes += [(inter, hidden), (inter, hidden), (hidden, inter), (hidden,), (hidden,)]
-    shapes += [(hidden,), (vocab, hidden)]
-    return shapes
+    return llama_shapes(TINYLLAMA if scale == "full" else TINYLLAMA_CPU)
 
 
 def pin_allocator() -> str:
     """glibc: serve allocations below 32 MiB from the heap and never trim it (see the module
-    docstring). Returns what was done, for the report."""
-    import ctypes
-    import ctypes.util
+    docstring; :func:`leanopt.memory.resident.set_malloc`). Returns what was done, for the report."""
+    from leanopt.memory.resident import GLIBC_MMAP_THRESHOLD_MAX, allocator, set_malloc
 
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    if allocator() == "other":
         return "default (no glibc mallopt here)"
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    if mallopt(m_mmap_threshold, 32 << 20) != 1 or mallopt(m_trim_threshold, 2**31 - 1) != 1:
+    if not set_malloc(mmap_threshold=GLIBC_MMAP_THRESHOLD_MAX, trim_threshold=2**31 - 1):
         return "default (mallopt refused)"
     return "pinned (glibc: mmap threshold 32 MiB, no trimming)"
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
 
 
 def copy_bandwidth(device: torch.device, nbytes: int) -> float:
-    """GB/s of a device-to-device copy (read + write counted)."""
+    """GB/s of a device-to-device copy (read + write counted): the floor a step is held to."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
     times = []
     for _ in range(12):
-        _sync(device)
+        sync(device)
         t = time.perf_counter()
         dst.copy_(src)
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - t)
-    return 2 * src.numel() * 4 / statistics.median(times[2:]) / 1e9
+    del src, dst
+    return 2 * (nbytes // 4) * 4 / statistics.median(times[2:]) / 1e9
 
 
-def candidates(device: torch.device) -> dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]]:
-    """Name -> factory. Factories may raise ImportError (peer missing) or fail at first step."""
-    out: dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]] = {
+Factory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+
+
+def candidates(backend: str | None = None) -> dict[str, Factory]:
+    """Name -> factory, every optimizer this benchmark knows: torch's, every registered leanopt
+    optimizer at its defaults (on ``backend`` if given), the peers'. Factories may raise
+    ImportError (peer missing) or fail at the first step."""
+    out: dict[str, Factory] = {
         "torch-adamw-fused": lambda ps: torch.optim.AdamW(ps, fused=True),
         "torch-adamw-foreach": lambda ps: torch.optim.AdamW(ps, foreach=True),
     }
 
     # Every registered leanopt optimizer (leanopt.optim.REGISTRY), at its defaults.
     for name, cls in leanopt.optim.REGISTRY.items():
-        out[f"leanopt-{name}"] = cls
+        out[f"leanopt-{name}"] = cls if backend is None else functools.partial(cls, backend=backend)
 
     def hf_adafactor(ps: list[torch.Tensor]) -> torch.optim.Optimizer:
         from transformers.optimization import Adafactor
 
         return Adafactor(ps)
 
-    def bnb(name: str, **kw: Any) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
+    def optimi_adamw(ps: list[torch.Tensor]) -> torch.optim.Optimizer:
+        import optimi  # type: ignore[import-not-found]  # an optional peer
+
+        return optimi.AdamW(ps, lr=1e-3, weight_decay=1e-2)
+
+    def bnb(name: str, **kw: Any) -> Factory:
         def make(ps: list[torch.Tensor]) -> torch.optim.Optimizer:
             import bitsandbytes as bnb
 
@@ -119,7 +136,7 @@ def candidates(device: torch.device) -> dict[str, Callable[[list[torch.Tensor]],
 
         return make
 
-    def torchao(name: str) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
+    def torchao(name: str) -> Factory:
         def make(ps: list[torch.Tensor]) -> torch.optim.Optimizer:
             import torchao.optim
 
@@ -133,14 +150,97 @@ def candidates(device: torch.device) -> dict[str, Callable[[list[torch.Tensor]],
     out["bnb-lion"] = bnb("Lion", optim_bits=32)
     out["bnb-lion8bit"] = bnb("Lion8bit")
     out["bnb-ademamix8bit"] = bnb("AdEMAMix8bit")
+    out["optimi-adamw"] = optimi_adamw
     out["torchao-adamw8bit"] = torchao("AdamW8bit")
     out["torchao-adamw4bit"] = torchao("AdamW4bit")
     return out
 
 
+def first_step(opt: torch.optim.Optimizer, device: torch.device) -> float:
+    """Seconds of ``opt``'s first step (its kernels compiled, its state made)."""
+    sync(device)
+    t = time.perf_counter()
+    opt.step()
+    sync(device)
+    return time.perf_counter() - t
+
+
+def interleaved_rounds(
+    steps: dict[str, Callable[[], None]], device: torch.device, rounds: int, warmup: int = 0, *,
+    deadline: float | None = None, dropped: Callable[[str, Exception], None] | None = None,
+    after_round: Callable[[int, dict[str, list[float]]], None] | None = None,
+) -> dict[str, list[float]]:  # fmt: skip
+    """The seconds of each of ``steps``' steps over ``rounds`` rounds after ``warmup``: one step
+    of each per round, in an order that rotates by one every round, so that a noisy machine
+    slows every contender alike.
+
+    ``deadline`` (``time.time()``): no round starts that would end past it. ``dropped``: a step
+    that raises is dropped from the rounds and reported to it (it may raise to stop them);
+    without it, the error propagates. ``after_round(done, times)`` is called after each round."""
+    names = list(steps)
+    times: dict[str, list[float]] = {name: [] for name in names}
+
+    def one(name: str) -> float | None:
+        try:
+            sync(device)
+            t = time.perf_counter()
+            steps[name]()
+            sync(device)
+            return time.perf_counter() - t
+        except Exception as err:
+            if dropped is None:
+                raise
+            names.remove(name)
+            del times[name]
+            dropped(name, err)
+            return None
+
+    for _ in range(warmup):
+        for name in list(names):
+            one(name)
+    round_s = 0.0
+    for done in range(rounds):
+        if not names or (deadline is not None and done and time.time() + round_s + 2 > deadline):
+            break
+        t = time.time()
+        for name in names[done % len(names) :] + names[: done % len(names)]:
+            took = one(name)
+            if took is not None:
+                times[name].append(took)
+        round_s = time.time() - t
+        if after_round is not None:
+            after_round(done + 1, times)
+    return times
+
+
+def step_row(name: str, times: list[float], first_s: float, state_bytes: int | None, *, numel: int, param_bytes: int,
+             bandwidth: float, ref_ms: float | None) -> dict[str, Any]:  # fmt: skip
+    """One optimizer's row: ms/step (median), against torch fused AdamW's ``ref_ms``, first step;
+    with its state bytes, the bytes a step moves at least (params read and written, gradients
+    read, state read and written), the time that takes at ``bandwidth`` and the rate achieved."""
+    ms = statistics.median(times) * 1e3 if times else None
+    row: dict[str, Any] = {"optimizer": name, "ms_per_step": None if ms is None else round(ms, 3),
+                           "ms_min": round(min(times) * 1e3, 3) if times else None,
+                           "ratio_to_torch_fused": round(ms / ref_ms, 3) if ms and ref_ms else None,
+                           "first_step_s": round(first_s, 3), "timed_steps": len(times)}  # fmt: skip
+    if state_bytes is not None:
+        moved = numel * 3 * param_bytes + 2 * state_bytes
+        row["state_bytes_per_param"] = round(state_bytes / numel, 4)
+        row["floor_ms"] = _sig(moved / (bandwidth * 1e9) * 1e3)
+        if ms:
+            row["achieved_GBps"] = _sig(moved / (ms / 1e3) / 1e9)
+            row["pct_of_copy_bandwidth"] = _sig(100 * moved / (ms / 1e3) / 1e9 / bandwidth)
+    return row
+
+
+def _sig(x: float, digits: int = 4) -> float:
+    return float(f"{x:.{digits}g}")
+
+
 # Other sets of shapes: "wide16" is 16 tensors of 512 x 1000 (8,192,000 params), the set the
 # issue that found Adafactor 2x slower than before measured; its row stays here (issue 23).
-SETS = {"wide16": [(512, 1000)] * 16}
+# "toy" is scripts/gpu_check.py's dry-run set (28,000 params).
+SETS = {"wide16": [(512, 1000)] * 16, "toy": llama_shapes(TOY)}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -157,7 +257,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     base = [torch.randn(s, generator=gen).mul_(0.02) for s in shapes]
     grads = [torch.randn(s, generator=gen).mul_(1e-3) for s in shapes]
 
-    factories = candidates(device)
+    factories = candidates()
     if args.only:
         wanted = args.only.split(",")
         unknown = [w for w in wanted if w not in factories]
@@ -173,51 +273,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             p.grad = g.to(device=device, dtype=dtype)
         try:
             opt = make(params)
-            _sync(device)
-            t = time.perf_counter()
-            opt.step()
-            _sync(device)
-            first = time.perf_counter() - t
+            first = first_step(opt, device)
         except Exception as err:  # a peer missing or failing here: report, don't abort
             skipped[name] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:160]
             continue
-        state_bytes = leanopt.measure(opt).bytes
-        runs[name] = {"opt": opt, "first_s": first, "times": [], "state_bytes": state_bytes}
+        runs[name] = {"opt": opt, "first_s": first, "state_bytes": leanopt.measure(opt).bytes}
         print(f"  ready {name:22s} first step {first:7.2f} s", file=sys.stderr)
 
-    names = list(runs)
-    for _ in range(args.warmup):
-        for name in names:
-            runs[name]["opt"].step()
-    for r in range(args.rounds):
-        order = names[r % len(names) :] + names[: r % len(names)]
-        for name in order:
-            _sync(device)
-            t = time.perf_counter()
-            runs[name]["opt"].step()
-            _sync(device)
-            runs[name]["times"].append(time.perf_counter() - t)
-
+    times = interleaved_rounds({name: r["opt"].step for name, r in runs.items()}, device, args.rounds, args.warmup)
     param_bytes = torch.empty((), dtype=dtype).element_size()
     bandwidth = copy_bandwidth(device, min(numel * 4, 1 << 30))
-    ref = runs.get("torch-adamw-fused")
-    ref_ms = statistics.median(ref["times"]) * 1e3 if ref else None
-    rows = []
-    for name in names:
-        r = runs[name]
-        ms = statistics.median(r["times"]) * 1e3
-        moved = numel * (3 * param_bytes) + 2 * r["state_bytes"]
-        rows.append(
-            {
-                "optimizer": name,
-                "ms_per_step": round(ms, 3),
-                "ratio_to_torch_fused": round(ms / ref_ms, 3) if ref_ms else None,
-                "first_step_s": round(r["first_s"], 3),
-                "state_bytes_per_param": round(r["state_bytes"] / numel, 4),
-                "achieved_GBps": round(moved / (ms / 1e3) / 1e9, 1),
-                "floor_ms": round(moved / (bandwidth * 1e9) * 1e3, 3),
-            }
-        )
+    ref = times.get("torch-adamw-fused")
+    ref_ms = statistics.median(ref) * 1e3 if ref else None
+    rows = [step_row(name, times[name], r["first_s"], r["state_bytes"], numel=numel, param_bytes=param_bytes,
+                     bandwidth=bandwidth, ref_ms=ref_ms) for name, r in runs.items()]  # fmt: skip
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
         "torch": torch.__version__,

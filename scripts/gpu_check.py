@@ -24,13 +24,17 @@ Results go to ``$OUT`` (default ``./gpu_check_out``): results.json, results.md (
 targets of issue #11, pass/fail), gpu_check.log (everything printed) and cuda_tests.xml (the
 tests' JUnit report), rewritten after every stage. ``--dry-run`` runs the same stages on the
 CPU at toy sizes, Triton under its interpreter. docs/gpu_check.md has the details.
+
+This script is the driver: stages, budgets, the targets and the report. What a stage measures is
+the code of benchmarks/ (step_time.py's shapes, candidates and timed rounds; accuracy_vs_peers.py's
+scenarios, contenders and distances; offload_step.py, first_step.py) and of tests/ (``-m cuda``),
+imported or run as they are, so a figure here is the figure the benchmark gives.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import importlib
 import importlib.metadata
 import importlib.util
@@ -93,11 +97,6 @@ DRY_TOTAL_BUDGET_S = 170.0 + DRY_PLAN_CHECK_EXTRA_S + 30.0 + 30.0
 GRACE_S = 5.0  # after a stage's budget, before it is killed (it stops itself at the budget)
 # Multiplies every budget (a loaded CI machine running the dry run); 1 on the GPU.
 BUDGET_SCALE = float(os.environ.get("GPU_CHECK_BUDGET_SCALE") or 1.0)
-
-# TinyLlama-1.1B's config.json (TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T).
-TINYLLAMA = dict(layers=22, hidden=2048, intermediate=5632, heads=32, kv_heads=4, vocab=32000)
-TINYLLAMA_PARAMS = 1_100_048_384
-TOY = dict(layers=1, hidden=32, intermediate=88, heads=4, kv_heads=2, vocab=256)
 
 # Wheels: distribution name (as in the wheel's file name) -> module it provides.
 PEER_WHEELS = {"bitsandbytes": "bitsandbytes", "torchao": "torchao", "torch_optimi": "optimi", "triton": "triton"}
@@ -815,17 +814,26 @@ def _hopper_compile_check(deadline: float) -> dict[str, Any]:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def cuda_test_files() -> list[str]:
+    """The test modules that hold CUDA cases (``pytest.mark.cuda``), relative to the root."""
+    tests = sorted((ROOT / "tests").glob("test_*.py"))
+    return [p.relative_to(ROOT).as_posix() for p in tests if "mark.cuda" in p.read_text(errors="replace")]
+
+
 def stage_tests(args: argparse.Namespace, part: Part, deadline: float) -> int:
     out = Path(os.environ.get("GPU_CHECK_OUT", "."))
     work = Path(os.environ.get("GPU_CHECK_WORK", tempfile.gettempdir()))
     env = dict(os.environ)
     env.pop("LEANOPT_CUDA_TESTS_ON_CPU", None)
     junit: dict[str, Any] = {}
-    # The suite's CUDA cases as they run on a GPU machine (all skipped without CUDA).
-    _, junit["pytest tests -m cuda"] = _pytest("cuda cases", ["tests"], env | {"TRITON_INTERPRET": "0"}, out / "cuda_tests.xml",
-                                                 deadline - time.time() - (25 if args.dry_run else 3))  # fmt: skip
+    # The suite's CUDA cases as they run on a GPU machine (all skipped without CUDA). Dry: only
+    # the modules that hold them (collecting the whole suite to skip it costs ~40 s on 2 cores).
+    paths = cuda_test_files() if args.dry_run else ["tests"]
+    label = f"pytest {' '.join(paths)} -m cuda"
+    _, junit[label] = _pytest("cuda cases", paths, env | {"TRITON_INTERPRET": "0"}, out / "cuda_tests.xml",
+                              deadline - time.time() - (25 if args.dry_run else 3))  # fmt: skip
     part.update(junit=junit)
-    ok = _cases_ok(junit["pytest tests -m cuda"])
+    ok = _cases_ok(junit[label])
     if args.dry_run:
         # ... and one case of each test function on the CPU, Triton interpreted.
         env_cpu = env | {"LEANOPT_CUDA_TESTS_ON_CPU": "1", "TRITON_INTERPRET": "1"}
@@ -849,111 +857,24 @@ def stage_tests(args: argparse.Namespace, part: Part, deadline: float) -> int:
     return 0
 
 
-# ---- timing -------------------------------------------------------------------------------------
+# ---- timing: benchmarks/step_time.py's pieces, on TinyLlama-1.1B shapes -------------------------
 
 
-def llama_shapes(cfg: dict[str, int]) -> list[tuple[int, ...]]:
-    """Parameter shapes of a Llama model (untied embeddings), in the model's order."""
-    hidden, inter, vocab = cfg["hidden"], cfg["intermediate"], cfg["vocab"]
-    kv = cfg["kv_heads"] * (hidden // cfg["heads"])
-    shapes: list[tuple[int, ...]] = [(vocab, hidden)]  # embed_tokens
-    for _ in range(cfg["layers"]):
-        shapes += [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden)]  # q, k, v, o
-        shapes += [(inter, hidden), (inter, hidden), (hidden, inter)]  # gate, up, down
-        shapes += [(hidden,), (hidden,)]  # input / post-attention RMSNorm
-    shapes += [(hidden,), (vocab, hidden)]  # final norm, lm_head
-    return shapes
+def benchmark(name: str) -> Any:
+    """A module of benchmarks/ (``step_time``, ``accuracy_vs_peers``): the stages run the
+    benchmarks' own code, so a figure here is the figure the benchmark gives."""
+    path = str(ROOT / "benchmarks")
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    return importlib.import_module(name)
 
 
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def copy_bandwidth(device, nbytes: int) -> float:
-    """GB/s of a device-to-device copy, bytes read plus bytes written."""
-    import torch
-
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(12):
-        _sync(device)
-        t = time.perf_counter()
-        dst.copy_(src)
-        _sync(device)
-        times.append(time.perf_counter() - t)
-    del src, dst
-    return 2 * nbytes / statistics.median(times[2:]) / 1e9
-
-
-@contextlib.contextmanager
-def eager_torch_compile() -> Iterator[None]:
-    """``torch.compile(fn)`` returns ``fn``: torchao's update runs eagerly (dry run on the CPU
-    only, where its one compile per parameter would take minutes)."""
-    import torch
-
-    original = torch.compile
-
-    def passthrough(fn=None, *a, **kw):  # noqa: ANN001, ANN002, ANN003
-        return fn if fn is not None else (lambda f: f)
-
-    torch.compile = passthrough  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        torch.compile = original  # type: ignore[assignment]
-
-
-def timing_candidates(leanopt_backend: str) -> list[tuple[str, str, Callable[[list], Any]]]:
-    """(name, kind, factory): leanopt first, torch next, the peers that compile last (if a
-    stage runs out of time, the last ones are the ones skipped)."""
-    import torch
-
-    import leanopt
-
-    def lean(cls_name: str) -> Callable[[list], Any]:
-        return lambda ps: getattr(leanopt, cls_name)(ps, backend=leanopt_backend)
-
-    def hf_adafactor(ps):
-        from transformers.optimization import Adafactor
-
-        return Adafactor(ps)
-
-    def optimi_adamw(ps):
-        import optimi
-
-        return optimi.AdamW(ps, lr=1e-3, weight_decay=1e-2)
-
-    def bnb_adamw8bit(ps):
-        import bitsandbytes as bnb
-
-        return bnb.optim.AdamW8bit(ps)
-
-    def torchao(name: str) -> Callable[[list], Any]:
-        def make(ps):
-            import torchao.optim
-
-            return getattr(torchao.optim, name)(ps)
-
-        return make
-
-    return [
-        ("torch-adamw-fused", "torch", lambda ps: torch.optim.AdamW(ps, fused=True)),
-        ("leanopt-adamw", "leanopt", lean("AdamW")),
-        ("leanopt-adamw8bit", "leanopt", lean("AdamW8bit")),
-        ("leanopt-adamw4bit", "leanopt", lean("AdamW4bit")),
-        ("leanopt-adafactor", "leanopt", lean("Adafactor")),
-        ("torch-adamw-foreach", "torch", lambda ps: torch.optim.AdamW(ps, foreach=True)),
-        ("hf-adafactor", "peer", hf_adafactor),
-        ("torch-adafactor", "torch", lambda ps: torch.optim.Adafactor(ps, foreach=True)),
-        ("bnb-adamw8bit", "peer", bnb_adamw8bit),
-        ("optimi-adamw", "peer", optimi_adamw),
-        ("torchao-adamw8bit", "peer", torchao("AdamW8bit")),
-        ("torchao-adamw4bit", "peer", torchao("AdamW4bit")),
-    ]
+# leanopt first, torch next, the peers that compile last (if a stage runs out of time, the last
+# ones are the ones skipped); names of benchmarks/step_time.py's candidates.
+TIMING_OPTIMIZERS = (
+    "torch-adamw-fused", "leanopt-adamw", "leanopt-adamw8bit", "leanopt-adamw4bit", "leanopt-adafactor", "torch-adamw-foreach",
+    "hf-adafactor", "torch-adafactor", "bnb-adamw8bit", "optimi-adamw", "torchao-adamw8bit", "torchao-adamw4bit",
+)  # fmt: skip
 
 
 def stage_timing(args: argparse.Namespace, part: Part, deadline: float, dtype_name: str) -> int:
@@ -962,22 +883,24 @@ def stage_timing(args: argparse.Namespace, part: Part, deadline: float, dtype_na
     import leanopt
     from leanopt import kernels
 
+    st = benchmark("step_time")
+    peer_context = benchmark("accuracy_vs_peers").peer_context  # torchao eager in a dry run (its compiles: minutes)
     dry = args.dry_run
     device = torch.device("cpu" if dry else "cuda")
     dtype = getattr(torch, dtype_name)
-    cfg = TOY if dry else TINYLLAMA
-    shapes = llama_shapes(cfg)
+    cfg = st.TOY if dry else st.TINYLLAMA
+    shapes = st.llama_shapes(cfg)
     numel = sum(math.prod(s) for s in shapes)
-    if not dry and numel != TINYLLAMA_PARAMS:
-        raise AssertionError(f"TinyLlama shapes give {numel:,} params, expected {TINYLLAMA_PARAMS:,}")
+    if not dry and numel != st.TINYLLAMA_PARAMS:
+        raise AssertionError(f"TinyLlama shapes give {numel:,} params, expected {st.TINYLLAMA_PARAMS:,}")
     rounds_max, warmup = (1, 0) if dry else (25, 2)
-    leanopt_backend = "triton" if dry else "auto"
+    factories = st.candidates("triton" if dry else "auto")
     part.update(device=str(device), param_dtype=dtype_name, params=numel, tensors=len(shapes),
                 shapes_from=("toy Llama " if dry else "TinyLlama-1.1B ") + json.dumps(cfg), results=[], skipped={},
                 warmup=warmup, rounds=0)  # fmt: skip
     budget = deadline - time.time()
 
-    bw = copy_bandwidth(device, (16 << 20) if dry else (2 << 30))
+    bw = st.copy_bandwidth(device, (16 << 20) if dry else (2 << 30))
     log(f"copy bandwidth {bw:.0f} GB/s")
     part.update(copy_bandwidth_GBps=round(bw, 1))
 
@@ -989,27 +912,22 @@ def stage_timing(args: argparse.Namespace, part: Part, deadline: float, dtype_na
         p = torch.empty(s, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen).requires_grad_()
         p.grad = torch.empty(s, dtype=dtype, device=device).normal_(0.0, 1e-3, generator=gen)
         params.append(p)
-    _sync(device)
+    st.sync(device)
     log(f"{numel:,} {dtype_name} params in {len(shapes)} tensors on {device}")
 
     runs: dict[str, dict[str, Any]] = {}
     skipped: dict[str, str] = {}
     param_bytes = torch.empty((), dtype=dtype).element_size()
-    for name, kind, make in timing_candidates(leanopt_backend):
+    for name in TIMING_OPTIMIZERS:
         left = deadline - time.time()
         if left < 0.3 * budget:  # keep time for the timed rounds
             skipped[name] = f"not run: {left:.0f} s of the stage budget left"
             part.update(skipped=skipped)
             continue
-        ctx = eager_torch_compile() if (dry and name.startswith("torchao")) else contextlib.nullcontext()
         try:
-            with _quiet(), ctx:
-                opt = make(params)
-                _sync(device)
-                t = time.perf_counter()
-                opt.step()
-                _sync(device)
-                first = time.perf_counter() - t
+            with _quiet(), peer_context(name, dry):
+                opt = factories[name](params)
+                first = st.first_step(opt, device)
         except Exception as err:  # noqa: BLE001 - a peer missing or failing here: report, go on
             skipped[name] = ("not installed: " if isinstance(err, ImportError) else "failed: ") + first_line(err)
             log(f"skip {name}: {skipped[name]}")
@@ -1024,91 +942,60 @@ def stage_timing(args: argparse.Namespace, part: Part, deadline: float, dtype_na
         except Exception as err:  # noqa: BLE001
             state_bytes = None
             log(f"{name}: leanopt.measure failed: {first_line(err)}")
-        backend = kernels.resolve_backend(opt.backend, device) if kind == "leanopt" else ("eager" if dry and name.startswith("torchao") else "")
-        runs[name] = {"opt": opt, "first_s": first, "times": [], "state_bytes": state_bytes, "backend": backend}
+        lean = name.startswith("leanopt-")
+        backend = kernels.resolve_backend(opt.backend, device) if lean else ("eager" if dry and name.startswith("torchao") else "")
+        runs[name] = {"opt": opt, "first_s": first, "state_bytes": state_bytes, "backend": backend}
         bpp = "?" if state_bytes is None else f"{state_bytes / numel:.4f}"
         log(f"ready {name:20s} first step {first:7.2f} s, state {bpp} B/param")
 
-    names = list(runs)
-    ctxs = {n: (eager_torch_compile if (dry and n.startswith("torchao")) else contextlib.nullcontext) for n in names}
-
-    def step(name: str) -> float | None:
-        """One timed step; an optimizer that fails is dropped (reported), the others go on."""
-        try:
-            with ctxs[name]():
-                _sync(device)
-                t = time.perf_counter()
+    def stepper(name: str) -> Callable[[], None]:
+        def step() -> None:
+            with peer_context(name, dry):
                 runs[name]["opt"].step()
-                _sync(device)
-                return time.perf_counter() - t
-        except Exception as err:  # noqa: BLE001
-            skipped[name] = "failed during the timed steps: " + first_line(err)
-            log(f"drop {name}: {skipped[name]}")
-            names.remove(name)
-            runs.pop(name)
-            part.update(skipped=skipped)
-            if device.type == "cuda" and not _cuda_healthy():
-                raise RuntimeError(f"CUDA context broken after {name}: {skipped[name]}") from err
-            return None
+
+        return step
+
+    def dropped(name: str, err: Exception) -> None:
+        """An optimizer that fails in the timed steps is dropped (reported), the others go on."""
+        skipped[name] = "failed during the timed steps: " + first_line(err)
+        log(f"drop {name}: {skipped[name]}")
+        runs.pop(name)
+        part.update(skipped=skipped)
+        if device.type == "cuda" and not _cuda_healthy():
+            raise RuntimeError(f"CUDA context broken after {name}: {skipped[name]}") from err
+
+    timed: dict[str, list[float]] = {}
 
     def rows() -> list[dict[str, Any]]:
-        ref = runs.get("torch-adamw-fused")
-        ref_ms = statistics.median(ref["times"]) * 1e3 if ref and ref["times"] else None
+        ref = timed.get("torch-adamw-fused")
+        ref_ms = statistics.median(ref) * 1e3 if ref else None
         out = []
-        for name in names:
-            r = runs[name]
-            ms = statistics.median(r["times"]) * 1e3 if r["times"] else None
-            row = {"optimizer": name, "backend": r["backend"], "ms_per_step": None if ms is None else round(ms, 3),
-                   "ms_min": round(min(r["times"]) * 1e3, 3) if r["times"] else None,
-                   "ratio_to_torch_fused": round(ms / ref_ms, 3) if ms and ref_ms else None,
-                   "first_step_s": round(r["first_s"], 3), "timed_steps": len(r["times"])}  # fmt: skip
+        for name, r in runs.items():
+            row = st.step_row(name, timed.get(name, []), r["first_s"], r["state_bytes"], numel=numel, param_bytes=param_bytes,
+                              bandwidth=bw, ref_ms=ref_ms)  # fmt: skip
+            row = {"optimizer": name, "backend": r["backend"], **row}
             if "first_warm_s" in r:
                 row["first_step_warm_s"] = round(r["first_warm_s"], 3)
-            if r["state_bytes"] is not None:
-                moved = numel * 3 * param_bytes + 2 * r["state_bytes"]  # p read+written, g read, state read+written
-                row["state_bytes_per_param"] = round(r["state_bytes"] / numel, 4)
-                row["floor_ms"] = _sig(moved / (bw * 1e9) * 1e3)
-                if ms:
-                    row["achieved_GBps"] = _sig(moved / (ms / 1e3) / 1e9)
-                    row["pct_of_copy_bandwidth"] = _sig(100 * moved / (ms / 1e3) / 1e9 / bw)
             out.append(row)
         return out
 
+    def after_round(done: int, times: dict[str, list[float]]) -> None:
+        timed.update(times)
+        part.update(results=rows(), rounds=done)
+
     try:
-        for _ in range(warmup):
-            for name in list(names):
-                step(name)
-        done = 0
-        round_s = 0.0
-        while done < rounds_max and names:
-            if done and time.time() + round_s + 2 > deadline:
-                log(f"stopping after {done} rounds: stage budget")
-                break
-            t = time.time()
-            order = names[done % len(names) :] + names[: done % len(names)]
-            for name in order:
-                took = step(name)
-                if took is not None:
-                    runs[name]["times"].append(took)
-            round_s = time.time() - t
-            done += 1
-            part.update(results=rows(), rounds=done)
-        log(f"{done} rounds of {len(names)} optimizers, {round_s:.2f} s a round")
+        t = time.time()
+        timed.update(st.interleaved_rounds({name: stepper(name) for name in runs}, device, rounds_max, warmup,
+                                           deadline=deadline, dropped=dropped, after_round=after_round))  # fmt: skip
+        log(f"{part.data['rounds']} rounds of {len(runs)} optimizers in {time.time() - t:.2f} s")
         # First step of a second instance: the kernels are compiled (and cached in this process).
-        makers = {n: m for n, k, m in timing_candidates(leanopt_backend) if k == "leanopt"}
-        for name in [n for n in names if n in makers]:
+        for name in [n for n in runs if n.startswith("leanopt-")]:
             if time.time() > deadline - 5:
                 break
             try:
-                opt2 = makers[name](params)
-                _sync(device)
-                t = time.perf_counter()
-                opt2.step()
-                _sync(device)
-                runs[name]["first_warm_s"] = time.perf_counter() - t
+                runs[name]["first_warm_s"] = st.first_step(factories[name](params), device)
             except Exception as err:  # noqa: BLE001
                 log(f"{name}: second instance failed: {first_line(err)}")
-            opt2 = None
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         part.update(results=rows())
@@ -1119,16 +1006,12 @@ def stage_timing(args: argparse.Namespace, part: Part, deadline: float, dtype_na
     for r in rows():
         log(f"{r['optimizer']:20s} {_fmt(r['ms_per_step'], '.2f'):>9} ms  x fused {_fmt(r['ratio_to_torch_fused'], '.2f'):>6}  "
             f"first {r['first_step_s']:.2f} s  {_fmt(r.get('state_bytes_per_param'), '.3f')} B/param  {_fmt(r.get('achieved_GBps'), '.0f')} GB/s")  # fmt: skip
-    part.update(summary=f"{len(names)} timed, {len(skipped)} skipped, {part.data['rounds']} rounds")
+    part.update(summary=f"{len(runs)} timed, {len(skipped)} skipped, {part.data['rounds']} rounds")
     if "error" in part.data:
         part.update(status="failed")
         return 1
     part.update(status="ok")
     return 0
-
-
-def _sig(x: float, digits: int = 4) -> float:
-    return float(f"{x:.{digits}g}")
 
 
 def _cuda_healthy() -> bool:
@@ -1142,108 +1025,48 @@ def _cuda_healthy() -> bool:
         return False
 
 
-# ---- accuracy -----------------------------------------------------------------------------------
+# ---- accuracy: benchmarks/accuracy_vs_peers.py's scenarios and contenders -----------------------
 
 
-def _accuracy_module():
-    """benchmarks/accuracy_vs_peers.py, for its scenarios (None if it does not import)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+def _import_error(module: str) -> str | None:
+    """Why ``module`` does not import here (None if it does)."""
     try:
-        return importlib.import_module("accuracy_vs_peers")
+        with _quiet():
+            importlib.import_module(module)
     except Exception as err:  # noqa: BLE001
-        log(f"benchmarks/accuracy_vs_peers.py does not import ({first_line(err)}): using the local scenarios")
-        return None
-    finally:
-        sys.path.pop(0)
-
-
-def _local_scenarios(size: int, steps: int) -> dict[str, Callable[[], tuple]]:
-    """The scenarios of benchmarks/accuracy_vs_peers.py, should it not import."""
-    import torch
-
-    def randn():
-        g = torch.Generator().manual_seed(0)
-        p0 = torch.randn(size, size, generator=g)
-        return p0, [torch.randn(size, size, generator=g) * 0.01 for _ in range(steps)]
-
-    def hazard():
-        g = torch.Generator().manual_seed(1)
-        p0 = torch.randn(size, size, generator=g)
-        base = 10.0 ** (-6.0 * torch.rand(size, size, generator=g)) * torch.where(torch.rand(size, size, generator=g) < 0.5, -1.0, 1.0)
-        on = torch.rand(size, size, generator=g) < 0.5
-        return p0, [base if t == 0 else base * on for t in range(steps)]
-
-    return {"randn": randn, "hazard": hazard}
+        return first_line(err)
+    return None
 
 
 def stage_accuracy(args: argparse.Namespace, part: Part, deadline: float) -> int:
-    import inspect
-
     import torch
 
     import leanopt
 
+    acc = benchmark("accuracy_vs_peers")
     dry = args.dry_run
     device = torch.device("cpu" if dry else "cuda")
-    size, steps, lr = (64, 3, 1e-3) if dry else (1024, 20, 1e-3)
+    size, steps, lr = (64, 3, acc.LR) if dry else (acc.SIZE, acc.STEPS, acc.LR)
     backend = "triton" if dry else "auto"
-    mod = _accuracy_module()
-    scenarios: dict[str, Callable[[], tuple]] = {}
-    if mod is not None:
-        lr = getattr(mod, "LR", lr)
-        for attr in sorted(dir(mod)):
-            fn = getattr(mod, attr)
-            if attr.endswith("_scenario") and callable(fn):
-                kw = {k: v for k, v in (("size", size), ("steps", steps)) if k in inspect.signature(fn).parameters}
-                scenarios[attr[: -len("_scenario")]] = lambda fn=fn, kw=kw: fn(**kw)
-    source = "benchmarks/accuracy_vs_peers.py" if scenarios else "scripts/gpu_check.py (local copies)"
-    if not scenarios:
-        scenarios = _local_scenarios(size, steps)
+    # Every ``*_scenario`` of the benchmark (randn, heavy, hazard, and any added later).
+    scenarios = {attr.removesuffix("_scenario"): getattr(acc, attr) for attr in dir(acc) if attr.endswith("_scenario")}
     order = [s for s in ("randn", "heavy", "hazard") if s in scenarios] + sorted(s for s in scenarios if s not in ("randn", "heavy", "hazard"))
-    part.update(device=str(device), size=size, steps=steps, lr=lr, scenarios=order, scenario_source=source, rows=[], absent={})
-
-    def lean(cls, **kw):
-        return lambda ps: cls(ps, lr=lr, weight_decay=0.0, backend=backend, **kw)
+    part.update(device=str(device), size=size, steps=steps, lr=lr, scenarios=order, scenario_source="benchmarks/accuracy_vs_peers.py",
+                rows=[], absent={})  # fmt: skip
 
     contenders: dict[str, Callable[[list], Any] | str] = {
-        "leanopt AdamW (fp32 states)": lean(leanopt.AdamW),
-        "leanopt AdamW8bit": lean(leanopt.AdamW8bit),
-        "leanopt AdamW4bit": lean(leanopt.AdamW4bit),
+        "leanopt AdamW (fp32 states)": lambda ps: leanopt.AdamW(ps, lr=lr, weight_decay=0.0, backend=backend),
+        **acc.leanopt_factories(backend),
     }
-    dyn = getattr(mod, "AdamW8bitDynamicTree", None) if mod is not None else None
-    if dyn is not None:
-        contenders["leanopt 8-bit, dynamic-tree codes"] = lean(dyn)
-    try:
-        with _quiet():
-            import bitsandbytes as bnb
-        contenders["bitsandbytes AdamW8bit"] = lambda ps: bnb.optim.AdamW8bit(ps, lr=lr, weight_decay=0.0)
-    except Exception as err:  # noqa: BLE001
-        contenders["bitsandbytes AdamW8bit"] = first_line(err)
-    try:
-        with _quiet():
-            import torchao.optim as ao
-        for name in ("AdamW8bit", "AdamW4bit", "AdamWFp8"):
-            contenders[f"torchao {name}"] = functools.partial(getattr(ao, name), lr=lr, weight_decay=0.0)
-    except Exception as err:  # noqa: BLE001
-        contenders["torchao"] = first_line(err)
-
-    def run(factory, p0, grads, eager: bool):
-        p = torch.nn.Parameter(p0.to(device).clone())
-        with (eager_torch_compile() if eager else contextlib.nullcontext()), _quiet():
-            opt = factory([p])
-            for g in grads:
-                p.grad = g.to(device).clone()
-                opt.step()
-        return p.detach(), opt
-
-    def fp32(p0, grads):
-        return run(lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=0.0, foreach=False), p0, grads, False)[0]
+    bnb = acc.bnb_factory()
+    contenders["bitsandbytes AdamW8bit"] = bnb if bnb is not None else (_import_error("bitsandbytes") or "absent")
+    contenders.update(acc.torchao_factories() or {"torchao": _import_error("torchao.optim") or "absent"})
 
     data = {}
     for s in order:
-        out = scenarios[s]()
+        out = scenarios[s](size=size, steps=steps)
         p0, grads = out[0], list(out[1])
-        data[s] = (p0, grads, fp32(p0, grads))
+        data[s] = (p0, grads, acc.fp32_reference(p0, grads, device=device))
     # NaN isolation: one NaN gradient element at the next-to-last step; count the params that
     # turn non-finite (1 where the element itself takes the NaN, as torch's AdamW does; 0 where
     # it is skipped; a block where it spreads).
@@ -1261,22 +1084,23 @@ def stage_accuracy(args: argparse.Namespace, part: Part, deadline: float) -> int
         if time.time() > deadline - 3:
             absent[name] = "not run: stage budget"
             continue
-        eager = dry and name.startswith("torchao")
         row: dict[str, Any] = {"name": name, "scenarios": {}}
         t = time.time()
         for s in order:
             p0, grads, ref = data[s]
             try:
-                final, opt = run(factory, p0, grads, eager)
-                d = (final.double() - ref.double()).abs()
-                row["scenarios"][s] = {"max": d.max().item(), "mean": d.mean().item(), "far": int((d > 0.01).sum().item())}
+                with _quiet(), acc.peer_context(name, dry):
+                    final, opt = acc.run(factory, p0, grads, device=device)
+                mean, far, worst = acc.sparse_distance(final, ref)
+                row["scenarios"][s] = {"max": worst, "mean": mean, "far": far}
                 if "bytes_per_param" not in row:
                     with contextlib.suppress(Exception):
                         row["bytes_per_param"] = leanopt.measure(opt).bytes / p0.numel()
             except Exception as err:  # noqa: BLE001
                 row["scenarios"][s] = {"error": first_line(err)}
         try:
-            final, _ = run(factory, nan_p0, nan_grads, eager)
+            with _quiet(), acc.peer_context(name, dry):
+                final, _ = acc.run(factory, nan_p0, nan_grads, device=device)
             row["nan_spread"] = int((~torch.isfinite(final)).sum().item())
         except Exception as err:  # noqa: BLE001
             row["nan_spread"] = None
@@ -1287,7 +1111,7 @@ def stage_accuracy(args: argparse.Namespace, part: Part, deadline: float) -> int
         log(f"{name:36s} {cells}  NaN spread {row['nan_spread']}  ({row['seconds']} s)")
         part.update(rows=rows, absent=absent)
     errors = [r["name"] for r in rows if r["name"].startswith("leanopt") and any("error" in v for v in r["scenarios"].values())]
-    part.update(summary=f"{len(rows)} optimizers, {len(order)} scenarios from {source}")
+    part.update(summary=f"{len(rows)} optimizers, {len(order)} scenarios from benchmarks/accuracy_vs_peers.py")
     if errors:
         part.update(status="failed", error="leanopt failed in: " + ", ".join(errors))
         return 1
@@ -1337,16 +1161,17 @@ def stage_host_step(args: argparse.Namespace, part: Part, deadline: float) -> in
     """The CPU step as it scales with cores (issue 23): ``benchmarks/step_time.py --device cpu`` at
     one thread and at every core of the machine (on a lent GPU machine, 16), and
     ``benchmarks/first_step.py`` (a fresh kernel cache, a warm one, no compiler). Dry: two
-    optimizers, two rounds, 1 and 2 threads, no first-step run (a minute on 2 cores)."""
+    optimizers on the toy shapes, two rounds, 1 and 2 threads, no first-step run."""
     cores = os.cpu_count() or 1
     counts = [1, 2] if args.dry_run else sorted({1, cores})
     only = "torch-adamw-fused,leanopt-adamw8bit" if args.dry_run else HOST_STEP_OPTIMIZERS
-    rounds = "2" if args.dry_run else "15"
+    # Dry: the toy shapes, one warm-up (the command and its report checked, not the CPU's speed).
+    sizes = ["--set", "toy", "--rounds", "2", "--warmup", "1"] if args.dry_run else ["--rounds", "15"]
     runs: dict[str, Any] = {}
     for n in counts:
         out = Path(os.environ.get("GPU_CHECK_WORK", tempfile.gettempdir())) / f"host_step_{n}.json"
         cmd = [sys.executable, str(ROOT / "benchmarks" / "step_time.py"), "--device", "cpu", "--threads", str(n),
-               "--rounds", rounds, "--only", only, "--json", str(out)]  # fmt: skip
+               *sizes, "--only", only, "--json", str(out)]  # fmt: skip
         subprocess.run(cmd, cwd=ROOT, check=True, timeout=max(1.0, deadline - time.time() - 1))
         runs[str(n)] = json.loads(out.read_text())
     scaling = {}

@@ -18,8 +18,9 @@ GPU_CHECK_T0="$(date +%s.%N)"
 export GPU_CHECK_T0
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 PYTHON="${PYTHON:-python3}"
-if ! "$PYTHON" -c "import torch" 2>/dev/null; then
-    echo "gpu_check: $PYTHON cannot import torch" >&2
+# Found, not imported (an import costs seconds; the env stage imports it and reports why it fails).
+if ! "$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)" 2>/dev/null; then
+    echo "gpu_check: $PYTHON has no torch" >&2
     exit 2
 fi
 exec "$PYTHON" scripts/gpu_check.py "$@"

@@ -1,8 +1,8 @@
 """bf16 states (``state_dtype=torch.bfloat16``, leanopt.quant.bf16): the rounding, every backend
 against the reference, the byte count, validation, conversion and inspection.
 
-The generic suite (tests/test_generic.py) runs every registry case of ``registry.BF16_STATES``
-too: loss goes down, state_dict round trips and deepcopies continue bit-identically (the
+The generic suite (tests/test_generic.py) runs one ``registry.BF16_STATES`` case per number of
+states (1, 2, 3; ``registry.GENERIC``) too: loss goes down, state_dict round trips and deepcopies continue bit-identically (the
 rounding's dither is a function of the step and the element's index), estimate == measure.
 """
 

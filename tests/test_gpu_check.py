@@ -30,6 +30,7 @@ def _load_script():
 
 
 gpu_check = _load_script()
+step_time = gpu_check.benchmark("step_time")  # the timing stage's shapes and candidates
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +69,10 @@ def test_dry_run_environment_and_tests(dry_run) -> None:
     assert st["env"]["cuda_available"] is False
     assert {"python", "torch", "triton", "leanopt"} <= set(st["env"]["versions"])
     junit = st["tests"]["junit"]
-    plain, emulated = junit["pytest tests -m cuda"], next(v for k, v in junit.items() if "LEANOPT_CUDA_TESTS_ON_CPU" in k)
+    # Dry: the modules that hold CUDA cases (the GPU run collects all of tests/); tests/test_cuda.py among them.
+    assert "tests/test_cuda.py" in gpu_check.cuda_test_files()
+    plain = junit[f"pytest {' '.join(gpu_check.cuda_test_files())} -m cuda"]
+    emulated = next(v for k, v in junit.items() if "LEANOPT_CUDA_TESTS_ON_CPU" in k)
     # Without CUDA every CUDA case is collected and skipped; on the CPU a selection passes.
     assert plain["tests"] >= 30 and plain["skipped"] == plain["tests"] and plain["failed"] == plain["errors"] == 0
     assert emulated["passed"] >= 5 and emulated["failed"] == emulated["errors"] == 0
@@ -77,10 +81,11 @@ def test_dry_run_environment_and_tests(dry_run) -> None:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_dry_run_timing(dry_run, dtype: str) -> None:
     t = _results(dry_run)["stages"][f"timing_{dtype}"]
-    assert t["params"] == sum(math.prod(s) for s in gpu_check.llama_shapes(gpu_check.TOY))
+    assert t["params"] == sum(math.prod(s) for s in step_time.llama_shapes(step_time.TOY))
     assert t["copy_bandwidth_GBps"] > 0 and t["rounds"] >= 1
     rows = {r["optimizer"]: r for r in t["results"]}
-    names = [n for n, _, _ in gpu_check.timing_candidates("triton")]
+    names = gpu_check.TIMING_OPTIMIZERS
+    assert set(names) <= set(step_time.candidates("triton"))
     # Every candidate is timed or skipped with a reason; leanopt's and torch fused always run.
     assert set(rows) | set(t["skipped"]) == set(names) and not set(rows) & set(t["skipped"])
     assert all(t["skipped"].values())
@@ -146,8 +151,8 @@ def test_dry_run_offload(dry_run) -> None:
 
 
 def test_tinyllama_shapes_are_the_model() -> None:
-    shapes = gpu_check.llama_shapes(gpu_check.TINYLLAMA)
-    assert sum(math.prod(s) for s in shapes) == gpu_check.TINYLLAMA_PARAMS == 1_100_048_384
+    shapes = step_time.llama_shapes(step_time.TINYLLAMA)
+    assert sum(math.prod(s) for s in shapes) == step_time.TINYLLAMA_PARAMS == 1_100_048_384
     assert len(shapes) == 2 + 22 * 9 + 1
     assert shapes[0] == shapes[-1] == (32000, 2048) and (256, 2048) in shapes and (2048, 5632) in shapes
 

@@ -21,7 +21,7 @@ from registry import OPTIMIZERS
 # The planner (a FakeTensorMode tracer and its CUDA emulation), the doctor built on it, and
 # transformers (the model presets of `leanopt estimate` / `plan`).
 PLANNER = ("leanopt.memory.plan", "leanopt.memory.plan_trace", "leanopt.memory.plan_check", "leanopt.memory.plan_fsdp",
-           "leanopt.memory.doctor", "leanopt.memory.presets", "transformers")  # fmt: skip
+           "leanopt.memory.doctor", "leanopt.memory.presets", "leanopt.memory.cuda_emulation", "transformers")  # fmt: skip
 
 PROBE = """
 import json, sys

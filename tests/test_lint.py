@@ -1,15 +1,20 @@
-"""The linter's settings (pyproject.toml [tool.ruff]) hold on the whole tree: `ruff check .`."""
+"""The linters' settings (pyproject.toml [tool.ruff], [tool.mypy]) hold on the tree: `ruff check .`
+on everything, and `mypy src` clean on every file."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+_ERROR = re.compile(r"^(?P<path>[^:\s]+\.py):\d+(?::\d+)?: error: ", re.MULTILINE)
 
 
 def test_ruff_check_passes_on_the_tree() -> None:
@@ -21,3 +26,37 @@ def test_ruff_check_passes_on_the_tree() -> None:
         ruff_cmd = [ruff]
     out = subprocess.run([*ruff_cmd, "check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-1000:]
+
+
+def mypy_errors(cache_dir: Path) -> tuple[Counter[str], str]:
+    """``mypy src`` as the project runs it (pyproject's [tool.mypy]), from an empty cache in
+    ``cache_dir``: the count of errors per file (paths relative to the repository), and its output."""
+    out = subprocess.run(
+        [sys.executable, "-m", "mypy", "--cache-dir", str(cache_dir), "--no-color-output", "--no-error-summary", "src"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    # 0: no errors; 1: errors reported; anything else (2: a crash, bad config) is no result at all.
+    assert out.returncode in (0, 1), f"mypy exited {out.returncode}:\n{out.stdout[-3000:]}{out.stderr[-3000:]}"
+    counts = Counter(m["path"].replace("\\", "/") for m in _ERROR.finditer(out.stdout))
+    assert (out.returncode == 1) == bool(counts), f"mypy exited {out.returncode}, errors parsed: {dict(counts)}\n{out.stdout[-3000:]}"
+    return counts, out.stdout
+
+
+@pytest.mark.slow  # ~60 s: mypy checks src/ and torch's stubs from an empty cache
+def test_mypy_reports_no_errors_in_src(tmp_path: Path) -> None:
+    pytest.importorskip("mypy", reason="mypy is not installed (the test extra installs it: pip install -e .[test])")
+    counts, output = mypy_errors(tmp_path / "mypy_cache")
+    lines = "\n".join(line for line in output.splitlines() if _ERROR.match(line))
+    assert not counts, f"mypy errors in src, {dict(counts)}:\n{lines[-6000:]}"
+
+
+def test_mypy_error_lines_are_parsed() -> None:
+    """The pattern the mypy test counts by: mypy's `path:line: error:` lines (with or without a
+    column), not its notes or summary."""
+    text = (
+        "src/leanopt/a.py:12: error: Item \"None\" of \"X | None\" has no attribute \"y\"  [union-attr]\n"
+        "src/leanopt/a.py:12: note: see https://mypy.readthedocs.io\n"
+        "src/leanopt/b/c.py:3:7: error: Name \"z\" is not defined  [name-defined]\n"
+        "Found 2 errors in 2 files (checked 75 source files)\n"
+    )
+    assert Counter(m["path"] for m in _ERROR.finditer(text)) == {"src/leanopt/a.py": 1, "src/leanopt/b/c.py": 1}

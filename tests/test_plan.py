@@ -99,7 +99,7 @@ def test_rows_cover_every_configuration_ranked_by_precision_kept(gpt2_rows):
 def test_json_keys(gpt2_rows):
     d = json.loads(json.dumps(gpt2_rows[0].as_dict()))
     assert set(d) == {"optimizer", "precision", "rounding", "checkpointing", "grad_release", "gpus", "accum", "peak_bytes",
-                      "process_bytes", "fits", "compared", "breakdown", "one_time", "process_source", "offload",
+                      "process_bytes", "process_bytes_pinned", "fits", "compared", "breakdown", "one_time", "process_source", "offload",
                       "host_bytes"}  # fmt: skip
     assert d["fits"] is None and isinstance(d["breakdown"], dict) and d["rounding"] is None
     assert d["process_bytes"] is None and d["compared"] is None and d["accum"] == 1

@@ -20,13 +20,9 @@ import transformers
 from torch._subclasses import FakeTensorMode
 
 from leanopt.memory import plan_check
+from leanopt.memory.cuda_emulation import cuda_block_bytes, cuda_forward, sdpa_cuda_kernel
 from leanopt.memory.plan import _trace_step, plan
-from leanopt.memory.plan_trace import (
-    LiveStorage,
-    cuda_block_bytes,
-    cuda_forward,
-    sdpa_cuda_kernel,
-)
+from leanopt.memory.plan_trace import LiveStorage
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_GPT2 = {"vocab_size": 2000, "n_positions": 64, "n_embd": 64, "n_layer": 2, "n_head": 4}

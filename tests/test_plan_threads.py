@@ -112,7 +112,7 @@ def test_a_plan_of_the_model_being_trained_leaves_it_untouched():
 
 def test_a_gpu_plan_changes_no_torch_function_in_another_thread():
     # A plan for device="cuda" runs attention by CUDA's kernels and some ops in fp32 on the fake
-    # tensors: torch's own functions, replaced for the planning thread only (plan_trace.thread_patch).
+    # tensors: torch's own functions, replaced for the planning thread only (torch_patches.thread_patch).
     pytest.importorskip("triton")
     model = _model().float()
     ids = torch.randint(0, TINY["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(0))
@@ -140,7 +140,7 @@ def test_a_gpu_plan_changes_no_torch_function_in_another_thread():
     thread.join()
     assert not errors, f"the plan failed: {errors[0]!r}"
     assert len(plans) == 2 and plans[0] == plans[1]
-    from leanopt.memory import plan_trace
+    from leanopt import torch_patches
 
-    assert not plan_trace._PATCHES  # the last trace out put torch's functions back
+    assert not torch_patches._PATCHES  # the last trace out put torch's functions back
     assert torch.nn.functional.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention

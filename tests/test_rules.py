@@ -131,7 +131,11 @@ def _matches_reference(case: OptimizerCase, backend: str, dtype: torch.dtype, kw
         else:
             # Dense: two ulps (one rounding each of two steps may go the other way); quantized: one.
             close = diff <= (1 if quantized else 2) * _ulp(r) * 1.001
-        assert close.float().mean() >= (0.99 if quantized or dtype != torch.float32 else 1.0), f"seed {seed}"
+        # bf16 states: a stochastic rounding may go the other way where the backends' fp32
+        # arithmetic differs in the last bit (tests/test_bf16_states.py: <= 0.2 % of elements).
+        bf16_states = case.kwargs.get("state_dtype") == torch.bfloat16
+        need = 0.99 if quantized or dtype != torch.float32 else 0.998 if bf16_states else 1.0
+        assert close.float().mean() >= need, f"seed {seed}"
         assert diff.max() <= lr / 10, f"seed {seed}: {diff.max()}"
         for key, want in ref_opt.state[r].items():
             got = opt.state[p][key]

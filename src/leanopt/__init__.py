@@ -16,6 +16,7 @@ if importlib.util.find_spec("numpy") is None:
 # quantized sibling, its registration.
 from leanopt.kernels.rules import Rule, StateKind
 from leanopt.memory import OPTIMIZER_NAMES, compute_optimizer_size, estimate, measure, training_memory
+from leanopt.memory.resident import pin_allocator
 from leanopt.optim import (
     SGD,
     Adafactor,
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 __all__ = ["OPTIMIZER_NAMES", "AdEMAMix", "AdEMAMix8bit", "Adafactor", "AdamW", "AdamW4bit", "AdamW8bit", "ElementwiseOptimizer",
            "Lion", "Lion4bit", "Lion8bit", "LowBit", "Rule", "SGD", "SGD8bit", "StateKind", "compute_optimizer_size", "doctor", "estimate",
-           "measure", "plan", "register", "release_gradients", "training_memory"]  # fmt: skip
+           "measure", "pin_allocator", "plan", "register", "release_gradients", "training_memory"]  # fmt: skip
 
 # The planner (memory/plan*.py: a FakeTensorMode tracer and its CUDA emulation) and the doctor
 # are imported on first use, so that `import leanopt` for an optimizer does not pay for them

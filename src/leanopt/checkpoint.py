@@ -54,13 +54,15 @@ ValueError: cannot convert a lion8bit state_dict to adamw: Lion8bit runs the lio
 from __future__ import annotations
 
 import functools
+import inspect
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from leanopt.optim.base import LeanOptimizer
 from leanopt.optim.identity import BNB_KEY, IDENTITY_KEY, TORCHAO_STATES, Recognized, declared_optimizer, recognize_states, tensor_subclass
 from leanopt.optim.lowbit import STORAGE_OPTIONS, LowBit, check_block_size, check_min_quant_size
 from leanopt.optim.registry import REGISTRY, optimizer_class
@@ -200,14 +202,19 @@ def convert_checkpoint(
             f"cannot convert a {source} state_dict to {TORCH_ADAMW}: {REGISTRY[source].__name__} runs the "
             f"{REGISTRY[source].family} rule, torch.optim.AdamW the adamw rule (a state of one rule cannot continue another)"
         )
-    converted = _convert(state_dict, source, target_cls, block_size, min_quant_size, check_state_dtype(state_dtype))
+    stored = check_state_dtype(state_dtype)
+    if stored != torch.float32 and (to_torch or "state_dtype" not in inspect.signature(target_cls).parameters):
+        whose = (f"{TORCH_ADAMW} keeps its states in each param's dtype (torch.optim.AdamW has no state_dtype)" if to_torch
+                 else f"{target_cls.__name__} has no state_dtype option (its states are not the elementwise moments)")
+        raise ValueError(f"state_dtype={state_dtype_name(stored)} cannot be written for {to}: {whose}")
+    converted = _convert(state_dict, source, target_cls, block_size, min_quant_size, stored)
     notes: list[str] = []
     if to_torch:
         converted = _as_torch_adamw(converted, state_dict, notes)
     return Conversion(converted, source, read_as or source, TORCH_ADAMW if to_torch else target_cls.name, notes)
 
 
-def _convert(state_dict: Mapping[str, Any], source: str, target_cls: type, block_size: int | None,
+def _convert(state_dict: Mapping[str, Any], source: str, target_cls: type[LeanOptimizer], block_size: int | None,
              min_quant_size: int, state_dtype: torch.dtype = torch.float32) -> dict[str, Any]:  # fmt: skip
     """convert_checkpoint's work on a leanopt-layout ``state_dict`` of optimizer ``source``."""
     to = target_cls.name
@@ -218,20 +225,23 @@ def _convert(state_dict: Mapping[str, Any], source: str, target_cls: type, block
             f"{target_cls.__name__} the {target_cls.family} rule (a state of one rule cannot continue another; "
             f"convert within a family: {', '.join(family_members(source))})"
         )
-    low_bit = issubclass(target_cls, LowBit)
-    if low_bit:
-        block_size = target_cls.default_block_size if block_size is None else block_size
+    # The target's class as a LowBit one when it is (None otherwise): its storage constants.
+    low_bit_cls = target_cls if issubclass(target_cls, LowBit) else None
+    low_bit = low_bit_cls is not None
+    if low_bit_cls is not None:
+        block_size = low_bit_cls.default_block_size if block_size is None else block_size
         check_block_size(block_size)
         check_min_quant_size(min_quant_size)
-    target, origin = _blank(target_cls), _blank(source_cls)
+    # ignore: a class is hashable, but mypy does not see type[X] as Hashable for functools.cache (python/mypy#11470)
+    target, origin = _blank(target_cls), _blank(source_cls)  # type: ignore[arg-type]
 
     groups_out = []
     group_of: dict[Any, tuple[dict[str, Any], list[str], list[str]]] = {}
     for gi, group in enumerate(state_dict["param_groups"]):
         g = {k: v for k, v in group.items() if k not in STORAGE_OPTIONS}
-        if low_bit:
+        if low_bit_cls is not None:
             g.update(quantize=group.get("quantize", True), block_size=block_size, min_quant_size=min_quant_size,
-                     state_bits=target_cls.state_bits)  # fmt: skip
+                     state_bits=low_bit_cls.state_bits)  # fmt: skip
         if "state_dtype" in target.defaults:
             g["state_dtype"] = state_dtype_name(state_dtype)
         g[IDENTITY_KEY] = to
@@ -420,6 +430,8 @@ def _torchao_dense(value: torch.Tensor, name: str) -> torch.Tensor:
     without it) as fp32: ``qmap[code] * scale[block]`` (fp8: ``code * scale``), blocks of
     ``codes.numel() // scale.numel()`` elements in flat order."""
     cls = tensor_subclass(value)
+    if cls is None:
+        raise ValueError(f"{name} is a {type(value).__name__}, not a torchao optimizer state")
     fields = value.__dict__
     codes, shape = fields.get("codes"), tuple(value.shape)
     numel = math.prod(shape)
@@ -532,9 +544,12 @@ def _as_torch_adamw(converted: dict[str, Any], source: Mapping[str, Any], notes:
 
 # ---- helpers -----------------------------------------------------------------------------------
 @functools.cache
-def _blank(cls: type) -> Any:
+def _blank(cls: type[LeanOptimizer]) -> Any:
     """An instance of ``cls`` on one empty meta param: its defaults, checks and layout methods."""
-    return cls([torch.nn.Parameter(torch.empty(0, device="meta"))])
+    # A registered class's own constructor takes params alone (its defaults are its keywords'),
+    # unlike LeanOptimizer.__init__(params, defaults) that mypy would check the call against.
+    make: Callable[..., LeanOptimizer] = cls
+    return make([torch.nn.Parameter(torch.empty(0, device="meta"))])
 
 
 def _state_keys(opt: Any, group: Mapping[str, Any]) -> list[str]:
@@ -546,7 +561,8 @@ def _state_keys(opt: Any, group: Mapping[str, Any]) -> list[str]:
 def _check_states(state_dict: Mapping[str, Any], name: str) -> None:
     """Each param group of a ``name`` state_dict holds options ``name`` runs with, and each
     param's state is a dict holding ``name``'s state keys and no key of another rule's state."""
-    opt = _blank(REGISTRY[name])
+    # ignore: a class is hashable, but mypy does not see type[X] as Hashable for functools.cache (python/mypy#11470)
+    opt = _blank(REGISTRY[name])  # type: ignore[arg-type]
 
     def refuse(problem: str) -> ValueError:
         seen = recognize_states(state_dict)

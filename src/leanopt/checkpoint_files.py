@@ -33,7 +33,7 @@ import os
 import pickle
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeGuard
 
 import torch
 
@@ -84,15 +84,19 @@ class TorchaoState(torch.Tensor):
             raise ValueError(f"a {self.torchao_class.rsplit('.', 1)[-1]} has no field {name!r}")
         super().__setattr__(name, value)
 
+    # torch.Tensor binds __torch_dispatch__ to a builtin (_C._disabled_torch_dispatch_impl), so its stub
+    # types it as a plain function, while a subclass must define it as a classmethod (torch's docs).
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
         # torch requires a wrapper subclass to dispatch; this one has no data to compute with.
         raise TypeError(f"a torchao state read without torchao holds its fields only; {func} cannot run on it")
 
     def __tensor_flatten__(self) -> tuple[list[str], None]:
         return [a for a in self.tensor_attrs if isinstance(self.__dict__.get(a), torch.Tensor)], None
 
-    def __repr__(self) -> str:  # torch's would read the (absent) data
+    # torch's would read the (absent) data. mypy refuses every annotated override of torch's untyped
+    # Tensor.__repr__ here, even (*args: Any, **kwargs: Any) -> str (mypy 2.4.1, torch 2.13).
+    def __repr__(self) -> str:  # type: ignore[override]
         return f"{type(self).__name__}(shape={tuple(self.shape)})"
 
 
@@ -201,7 +205,7 @@ class _Reader:
             raise ValueError(f"entry {fqn!r}: stored with transforms {info.transform_descriptors!r} (compression), not read here")
         if not isinstance(rel, str) or not rel or os.path.basename(rel) != rel or rel.startswith("."):
             raise ValueError(f"entry {fqn!r}: data file {rel!r} is not a file of the checkpoint folder")
-        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (offset, length)):
+        if not (_byte_count(offset) and _byte_count(length)):
             raise ValueError(f"entry {fqn!r}: byte range {offset!r}+{length!r} is not a pair of non-negative ints")
         f = self.files.get(rel)
         if f is None:
@@ -293,6 +297,11 @@ def _overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
     return any(meet(boxes[i], boxes[j]) for i in range(len(boxes)) for j in range(i + 1, len(boxes)))
 
 
+def _byte_count(n: Any) -> TypeGuard[int]:
+    """Whether ``n`` is an offset or a length in bytes: an int >= 0 (not a bool)."""
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
+
+
 def _put(root: dict[str, Any], path: Any, value: Any, fqn: str, entries: int) -> None:
     """Set ``value`` at ``path`` (DCP's planner data: keys, and list indexes for lists such as
     ``param_groups``) inside ``root``, making the dicts and lists on the way."""
@@ -304,7 +313,7 @@ def _put(root: dict[str, Any], path: Any, value: Any, fqn: str, entries: int) ->
             raise ValueError(f"entry {fqn!r}: its place {list(path)!r} holds the key {key!r}")
         if isinstance(node, list) != isinstance(key, int):
             raise ValueError(f"entry {fqn!r}: its place {list(path)!r} mixes list indexes and keys")
-        if isinstance(node, list):
+        if isinstance(node, list) and isinstance(key, int):  # (both or neither, from the check above)
             node.extend([None] * (key + 1 - len(node)))
         if after is None:
             node[key] = value

@@ -124,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--no-process", action="store_true", help="skip process_bytes (the CPU's one-time costs are measured "
                     "once per model class, precision and optimizer in a subprocess, ~10-50 s, then cached): --budget is then compared "
                     "with the step's peak")  # fmt: skip
+    pl.add_argument("--allocator", choices=["pinned", "glibc"], default="pinned",
+                    help="what the CPU's process MB assume: pinned (default) for a training process that calls "
+                    "leanopt.pin_allocator() first; glibc models glibc's default heap for one that changes nothing "
+                    "(it keeps freed blocks: 18-32 %% more on the small models of docs/plan.md; one more trace per row, seconds each, then cached)")  # fmt: skip
     pl.add_argument("--offload", action="store_true", help="also rows with offload='cpu' (states and fp32 masters in host "
                     "memory: host MB; leanopt's optimizers, fp32 and pure bf16), ranked after the on-device rows")  # fmt: skip
     pl.add_argument("--json", action="store_true", help="print the rows as JSON")
@@ -189,6 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--block-size", type=int, help="elements per scale of a low-bit target (default: the class's, "
                       "256 for 8-bit, 128 for 4-bit)")
     conv.add_argument("--min-quant-size", type=int, default=4096, help="smaller params keep fp32 states (default 4096)")
+    conv.add_argument("--state-dtype", type=str.lower, choices=["float32", "bfloat16"], default="float32", metavar="DTYPE",
+                      help="the dtype of the target's dense states: float32 (default) or bfloat16 (the state_dtype= of "
+                      "AdamW, Lion, AdEMAMix, SGD and their low-bit siblings' small params; rounded to nearest once, then "
+                      "the optimizer rounds its own writes stochastically)")  # fmt: skip
     conv.add_argument("--force", action="store_true", help="overwrite DST if it exists")
     conv.set_defaults(run=cmd_convert)
 
@@ -371,7 +379,7 @@ def estimate_rows(source: ModelSource, names: list[str]) -> list[dict[str, Any]]
             lean = supports_training_modes(name)
             for precision, rounding in TRAINING_MODES:
                 key = _mode_key(precision, rounding)
-                kwargs = {"rounding": rounding} if rounding else {}
+                kwargs: dict[str, Any] = {"rounding": rounding} if rounding else {}  # optimizer keywords, as training_memory's
                 if key not in training:  # bf16-stochastic, bf16-kahan: leanopt's optimizers only
                     training[key] = training_memory(source.params, name, precision=precision, **kwargs).as_dict() if lean else None
                 # Release keeps the largest param's gradient: a bare count has no params to tell it.
@@ -545,6 +553,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         accum=args.accum,
         process=not args.no_process,
         offload=args.offload,
+        allocator=args.allocator,
     )
     if args.json:
         print(_json([r.as_dict() for r in rows]))
@@ -596,7 +605,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 f"{'on' if best.checkpointing else 'off'}, gradient release {'on' if best.grad_release else 'off'} "
                 f"({_mib(best.peak_bytes)} MB step peak, {'?' if best.process_bytes is None else _mib(best.process_bytes)} MB process)")  # fmt: skip
         if best.offload:
-            line += (f", offload='cpu': nothing fits on the device without it ({_mib(best.host_bytes)} MB of host memory for "
+            host = best.host_bytes  # set on every offloaded row; "?" as for process_bytes if not
+            line += (f", offload='cpu': nothing fits on the device without it ({'?' if host is None else _mib(host)} MB of host memory for "
                      "states, fp32 masters and gradient buffers)")  # fmt: skip
     console.print(line, highlight=False)
     if args.offload:
@@ -675,7 +685,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     before_bytes = inspect_state_dict(state_dict).bytes
     # A state of another family (lion8bit -> adamw) is a one-line ValueError naming both.
     done = convert_checkpoint(state_dict, args.to, block_size=args.block_size, min_quant_size=args.min_quant_size,
-                              rule=args.rule)  # fmt: skip
+                              rule=args.rule, state_dtype=args.state_dtype)  # fmt: skip
     _save_atomically(done.state_dict, dst)
     after = inspect_file(dst)
     before = done.source if done.read_as == done.source else f"{done.read_as}, as {done.source}"

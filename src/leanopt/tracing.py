@@ -74,7 +74,7 @@ def cache(shared: dict[K, V]) -> dict[K, V]:
     trace = active()
     if trace is None:
         return shared
-    return trace.caches.setdefault(id(shared), {})  # type: ignore[return-value]
+    return trace.caches.setdefault(id(shared), {})
 
 
 def launch(kernel: Any, grid: Any) -> Callable[..., Any]:

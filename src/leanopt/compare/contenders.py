@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from leanopt.memory import OPTIMIZER_NAMES, resolve_optimizer
+from leanopt.optim.base import LeanOptimizer
 from leanopt.optim.lowbit import LowBit
 from leanopt.optim.registry import REGISTRY
 
@@ -63,6 +64,8 @@ MODES: dict[str, str] = {
     "each update)",
     "bf16-kahan": "pure bf16 (as bf16-nearest) with rounding='kahan' (a bf16 compensation buffer, 2 B/param, "
     "carries what each rounding lost)",
+    "bf16-states": "the optimizer's moments stored in bf16 (state_dtype=torch.bfloat16, each write "
+    "stochastically rounded): half of fp32 states' memory, without 8-bit's code books",
     "release": "leanopt.release_gradients(model, optimizer): each param stepped inside backward and its "
     "gradient freed at once (optimizer.step() and zero_grad() are no-ops; no clipping, no accumulation)",
 }
@@ -79,11 +82,12 @@ class Mode:
     precision: str  # "fp32", "bf16-mixed", or "bf16" (pure bf16, no master weights)
     rounding: str | None = None  # for pure bf16: "nearest", "stochastic", "kahan"
     release: bool = False
+    state_dtype: str | None = None  # "bfloat16": the optimizer's state_dtype= (None: its default, fp32)
 
     @property
     def label(self) -> str:
         text = f"bf16 ({self.rounding} rounding)" if self.precision == "bf16" else self.precision
-        return text + (" + gradient release" if self.release else "")
+        return text + (f" + {self.state_dtype} states" if self.state_dtype else "") + (" + gradient release" if self.release else "")
 
     def cast(self, model: torch.nn.Module) -> torch.nn.Module:
         """The model in this mode's parameter dtype (bf16 for pure bf16; as built otherwise)."""
@@ -126,6 +130,7 @@ class Contender:
     precision: str | None = None  # "fp32", "bf16-mixed", "bf16"; None: the run's --precision
     rounding: str | None = None  # rounding= for pure bf16 (leanopt optimizers)
     release: bool = False
+    state_dtype: str | None = None  # state_dtype= of a leanopt elementwise optimizer ("bfloat16"); None: fp32
 
     @property
     def optimizer(self) -> str:
@@ -134,7 +139,7 @@ class Contender:
 
     def mode(self, precision: str = "fp32") -> Mode:
         """This contender's training mode when the run's ``--precision`` is ``precision``."""
-        return Mode(self.precision or precision, self.rounding, self.release)
+        return Mode(self.precision or precision, self.rounding, self.release, self.state_dtype)
 
     def lr_centre(self, task_lr: float) -> float:
         """The centre of this optimizer's lr grid when AdamW's is ``task_lr``."""
@@ -180,6 +185,8 @@ class Contender:
         kwargs = self._kwargs(lr=lr, weight_decay=weight_decay, device=device)
         if self.rounding is not None and self.origin == "leanopt":
             kwargs["rounding"] = self.rounding
+        if self.state_dtype is not None:
+            kwargs["state_dtype"] = self.state_dtype  # the dtype's name, which leanopt takes (and JSON holds)
         return kwargs
 
     def _kwargs(self, *, lr: LR, weight_decay: float, device: torch.device) -> dict[str, Any]:
@@ -252,7 +259,7 @@ def _class_default_lr(cls: type) -> float:
     return float(default) if ok else ADAMW_DEFAULT_LR
 
 
-def _leanopt_contender(name: str, cls: type) -> Contender:
+def _leanopt_contender(name: str, cls: type[LeanOptimizer]) -> Contender:
     """The row of a registered leanopt optimizer, from the rule it declares (``cls.family``)."""
     family = cls.family if cls.family in ("adamw", "adafactor") else "plain"
     # Seconds to compile on the CPU (measured here, warm to cold cache): the quantized path
@@ -316,12 +323,16 @@ def _optimizer(key: str) -> Contender:
 
 def _with_modes(base: Contender, modes: list[str], given: str) -> Contender:
     precision: str | None = None
-    release = False
+    release = bf16_states = False
     for mode in modes:
         if mode not in MODES:
             raise ValueError(f"unknown training mode {mode!r} in {given!r}; modes: {', '.join(MODES)} "
                              f"(e.g. {base.name}+bf16-kahan)")
-        if mode == "release":
+        if mode == "bf16-states":
+            if bf16_states:
+                raise ValueError(f"{given!r}: 'bf16-states' is given twice")
+            bf16_states = True
+        elif mode == "release":
             if release:
                 raise ValueError(f"{given!r}: 'release' is given twice")
             release = True
@@ -337,9 +348,26 @@ def _with_modes(base: Contender, modes: list[str], given: str) -> Contender:
     if release and base.origin != "leanopt":
         raise ValueError(f"{given!r}: release needs a leanopt optimizer (release_gradients steps one param at "
                          f"a time); {base.name} is {base.origin}'s")
-    canonical = "+".join([base.name] + ([precision] if precision else []) + (["release"] if release else []))
+    if bf16_states:
+        _check_bf16_states(base, given)
+    canonical = "+".join([base.name] + ([precision] if precision else []) + (["bf16-states"] if bf16_states else [])
+                         + (["release"] if release else []))
     return replace(base, name=canonical, base=base.name, precision="bf16" if rounding else precision,
-                   rounding=rounding, release=release)
+                   rounding=rounding, release=release, state_dtype="bfloat16" if bf16_states else None)
+
+
+def _check_bf16_states(base: Contender, given: str) -> None:
+    """``ValueError`` unless ``base`` is a leanopt optimizer with dense moments that ``state_dtype=`` stores."""
+    from leanopt.optim.elementwise import ElementwiseOptimizer
+
+    cls = resolve_optimizer(base.name) if base.origin == "leanopt" else None
+    if cls is None or not issubclass(cls, ElementwiseOptimizer):
+        whose = f"{base.origin}'s" if cls is None else "not an elementwise optimizer (its states are factored)"
+        raise ValueError(f"{given!r}: bf16-states needs a leanopt elementwise optimizer (state_dtype= is its "
+                         f"option: adamw, lion, ademamix, sgd, ...); {base.name} is {whose}")
+    if issubclass(cls, LowBit):
+        raise ValueError(f"{given!r}: bf16-states stores dense moments in bf16; {base.name}'s are already "
+                         f"block-quantized (name the dense optimizer of its family: {cls.family}+bf16-states)")
 
 
 # What runs when --optimizers is not given: every row above (each registered leanopt optimizer,

@@ -38,7 +38,6 @@ reported beside it.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import math
 import os
@@ -51,42 +50,34 @@ from typing import Any
 
 import torch
 
-from leanopt.memory.resident import reset_peak, status_kib
+from leanopt.memory.resident import (
+    GLIBC_MMAP_THRESHOLD_MAX,
+    PINNED_MMAP_THRESHOLD,
+    malloc_trim,
+    pin_allocator,
+    reset_peak,
+    set_malloc,
+    status_kib,
+)
 
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD = 64 * 1024
+MMAP_THRESHOLD = PINNED_MMAP_THRESHOLD
 # glibc's own ceiling for its dynamic threshold (and twice it for trimming): the steady state
 # a long-running process reaches, where freed blocks are reused instead of faulted in again.
-REUSE_MMAP_THRESHOLD = 32 * 1024 * 1024
+REUSE_MMAP_THRESHOLD = GLIBC_MMAP_THRESHOLD_MAX
 # CPU peaks are read after this many steps: the state exists from the first step, and every
 # later step repeats the same allocations.
 CPU_MEMORY_STEPS = 3
 
 
-def _libc() -> Any:
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
-
-
 def use_mmap_for_large_blocks() -> bool:
-    """Fix glibc's mmap threshold (also turns off its dynamic growth). False where not glibc."""
-    libc = _libc()
-    if libc is None or not hasattr(libc, "mallopt"):
-        return False
-    return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    """Fix glibc's mmap threshold at 64 KiB (also turns off its dynamic growth): the memory steps'
+    setting (:func:`leanopt.memory.resident.pin_allocator`). False where not glibc."""
+    return pin_allocator(MMAP_THRESHOLD)
 
 
 def reuse_freed_blocks() -> bool:
     """Back to fast allocation (blocks reused, not unmapped): for the timed steps."""
-    libc = _libc()
-    if libc is None or not hasattr(libc, "mallopt"):
-        return False
-    return bool(libc.mallopt(_M_MMAP_THRESHOLD, REUSE_MMAP_THRESHOLD)) and bool(
-        libc.mallopt(_M_TRIM_THRESHOLD, 2 * REUSE_MMAP_THRESHOLD)
-    )
+    return set_malloc(mmap_threshold=REUSE_MMAP_THRESHOLD, trim_threshold=2 * REUSE_MMAP_THRESHOLD)
 
 
 @contextlib.contextmanager
@@ -164,9 +155,7 @@ class PeakMemory:
             self.baseline = torch.cuda.memory_allocated(self.device)
             self.method = "torch.cuda.max_memory_allocated() growth over the baseline"
             return
-        libc = _libc()
-        if libc is not None and hasattr(libc, "malloc_trim"):
-            libc.malloc_trim(0)
+        malloc_trim()
         if reset_peak() and status_kib("RssAnon") is not None:
             self.baseline = (status_kib("RssAnon") or 0) * 1024
             self.method = (

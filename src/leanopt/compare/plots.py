@@ -155,9 +155,9 @@ def figures(data: dict[str, Any]) -> list[tuple[str, Any]]:
                 ax.errorbar([r["lr"]], [r["val_loss_mean"]], yerr=[r.get("val_loss_std") or 0.0], color=c,
                             marker="*", ms=12, capsize=4, lw=1.2, zorder=4)
         if values:
-            low, high = min(values), max(values)
-            span = (high - low) or 0.1
-            ax.set_ylim(low - 0.08 * span, high + 0.12 * span)
+            bottom, top = min(values), max(values)  # not low/high: the loss band's arrays above
+            span = (top - bottom) or 0.1
+            ax.set_ylim(bottom - 0.08 * span, top + 0.12 * span)
         ax.set_xscale("log")
         no_corner_tick(ax)
         ax.set_xlabel("peak learning rate")

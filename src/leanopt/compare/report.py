@@ -265,7 +265,8 @@ def kept_bytes(row: dict[str, Any]) -> int | None:
     """What persists through a step: weights + the gradients alive before it + the state (the
     state alone where the others are not known)."""
     parts = [row.get(k) for k in ("param_bytes", "grad_bytes", "state_bytes")]
-    return sum(parts) if all(isinstance(p, int) for p in parts) else row.get("state_bytes")
+    known = [p for p in parts if isinstance(p, int)]
+    return sum(known) if len(known) == len(parts) else row.get("state_bytes")
 
 
 def _saving(mine: Any, theirs: Any) -> str:

@@ -15,6 +15,7 @@ on the order).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -30,7 +31,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from importlib import metadata
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -113,9 +114,10 @@ def runs_left(plan: Plan, entry: Contender, done: Sequence[dict[str, Any]]) -> i
     grid = lr_grid(plan, entry)
     grid_rows = [have.get(_key("grid", lr, plan.seeds[0])) for lr in grid]
     seeds = len(plan.seeds) - 1
-    if any(r is None for r in grid_rows):
-        return sum(r is None for r in grid_rows) + seeds
-    losses = [_loss(r) for r in grid_rows]  # type: ignore[union-attr]
+    trained = [r for r in grid_rows if r is not None]
+    if len(trained) < len(grid_rows):
+        return len(grid_rows) - len(trained) + seeds
+    losses = [_loss(r) for r in trained]
     planned = len(grid)
     while (lr := widened_lr(grid, losses, planned)) is not None:
         row = have.get(_key("grid", lr, plan.seeds[0]))
@@ -166,10 +168,11 @@ def run_protocol(optimizer: str, plan: Plan, emit: Emit, done: Sequence[dict[str
     for lr in grid:
         losses.append(_loss(row_of("grid", lr, first_seed)))
     planned = len(grid)
-    while (lr := widened_lr(grid, losses, planned)) is not None:
-        emit({"event": "widen", "lr": lr, "edge": grid[stats.pick(list(zip(grid, losses)))]})  # type: ignore[index]
-        grid.append(lr)
-        losses.append(_loss(row_of("grid", lr, first_seed)))
+    while (wider := widened_lr(grid, losses, planned)) is not None:
+        edge = stats.pick(list(zip(grid, losses)))  # not None: widened_lr widens only at a pick
+        emit({"event": "widen", "lr": wider, "edge": None if edge is None else grid[edge]})
+        grid.append(wider)
+        losses.append(_loss(row_of("grid", wider, first_seed)))
     best = stats.pick(list(zip(grid, losses)))
     emit({"event": "picked", "lr": None if best is None else grid[best]})
     if best is None:
@@ -211,6 +214,7 @@ def run_one(entry: Contender, workload: Workload, plan: Plan, emit: Emit, *, fre
         "precision": mode.precision,
         "rounding": mode.rounding,
         "release": mode.release,
+        "state_dtype": mode.state_dtype or "float32",
         "param_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in params}),
         "params": n_params,
         "param_bytes": sum(p.numel() * p.element_size() for p in params),
@@ -380,7 +384,7 @@ def compare(
     if jobs <= 1 or not isolate:
         for name in todo:
             on_start(name)
-            finish(name, execute(name, plan, lambda event, name=name: handle(name, event), list(runs.get(name, []))))
+            finish(name, execute(name, plan, functools.partial(handle, name), list(runs.get(name, []))))
     else:
         inbox: queue.Queue[tuple[str, str, Any]] = queue.Queue()
         slots = threading.Semaphore(jobs)
@@ -446,16 +450,16 @@ def summarize(name: str, plan: Plan, setup: dict[str, Any] | None, runs: list[di
         at_pick = []
     else:
         at_pick = [r for r in runs if r["lr"] == grid[best] and (r.get("phase") == "seed" or r is grid_runs[best])]
-    for key in ("class", "mode", "precision", "rounding", "release", "param_dtypes", "params", "param_bytes",
+    for key in ("class", "mode", "precision", "rounding", "release", "state_dtype", "param_dtypes", "params", "param_bytes",
                 "grad_bytes", "state_bytes", "state_by_key", "estimated_state_bytes"):
         row[key] = first.get(key)
     row["kwargs"] = (at_pick[0] if at_pick else first).get("kwargs")
     row["memory_method"] = first.get("memory_method")
     row["state_bytes_per_param"] = row["state_bytes"] / row["params"] if row.get("params") else None
     # What persists through a step, per param: weights + the gradients alive before the step + state.
-    kept = [row.get(k) for k in ("param_bytes", "grad_bytes", "state_bytes")]
-    row["kept_bytes_per_param"] = (sum(kept) / row["params"]
-                                   if row.get("params") and all(isinstance(k, int) for k in kept) else None)
+    parts = ("param_bytes", "grad_bytes", "state_bytes")
+    kept = [v for v in (row.get(k) for k in parts) if isinstance(v, int)]
+    row["kept_bytes_per_param"] = sum(kept) / row["params"] if row.get("params") and len(kept) == len(parts) else None
     row["peak_bytes"] = first.get("peak_bytes") if first.get("fresh_process", True) else None
     row["peak_rss_bytes"] = first.get("peak_rss_bytes") if first.get("fresh_process", True) else None
     # The peak of every run (the tensor peak repeats across them; the resident set does not).
@@ -506,7 +510,7 @@ def reference(rows: list[dict[str, Any]]) -> str | None:
             entry = contender(name)
         except ValueError:
             continue
-        if entry.optimizer in REFERENCES and entry.precision in ("fp32", "bf16-mixed") and not entry.release:
+        if entry.optimizer in REFERENCES and entry.precision in ("fp32", "bf16-mixed") and not entry.release and not entry.state_dtype:
             return name
     return None
 
@@ -533,7 +537,8 @@ def judge(rows: list[dict[str, Any]]) -> str | None:
     return ref
 
 
-def _any_finite(values: Any) -> bool:
+def _any_finite(values: Any) -> TypeGuard[list[Any]]:
+    """Whether ``values`` is a list holding a finite number (a score to compare)."""
     return isinstance(values, list) and any(stats.finite(v) for v in values)
 
 

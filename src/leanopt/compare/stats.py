@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 # Two-sided 95 % quantiles of Student's t (t_{0.975, df}); between tabulated degrees of freedom
 # the next lower one is used, which only ever makes the test more cautious.
@@ -26,7 +26,8 @@ VERDICT_RULE = (
 REFERENCE = "reference"
 
 
-def finite(x: Any) -> bool:
+def finite(x: Any) -> TypeGuard[float]:
+    """Whether ``x`` is a finite real number (an int or a float, not a bool)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
@@ -55,10 +56,11 @@ def pick(points: Sequence[tuple[Any, float | None]]) -> int | None:
     ``points`` are ``(lr, val_loss)``; a diverged run (None, NaN) is never picked. None when
     every point diverged.
     """
-    best = None
+    best: int | None = None
+    best_loss = math.inf
     for i, (_, loss) in enumerate(points):
-        if finite(loss) and (best is None or loss < points[best][1]):  # type: ignore[operator]
-            best = i
+        if finite(loss) and (best is None or loss < best_loss):
+            best, best_loss = i, loss
     return best
 
 

@@ -42,7 +42,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, overload
 
 import torch
 from torch import nn
@@ -114,6 +114,10 @@ def warmup_cosine(total_steps: int, warmup_steps: int) -> Callable[[int], float]
 
 class Workload(ABC):
     """A task's data, loaded in one optimizer's process; :meth:`run` trains one model."""
+
+    # Set by each subclass's constructor: the plan it was prepared for, and its device.
+    plan: Plan
+    device: torch.device
 
     @abstractmethod
     def warm_loss(self, model: nn.Module) -> torch.Tensor:
@@ -222,6 +226,10 @@ class LoopWorkload(Workload):
         return Trained(model, optimizer, metrics)
 
 
+@overload
+def _like_params(batch: tuple[torch.Tensor, torch.Tensor], model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def _like_params(batch: tuple[torch.Tensor, ...], model: nn.Module) -> tuple[torch.Tensor, ...]: ...
 def _like_params(batch: tuple[torch.Tensor, ...], model: nn.Module) -> tuple[torch.Tensor, ...]:
     """Floating-point inputs in the dtype of the model's params (bf16 for a pure-bf16 model)."""
     dtype = next(model.parameters()).dtype
@@ -303,7 +311,7 @@ def stdlib_sources(*, tests: bool | None = False) -> list[Path]:
 class BytesGPT(Task):
     name = "bytes-gpt"
     description = "byte-level GPT on the Python standard library's source (next-byte cross-entropy, nats)"
-    SIZES = {
+    SIZES: ClassVar[dict[tuple[str, bool], dict[str, Any]]] = {
         ("cpu", True): dict(steps=100, lr=1e-3, batch_size=16, n_layer=2, n_head=4, dim=128, context=64,
                             train_bytes=2_000_000, val_windows=256),
         # Sized so that the full protocol (5 lrs, 3 seeds, every default optimizer, one
@@ -362,13 +370,13 @@ class BytesGPTWorkload(LoopWorkload):
         return self._windows(self.train, self.starts[step])
 
     def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        return model.loss(*batch)  # type: ignore[operator]
+        return model.loss(*batch)  # type: ignore[operator]  # nn.Module's __getattr__ types it Tensor | Module; ByteGPT.loss is a method
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         total, count = 0.0, 0
         for chunk in self.val_starts.split(64):
             x, y = self._windows(self.val, chunk)
-            total += model.loss(x, y).item() * len(chunk)  # type: ignore[operator]
+            total += model.loss(x, y).item() * len(chunk)  # type: ignore[operator]  # as in loss() above
             count += len(chunk)
         return {"val_loss": total / count}
 
@@ -377,7 +385,7 @@ class BytesGPTWorkload(LoopWorkload):
 class Digits(Task):
     name = "digits"
     description = "MLP classifier on scikit-learn's load_digits (8x8 images, 10 classes; 20% held out)"
-    SIZES = {
+    SIZES: ClassVar[dict[tuple[str, bool], dict[str, Any]]] = {
         ("cpu", True): dict(steps=300, lr=2e-3, batch_size=64, hidden=256, depth=2),
         ("cpu", False): dict(steps=1000, lr=1e-3, batch_size=64, hidden=512, depth=3),
         ("cuda", True): dict(steps=500, lr=1e-3, batch_size=128, hidden=1024, depth=3),
@@ -472,15 +480,17 @@ class TrainerWorkload(Workload):
         released: list[Any] = []
 
         class RecordingTrainer(Trainer):
-            def compute_loss(self, model, inputs, return_outputs=False, **kwargs):  # type: ignore[no-untyped-def]
+            # **kwargs: the supported transformers versions differ here (num_items_in_batch since 4.46),
+            # which mypy reports as an incompatible override of the installed one's.
+            def compute_loss(self, model, inputs, return_outputs=False, **kwargs):  # type: ignore[override]
                 out = super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)
                 if model.training:
-                    loss = out[0] if return_outputs else out
+                    loss = out[0] if isinstance(out, tuple) else out  # (loss, outputs) with return_outputs
                     last_loss.append(loss.detach().float().item())
                 return out
 
         class Timing(TrainerCallback):
-            def on_train_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            def on_train_begin(self, args, state, control, **kwargs):
                 opt = kwargs["optimizer"]
                 opt = getattr(opt, "optimizer", opt)  # accelerate's wrapper
                 # Released, optimizer.step() is a no-op (the update runs inside backward): no step time.
@@ -490,22 +500,25 @@ class TrainerWorkload(Workload):
                 else:
                     released.append(handle)
 
-            def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            def on_step_begin(self, args, state, control, **kwargs):
                 recorder.begin_step()
 
-            def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            def on_step_end(self, args, state, control, **kwargs):
                 value = last_loss[-1] if last_loss else float("nan")
                 recorder.end_step(value)
                 if not math.isfinite(value):
                     control.should_training_stop = True
 
+        no_clipping: dict[str, Any] = {"max_grad_norm": 0.0} if mode.release else {}
         with tempfile.TemporaryDirectory(prefix="leanopt-compare-") as out_dir:
             args = TrainingArguments(
                 output_dir=out_dir,
                 max_steps=plan.steps,
                 per_device_train_batch_size=plan.batch_size,
                 per_device_eval_batch_size=64,
-                learning_rate=plan.lr,
+                # The Trainer's optimizer comes with its own lr (optimizer_cls_and_kwargs); this one is
+                # only recorded, and is "relative" on Adafactor's relative-step grid point.
+                learning_rate=plan.lr,  # type: ignore[arg-type]
                 weight_decay=plan.weight_decay,
                 lr_scheduler_type="cosine",
                 warmup_steps=plan.warmup_steps,
@@ -522,7 +535,7 @@ class TrainerWorkload(Workload):
                 # bf16-mixed: the Trainer's autocast. Pure bf16: the model's params are bf16 already.
                 bf16=mode.precision == "bf16-mixed",
                 # Release frees each gradient inside backward: nothing is left to clip.
-                **({"max_grad_norm": 0.0} if mode.release else {}),
+                **no_clipping,
             )
             trainer = RecordingTrainer(
                 model=model,
@@ -540,8 +553,9 @@ class TrainerWorkload(Workload):
             recorder.end_training()
             for handle in released:
                 handle.remove()
-            optimizer = trainer.optimizer
-            optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
+            if trainer.optimizer is None or trainer.model is None:  # both set by train()
+                raise RuntimeError("transformers.Trainer.train() left no optimizer or no model")
+            optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate's wrapper
             model = trainer.model
             # As the lesson scores it: Trainer.evaluate with compute_metrics, eval_* out.
             scores = trainer.evaluate(_TensorDictDataset(self.val_data))
@@ -589,7 +603,7 @@ class DistilBertTrainer(Task):
         "DistilBERT-architecture classifier via the HF Trainer: is a stdlib source snippet test code "
         "or library code? (byte tokens, balanced, held out by file)"
     )
-    SIZES = {
+    SIZES: ClassVar[dict[tuple[str, bool], dict[str, Any]]] = {
         ("cpu", True): dict(steps=100, lr=1e-3, batch_size=16, vocab_size=256 + BYTE0, dim=128, n_layers=2,
                             n_heads=4, hidden_dim=512, seq_len=128, train_examples=2048, val_examples=256),
         ("cpu", False): dict(steps=300, lr=3e-4, batch_size=32, vocab_size=256 + BYTE0, dim=256, n_layers=4,
@@ -625,7 +639,8 @@ class DistilBertWorkload(TrainerWorkload):
             n_heads=s["n_heads"],
             hidden_dim=s["hidden_dim"],
             max_position_embeddings=max(512, s["seq_len"]),
-            num_labels=2,
+            # transformers 5 takes num_labels through the config's kwargs; its typed __init__ does not list them.
+            num_labels=2,  # type: ignore[call-arg]
             pad_token_id=PAD,
         )
         return DistilBertForSequenceClassification(config)
@@ -688,7 +703,7 @@ class HubClassification(Task):
 
     relative_step = False
 
-    SIZES = {
+    SIZES: ClassVar[dict[tuple[str, bool], dict[str, Any]]] = {
         ("cpu", True): dict(steps=50, lr=5e-5, batch_size=8, seq_len=128, train_examples=1024, val_examples=256),
         ("cpu", False): dict(steps=300, lr=5e-5, batch_size=16, seq_len=128, train_examples=4096, val_examples=1024),
         ("cuda", True): dict(steps=200, lr=5e-5, batch_size=32, seq_len=128, train_examples=8192, val_examples=1024),
@@ -891,7 +906,7 @@ class MiniLMClassification(Task):
     labels: tuple[str, ...]
     # The lesson's lr for a BERT fine-tune is 2e-5..5e-5 over epochs; these runs are 30 to a few
     # hundred steps. In 30 steps AdamW's best lr on the tweets was 3e-4 (of 3.3e-5..9e-4).
-    SIZES = {
+    SIZES: ClassVar[dict[tuple[str, bool], dict[str, Any]]] = {
         # Sized so that --quick (4 optimizers x 4 runs, one process each, 1 thread) ends within 10
         # minutes on 2 CPU cores, also while another job holds one of them: ~18 s a run.
         ("cpu", True): dict(steps=30, lr=3e-4, batch_size=8, seq_len=48, train_examples=512, val_examples=256),

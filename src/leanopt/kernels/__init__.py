@@ -264,7 +264,8 @@ def adafactor(
     row/column pair of a < 2-D param, ``exp_avg_sq`` of a factored one).
     """
     with row_major([params, grads, exp_avgs, exp_avg_sq_rows, exp_avg_sq_cols, exp_avg_sqs], read_only=(1,)) as lists:
-        _adafactor(backend, tables, key, *lists, steps, **hp)
+        ps, gs, ms, rows, cols, vs = lists
+        _adafactor(backend, tables, key, ps, gs, ms, rows, cols, vs, steps, **hp)
     bump_versions(params)
 
 
@@ -279,7 +280,7 @@ def _adafactor(
     for i, p in enumerate(params):
         chosen = select(backend, "adafactor", p, grads[i], [s[i] for s in states])
         if chosen == "reference":
-            reference.adafactor_(p, grads[i], *(s[i] for s in states), steps[i], **hp)
+            reference.adafactor_(p, grads[i], exp_avgs[i], exp_avg_sq_rows[i], exp_avg_sq_cols[i], exp_avg_sqs[i], steps[i], **hp)
         else:
             fast.append(i)
             impl = chosen
@@ -292,7 +293,8 @@ def _adafactor(
         from leanopt.kernels import triton_adafactor
 
         triton_adafactor.adafactor(
-            tables, key, pick(params, fast), pick(grads, fast), *(pick(s, fast) for s in states),
+            tables, key, pick(params, fast), pick(grads, fast),
+            pick(exp_avgs, fast), pick(exp_avg_sq_rows, fast), pick(exp_avg_sq_cols, fast), pick(exp_avg_sqs, fast),
             [r for r, _ in scalars], [b for _, b in scalars], **hp,
         )  # fmt: skip
         return
@@ -303,4 +305,5 @@ def _adafactor(
     for i, (rho, beta2t) in zip(fast, scalars):
         cohorts.setdefault((params[i].dtype == torch.float64, rho, beta2t), []).append(i)
     for (_, rho, beta2t), idx in cohorts.items():
-        cpu_adafactor.adafactor(pick(params, idx), pick(grads, idx), *(pick(s, idx) for s in states), rho, beta2t, **hp)
+        cpu_adafactor.adafactor(pick(params, idx), pick(grads, idx), pick(exp_avgs, idx), pick(exp_avg_sq_rows, idx),
+                                pick(exp_avg_sq_cols, idx), pick(exp_avg_sqs, idx), rho, beta2t, **hp)  # fmt: skip

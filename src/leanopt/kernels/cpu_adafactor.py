@@ -19,6 +19,15 @@ from leanopt.kernels.cpu import spread, workspace
 # machine's L3 (32 MiB), and a 768 x 768 matrix is one block.
 ADAFACTOR_BLOCK = 1 << 20
 
+def _held(states: Sequence[Tensor | None], idx: Sequence[int], name: str) -> list[Tensor]:
+    """The ``name`` states of params ``idx``, each of which holds one (the layout gives every
+    < 2-D param an ``exp_avg_sq``, and every param an ``exp_avg`` when ``beta1`` is set)."""
+    held = [s for i in idx if (s := states[i]) is not None]
+    if len(held) != len(idx):
+        raise ValueError(f"adafactor: {len(idx) - len(held)} of {len(idx)} unfactored params have no {name} state")
+    return held
+
+
 def adafactor(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -84,12 +93,12 @@ def adafactor(
     updates: list[Tensor] = []
     if unfactored:
         gs = [grads[i].to(ct) for i in unfactored]
-        vs = [exp_avg_sqs[i] for i in unfactored]
+        vs = _held(exp_avg_sqs, unfactored, "exp_avg_sq")
         sq = torch._foreach_mul(gs, gs)
         torch._foreach_add_(sq, eps1)
         torch._foreach_mul_(vs, beta2t)
         torch._foreach_add_(vs, sq, alpha=1.0 - beta2t)
-        updates = torch._foreach_rsqrt(vs)
+        updates = list(torch._foreach_rsqrt(vs))
         torch._foreach_mul_(updates, gs)
         # Squared norms, not sums of squares: the reference's reduction, rounded the same way.
         for i, norm in zip(unfactored, torch._foreach_norm(updates)):
@@ -109,10 +118,10 @@ def adafactor(
         torch._foreach_div_(updates, [clips[i] for i in unfactored])
         torch._foreach_mul_(updates, [steps[i] for i in unfactored])
         if beta1 is not None:
-            ms = [exp_avgs[i] for i in unfactored]
+            ms = _held(exp_avgs, unfactored, "exp_avg")
             torch._foreach_mul_(ms, beta1)
             torch._foreach_add_(ms, updates, alpha=1 - beta1)
-            updates = ms  # type: ignore[assignment]
+            updates = ms
         if decay is not None:
             # (step_size * -wd) rounded to the compute dtype first, as the reference does.
             torch._foreach_addcmul_(pfs, pfs, [decay[i] for i in unfactored])

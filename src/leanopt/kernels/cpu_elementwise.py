@@ -439,6 +439,8 @@ def quantized(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mappi
             rows, row_bytes = full // bs, fmt.code_bytes(bs)
             tensors: list[Tensor] = []
             for q, book, table in zip(qs, books, tables):
+                if table is None:  # quantized_takes refuses such states before they get here
+                    raise ValueError(f"compiled CPU kernel: the {q.format} code book has no lookup table (quantized_takes)")
                 tensors += [q.codes[: rows * row_bytes].view(rows, row_bytes), q.absmax[:rows], book.values, table]
             p2 = p.view(-1)[:full].view(rows, bs)
             g2 = grads[i].reshape(-1)[:full].view(rows, bs)

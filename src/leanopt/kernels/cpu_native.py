@@ -68,7 +68,7 @@ from typing import Any, NamedTuple
 try:
     import fcntl
 except ImportError:  # Windows: no flock; torch's baton is then waited for, boundedly
-    fcntl = None  # type: ignore[assignment]
+    fcntl = None  # type: ignore[assignment]  # the module's name stands for "no flock" here
 
 import torch
 from torch import Tensor
@@ -654,8 +654,9 @@ def _fixed_args(rule: Any, rid: tuple, hp: Mapping[str, Any], formats: tuple) ->
     fixed = _FIXED.get(key)
     if fixed is None:
         fmt = formats[0]
-        tabs = [tables(f.book("cpu")) for f in formats]
-        if any(f.bits != fmt.bits or f.block_size != fmt.block_size for f in formats) or any(t is None for t in tabs):
+        found = [tables(f.book("cpu")) for f in formats]
+        tabs = [t for t in found if t is not None]
+        if any(f.bits != fmt.bits or f.block_size != fmt.block_size for f in formats) or len(tabs) != len(found):
             raise ValueError("native kernel: the states must share one bit width and block size, with tables")
         ptrs = [[getattr(t, name).data_ptr() for t in tabs] for name in ("values", "thresholds", "tree", "buckets")]
         numbers = [[t.low for t in tabs], [t.zero for t in tabs], [t.last for t in tabs]]

@@ -190,11 +190,14 @@ def rule_step_(
     zero_grad = None
     for j, (kind, state, old, value) in enumerate(zip(rule.states(hp), states, dense, new)):
         if isinstance(state, QuantizedState):
-            if kind.decays and zero_grad is None:
-                zero_grad = g == 0
             # Decaying elements (gradient exactly 0) of a momentum: decay rounding (issue #11),
             # in expectation the fp32 decay; see BlockFormat.code_indices.
-            state.quantize_(value, decay=Decay(zero_grad, old, step, offset) if kind.decays else None)
+            decay = None
+            if kind.decays:
+                if zero_grad is None:
+                    zero_grad = g == 0
+                decay = Decay(zero_grad, old, step, offset)
+            state.quantize_(value, decay=decay)
         elif state.dtype == torch.bfloat16:
             u = state_dither(value.numel(), offset, step, j, len(states), value.device).view(value.shape)
             state.copy_(stochastic_bf16(value.float(), u))

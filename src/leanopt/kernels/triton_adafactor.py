@@ -387,7 +387,10 @@ _TRACED_LAYOUTS: dict[tuple, _Layout] = {}  # only ever stands for the trace's o
 @functools.lru_cache(maxsize=64)
 def _layout(device: torch.device, factored: tuple, unfactored: tuple, tiles: tuple) -> _Layout:
     tr, tc, fr, fc, chunk, _ = tiles
-    meta, tile_tensor, fin_tensor, part_off = [], [], [], []
+    meta: list[list[int]] = []
+    tile_tensor: list[int] = []
+    fin_tensor: list[int] = []
+    part_off: list[int] = []
     rowp = colp = rsum = 0
     for t, (batch, n, m) in enumerate(factored):
         nrb, ncb, nfr = -(-n // tr), -(-m // tc), -(-n // fr)
@@ -471,7 +474,7 @@ def adafactor(
             hp += [rhos[i], eps2 * rhos[i], beta2ts[i], 1.0 - beta2ts[i], math.sqrt(params[i].numel())]
         hp_table = cache.floats(hp, device)
         scratch = torch.empty(sum(layout.sizes), dtype=torch.float32, device=device)
-        rowp, colp, rsum, psq, usq, out = torch.split(scratch, layout.sizes)
+        rowp, colp, rsum, psq, usq, out = torch.split(scratch, list(layout.sizes))
         k = f"{key}/{p_dtype}/{g_dtype}"
         addresses = lambda name, tensors, sel: cache.addresses(f"{k}/{name}", [tensors[i] for i in sel], device)  # noqa: E731
         P, G = TL_DTYPE[p_dtype], TL_DTYPE[g_dtype]
@@ -518,6 +521,8 @@ def adafactor(
                 P_DTYPE=P, G_DTYPE=G, RB=REDUCE_BLOCK, **flags, **consts,
             )  # fmt: skip
         if unfactored:
+            ch = layout.chunks
+            assert ch is not None  # _layout builds the chunk table whenever there are unfactored params
             u_m = addresses("um", exp_avgs, unfactored)
             tracing.launch(_unfactored_apply, (ch.num_chunks,))(
                 u_p, u_g, u_m, u_v, ch.chunk_tensor, ch.chunk_start, ch.numel, out, len(factored), *scalars,

@@ -288,9 +288,9 @@ def _names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[int
             if p.grad is not None:
                 out.setdefault(p.grad.untyped_storage().data_ptr(), name)
     by_param = {id(p): n for n, p in model.named_parameters()}
-    for p, st in optimizer.state.items():
+    for param, st in optimizer.state.items():
         for ptr in _storages(st):
-            out.setdefault(ptr, by_param.get(id(p), "a param"))
+            out.setdefault(ptr, by_param.get(id(param), "a param"))
     return out
 
 
@@ -491,12 +491,13 @@ def _explain(d: Diagnosis, model: torch.nn.Module, optimizer: torch.optim.Optimi
         lines.append(f"runtime overhead {_mib(over)} ({_pct(over, d.process_peak_bytes)} of what the process needed): "
                      + ("the CUDA context and the caching allocator's reserve" if d.device == "cuda" else
                         "one-time costs of the first steps (imports, thread pools, library pages) and what malloc keeps"))  # fmt: skip
-    if d.planned is not None:
-        gaps = sorted(TENSOR_CATEGORIES, key=lambda c: -abs(m[c] - d.planned[c]))
+    planned = d.planned
+    if planned is not None:
+        gaps = sorted(TENSOR_CATEGORIES, key=lambda c: -abs(m[c] - planned[c]))
         c = gaps[0]
-        gap = m[c] - d.planned[c]
+        gap = m[c] - planned[c]
         if peak and abs(gap) > 0.02 * peak:
-            lines.append(f"plan vs measured: {c.replace('_', ' ')} differ most, measured {_mib(m[c])}, planned {_mib(d.planned[c])}"
+            lines.append(f"plan vs measured: {c.replace('_', ' ')} differ most, measured {_mib(m[c])}, planned {_mib(planned[c])}"
                          + (" (autocast's bf16 weight copies: planned as weights, measured as activations)"
                             if c in ("weights", "activations") and d.plan_row and d.plan_row["precision"] == "bf16-mixed" else ""))  # fmt: skip
     return lines

@@ -176,6 +176,7 @@ def register_layout(cls: type, layout: LayoutFn) -> None:
 
 def _layout_fn(cls: type) -> LayoutFn:
     if issubclass(cls, LeanOptimizer):
+        # LayoutFn takes any torch Optimizer; this one is returned for LeanOptimizer classes only.
         return lambda opt, p, group: opt._param_layout(p, group)  # type: ignore[attr-defined]
     for klass in cls.__mro__:
         fn = PEER_LAYOUTS.get(f"{klass.__module__}.{klass.__qualname__}")

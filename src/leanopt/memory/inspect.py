@@ -184,13 +184,13 @@ def inspect_file(path: str | Path) -> StateDictReport:
         return inspect_state_dict(load_optimizer_state(path))
     except InspectError:
         file = _resolve_file(Path(path))
-        torchao = [g for g in _unsafe_globals(file) if g.startswith("torchao.")]
-        if not torchao:
+        torchao_globals = [g for g in _unsafe_globals(file) if g.startswith("torchao.")]
+        if not torchao_globals:
             raise
     try:
         import torchao.optim  # noqa: F401  (registers its state classes as safe globals)
     except Exception:
-        names = sorted({g.rsplit(".", 1)[-1] for g in torchao})
+        names = sorted({g.rsplit(".", 1)[-1] for g in torchao_globals})
         report = StateDictReport(layout=f"torchao tensor-subclass states ({', '.join(names)})", complete=False)
         with zipfile.ZipFile(file) as archive:
             report.bytes = sum(i.file_size for i in archive.infolist() if "/data/" in i.filename)

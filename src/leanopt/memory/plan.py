@@ -75,12 +75,13 @@ import inspect
 import math
 import re
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from leanopt.memory.cuda_emulation import cuda_block_bytes
 from leanopt.memory.estimate import (
     resolve_optimizer,
     unique_params,
@@ -90,7 +91,6 @@ from leanopt.memory.plan_trace import (
     LiveStorage,
     ParamSteps,
     Peak,
-    cuda_block_bytes,
     rounded_step_peak,
     swapped_copy,
     traced_batch,
@@ -136,7 +136,11 @@ class PlanRow:
     one-time costs of a first step, measured once and cached; CUDA: the context, cuBLAS's
     workspace, the allocator's segment margin; :mod:`leanopt.memory.process`), None where they
     are not known (``process_source`` says why). ``compared``: which of the two ``fits`` was
-    decided on (``"process_bytes"``, or ``"peak_bytes"`` where ``process_bytes`` is None)."""
+    decided on (``"process_bytes"``, or ``"peak_bytes"`` where ``process_bytes`` is None).
+    On the CPU ``process_bytes`` is for glibc's default allocator, what a user who changes
+    nothing runs with: ``one_time["glibc_heap"]`` is what its heap keeps over the live tensors;
+    ``process_bytes_pinned`` is the figure without it, for a process that called
+    :func:`leanopt.pin_allocator` first (or set ``MALLOC_MMAP_THRESHOLD_=65536``)."""
 
     optimizer: str
     precision: str
@@ -154,6 +158,7 @@ class PlanRow:
     compared: str | None = None
     offload: bool = False  # offload="cpu": state and host copies in host memory (host_bytes)
     host_bytes: int | None = None  # offloaded rows: host copies, states and host gradient buffers
+    process_bytes_pinned: int | None = None  # process_bytes with leanopt.pin_allocator() (no glibc heap margin)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -166,6 +171,7 @@ class PlanRow:
             "accum": self.accum,
             "peak_bytes": self.peak_bytes,
             "process_bytes": self.process_bytes,
+            "process_bytes_pinned": self.process_bytes_pinned,
             "fits": self.fits,
             "compared": self.compared,
             "breakdown": dict(self.breakdown),
@@ -277,8 +283,13 @@ def _checkpointing(model: torch.nn.Module, on: bool) -> Iterator[None]:
         return
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ValueError(f"{type(model).__name__} does not support activation checkpointing")
-    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-    disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+    enable = getattr(model, "activation_checkpointing_enable", None) or getattr(model, "gradient_checkpointing_enable", None)
+    disable = getattr(model, "activation_checkpointing_disable", None) or getattr(model, "gradient_checkpointing_disable", None)
+    if not callable(enable) or not callable(disable):
+        raise ValueError(
+            f"{type(model).__name__} says it supports activation checkpointing but has no callable "
+            "gradient_checkpointing_enable/_disable (or activation_checkpointing_enable/_disable)"
+        )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         enable()
@@ -370,11 +381,14 @@ def _trace_forward_backward_fsdp(model: torch.nn.Module, task: str, batch: int, 
 
 def _optimizer_factory(optimizer: str, rounding: str | None, device: str = "cpu") -> Any:
     cls = resolve_optimizer(optimizer)
+    # The class as the constructor it is: the keywords bound below are the concrete class's own
+    # (foreach: found in its signature; rounding: every leanopt optimizer's __init__), not its base's.
+    make: Callable[..., torch.optim.Optimizer] = cls
     if not issubclass(cls, LeanOptimizer):
         # torch's optimizers take foreach by default for CUDA params (the fake ones are CPU tensors)
         takes_foreach = device == "cuda" and "foreach" in inspect.signature(cls).parameters
-        return functools.partial(cls, foreach=True) if takes_foreach else cls
-    return cls if rounding is None else functools.partial(cls, rounding=rounding)
+        return functools.partial(make, foreach=True) if takes_foreach else cls
+    return cls if rounding is None else functools.partial(make, rounding=rounding)
 
 
 def _shapes(model: torch.nn.Module, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
@@ -523,6 +537,7 @@ def plan(
     accum: int = 1,
     process: bool = True,
     offload: bool = False,
+    allocator: str = "pinned",
 ) -> list[PlanRow]:
     """Predicted peak memory of a steady-state training step, per configuration, ranked by precision kept.
 
@@ -554,7 +569,17 @@ def plan(
 
     ``offload``: also the rows of ``offload="cpu"`` (the module docstring): ``peak_bytes`` is the
     device's, ``host_bytes`` what the host holds; ranked after every on-device row.
+
+    ``allocator`` (the CPU's ``process_bytes``): ``"pinned"`` (default) is the figure for a
+    training process that calls :func:`leanopt.pin_allocator` first (glibc's mmap threshold fixed
+    at 64 KiB: freed large blocks go back to the system), which ``process_source`` says;
+    ``"glibc"`` models glibc's default heap for a process that changes nothing, whose dynamic
+    threshold keeps freed blocks (:func:`leanopt.memory.process.glibc_heap_margin`: one more
+    trace per row, seconds each on a first plan, then cached), and fills ``process_bytes_pinned``
+    with the pinned figure beside it.
     """
+    if allocator not in ("pinned", "glibc"):
+        raise ValueError(f"allocator must be 'pinned' or 'glibc', got {allocator!r}")
     if not isinstance(offload, bool):
         raise ValueError(f"offload must be True or False, got {offload!r}")  # noqa: TRY004 - one-line ValueErrors
     for name, value in (("batch", batch), ("seq", seq), ("accum", accum)):
@@ -656,7 +681,7 @@ def plan(
                 host = _host_bytes(module, name, precision, release)
                 for ckpt in ckpts:
                     peak, breakdown, sizes = _combine_offloaded(forward_backward[ckpt], release, _shapes(module, dtype), device)
-                    cost = _one_time(module, precision, device, sizes, name, rounding, gpus) if process else None
+                    cost = _one_time(module, precision, device, sizes, name, rounding, gpus, heap=None) if process else None
                     needed = None if cost is None or cost.bytes is None else peak + cost.bytes
                     compared = None if budget_bytes is None else ("peak_bytes" if needed is None else "process_bytes")
                     # On the CPU the host memory is the device's.
@@ -664,7 +689,8 @@ def plan(
                     fits = None if budget_bytes is None else (needed if needed is not None else peak) + shared <= budget_bytes
                     source = "process=False" if cost is None else cost.source
                     rows.append(PlanRow(name, precision, ckpt, release, gpus, peak, fits, breakdown, rounding, needed,
-                                        dict(cost.parts) if cost is not None else {}, source, accum, compared, True, host))  # fmt: skip
+                                        dict(cost.parts) if cost is not None else {}, source, accum, compared, True, host,
+                                        process_bytes_pinned=needed))  # fmt: skip
                 continue
             key = (name, rounding if lean[name] else None)
             what = f"{name}.step() on fake tensors ({precision}{f', rounding={rounding}' if rounding else ''})"
@@ -681,30 +707,60 @@ def plan(
                     peak, breakdown, sizes = _combine_released(fb, steps[key], param_steps[key])
                 else:
                     peak, breakdown, sizes = _combine(fb, steps[key])
-                cost = _one_time(module, precision, device, sizes, name, key[1], gpus) if process else None
+                heap = {"batch": batch, "seq": seq, "checkpointing": ckpt, "grad_release": release, "accum": accum}
+                cost = _one_time(module, precision, device, sizes, name, key[1], gpus,
+                                 heap=heap if allocator == "glibc" else PINNED) if process else None
                 needed = None if cost is None or cost.bytes is None else peak + cost.bytes
                 compared = None if budget_bytes is None else ("peak_bytes" if needed is None else "process_bytes")
                 fits = None if budget_bytes is None else (needed if needed is not None else peak) <= budget_bytes
                 source = "process=False" if cost is None else cost.source
+                pinned = None if needed is None or cost is None else needed - cost.parts.get("glibc_heap", 0)
                 rows.append(PlanRow(name, precision, ckpt, release, gpus, peak, fits, breakdown, rounding, needed,
-                                    dict(cost.parts) if cost is not None else {}, source, accum, compared))  # fmt: skip
+                                    dict(cost.parts) if cost is not None else {}, source, accum, compared,
+                                    process_bytes_pinned=pinned))  # fmt: skip
     if not rows:  # pure bf16 only, for optimizers without rounding=, and nearest not asked for
         raise ValueError(f"no configuration to plan: {', '.join(names)} take no rounding= (their pure-bf16 steps round "
                          "to nearest: ask for --roundings nearest)")  # fmt: skip
     return sorted(rows, key=_rank)
 
 
+PINNED: dict[str, Any] = {}  # _one_time's heap= for allocator="pinned": no heap margin, and the source says for what process
+
+
 def _one_time(module: torch.nn.Module, precision: str, device: str, sizes: list[int], optimizer: str, rounding: str | None,
-              gpus: int = 1) -> Any:  # fmt: skip
+              gpus: int = 1, *, heap: dict[str, Any] | None = None) -> Any:  # fmt: skip
     """What the process needs besides the step's tensors (:mod:`leanopt.memory.process`; the CPU's
-    is cached on disk after its first measurement)."""
+    one-time costs are cached on disk after their first measurement). ``heap``: the row's batch,
+    seq, checkpointing, grad_release and accum, for the margin glibc's default heap keeps
+    (:func:`~leanopt.memory.process.glibc_heap_margin`); None: not modelled for this row (offload),
+    and the source says so."""
     from leanopt.memory import process
 
     if gpus > 1:
         return process.OneTimeCost(None, "not measured for FSDP2 ranks (--gpus > 1): the budget is compared with the step's peak")
     if device == "cuda":
         return process.cuda_one_time(sizes)
-    return process.cpu_one_time(module, precision, optimizer, rounding)
+    cost = process.cpu_one_time(module, precision, optimizer, rounding)
+    if cost.bytes is None:
+        return cost
+    from leanopt.memory.resident import allocator
+
+    if heap is PINNED:
+        return process.OneTimeCost(cost.bytes, f"{cost.source}; for a process that calls leanopt.pin_allocator() (glibc's "
+                                   "defaults keep more: allocator='glibc', --allocator glibc)", dict(cost.parts))  # fmt: skip
+    if heap is None:
+        return process.OneTimeCost(cost.bytes, f"{cost.source}; glibc's heap margin not modelled for offloaded rows (the figure "
+                                   "is for leanopt.pin_allocator())", dict(cost.parts))  # fmt: skip
+    if allocator() == "other":
+        return process.OneTimeCost(cost.bytes, f"{cost.source}; not glibc here: no heap margin modelled", dict(cost.parts))
+    try:
+        margin = process.glibc_heap_margin(module, precision=precision, optimizer=optimizer, rounding=rounding, **heap)
+    except Exception as err:
+        return process.OneTimeCost(cost.bytes, f"{cost.source}; glibc's heap margin not modelled ({_one_line(err)}): the figure "
+                                   "is for leanopt.pin_allocator()", dict(cost.parts))  # fmt: skip
+    parts = {**cost.parts, "glibc_heap": margin}
+    return process.OneTimeCost(cost.bytes + margin, f"{cost.source}; glibc's default heap modelled (+{margin / 2**20:.0f} MiB; "
+                               "process_bytes_pinned: with leanopt.pin_allocator())", parts)  # fmt: skip
 
 
 def _device(device: Any) -> str:

@@ -265,11 +265,11 @@ def run_dry(bench: Any, tolerance: float) -> list[dict[str, Any]]:
     for case in DRY_CASES:
         got = measured.get(case, "the CPU measurement: no result")
         for k, config in enumerate(DRY_CONFIGS):
-            cpu, cuda, error = plans[case, config]
+            planned_cpu, planned_cuda, error = plans[case, config]
             real = got[k] if isinstance(got, list) else None
             if error is None and isinstance(got, str):
                 error = got
-            rows.append(_row(case, config, cpu, real, error, tolerance, cuda_plan=cuda))
+            rows.append(_row(case, config, planned_cpu, real, error, tolerance, cuda_plan=planned_cuda))
             _progress(rows[-1])
         for config in CONFIGS:  # planned for CUDA only: a row only if that failed
             if config not in DRY_CONFIGS and plans[case, config][2] is not None:

@@ -38,8 +38,13 @@ params) is followed, and an eager ``wait_tensor`` returns its input, as it does 
 Caches the optimizers fill on first use (code books, lookup tables, Adafactor's workspace)
 are the trace's own, so that the fake ones are created and counted, and gone after it. The
 model is never changed (the planner traces a copy with fake weights), and what must change in
-torch's own functions for a trace (:func:`thread_patch`) changes for the tracing thread only:
-a step in another thread, during a plan, runs as it would without one.
+torch's own functions for a trace changes for the tracing thread only
+(:func:`leanopt.torch_patches.thread_patch`, of the pairs listed in its ``TORCH_PATCHES``): a
+step in another thread, during a plan, runs as it would without one.
+
+A step planned for a GPU (``device="cuda"``) is traced on the same fake CPU tensors, with what a
+GPU does differently (allocator blocks, fused attention, CUDA autocast) put in by
+:mod:`leanopt.memory.cuda_emulation`.
 """
 
 from __future__ import annotations
@@ -48,7 +53,6 @@ import contextlib
 import copy
 import functools
 import math
-import threading
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -56,10 +60,12 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_leaves
 
 from leanopt import tracing
 from leanopt.kernels import cpu_elementwise
+from leanopt.memory.cuda_emulation import cuda_block_bytes, cuda_forward
+from leanopt.torch_patches import thread_patch
 
 KINDS = ("weights", "gradients", "optimizer_state", "activations", "other")
 
@@ -347,52 +353,6 @@ def traced_kernels(device: str = "cpu") -> Iterator[None]:
         yield
 
 
-# ---- torch's own functions, replaced for the tracing thread only ---------------------------------
-# Where the trace must change what *torch* does (CUDA's attention kernel and autocast on the fake
-# CPU tensors, FSDP2's storage resizes), the attribute is replaced by a dispatcher that runs the
-# replacement for the threads inside such a trace and the original for every other thread; the
-# first trace that needs it installs it, the last to leave restores the original.
-_PATCH_LOCK = threading.Lock()
-_PATCHES: dict[tuple[int, str], list[Any]] = {}  # (id(owner), name) -> [original, owned, users]
-_OVERRIDES = threading.local()  # (id(owner), name) -> this thread's replacement
-
-
-@contextlib.contextmanager
-def thread_patch(owner: Any, name: str, make: Callable[[Any], Any]) -> Iterator[None]:
-    """``owner.name`` is ``make(original)`` for calls from this thread until the block ends."""
-    key = (id(owner), name)
-    with _PATCH_LOCK:
-        entry = _PATCHES.get(key)
-        if entry is None:
-            original = getattr(owner, name)
-
-            def dispatch(*args: Any, **kwargs: Any) -> Any:
-                impl = _OVERRIDES.__dict__.get(key)
-                return (original if impl is None else impl)(*args, **kwargs)
-
-            functools.update_wrapper(dispatch, original)
-            entry = _PATCHES[key] = [original, name in vars(owner), 0]
-            setattr(owner, name, dispatch)
-        entry[2] += 1
-    previous = _OVERRIDES.__dict__.get(key)
-    _OVERRIDES.__dict__[key] = make(entry[0])
-    try:
-        yield
-    finally:
-        if previous is None:
-            _OVERRIDES.__dict__.pop(key, None)
-        else:
-            _OVERRIDES.__dict__[key] = previous
-        with _PATCH_LOCK:
-            entry[2] -= 1
-            if entry[2] == 0:
-                del _PATCHES[key]
-                if entry[1] or not isinstance(owner, type):
-                    setattr(owner, name, entry[0])
-                else:
-                    delattr(owner, name)  # an inherited method (torch.Tensor's, from TensorBase)
-
-
 def swapped_copy(model: torch.nn.Module, make: Callable[[torch.Tensor], torch.Tensor]) -> torch.nn.Module:
     """A deep copy of ``model`` in which every parameter and buffer ``t`` is ``make(t)`` (once per
     tensor: tied weights stay tied); ``model`` itself is not touched, so a thread training it
@@ -629,152 +589,3 @@ def rounded_step_peak(
     peak.bytes = sum(peak.breakdown.values())
     peak.sizes = [*nbytes, *nbytes]  # weights and gradients (states and temporaries: not by block)
     return peak, kept
-
-
-# ---- CUDA: the same step as a GPU runs it --------------------------------------------------------
-# The trace stays on fake *CPU* tensors: on a CPU-only torch build, fake CUDA tensors abort the
-# process (a C++ ``terminate``, "PyTorch is not linked with support for cuda devices", from the
-# device guard) at the first op autograd records or a composite op runs in C++, and
-# ``torch.autocast("cuda")`` is disabled without a GPU. What a GPU does differently is put in:
-#
-# * the caching allocator's block sizes (:func:`cuda_block_bytes`, in ``LiveStorage``);
-# * attention: ``scaled_dot_product_attention`` runs the fused CUDA kernel torch would pick
-#   (:func:`sdpa_cuda_kernel`): its own aten op, with its meta kernel and autograd formula, so what
-#   it saves for backward (q, k, v, the output and a logsumexp; no seq x seq matrix) is traced;
-# * CUDA autocast's fp32 ops (``pow``, ``softmax``, ``layer_norm``... :data:`CUDA_AUTOCAST_FP32`),
-#   which CPU autocast leaves in bf16;
-# * the optimizers' Triton kernels (:func:`traced_kernels` with ``device="cuda"``): their launch
-#   code runs, on the fake tensors, with the launches themselves left out (they update in place
-#   and allocate nothing); torch's own optimizers take their CUDA default (foreach), which the
-#   planner asks for (``foreach=True``).
-
-CUDA_BLOCK_BYTES = 512  # the caching allocator rounds every block up to a multiple of 512 bytes
-
-
-def cuda_block_bytes(nbytes: int) -> int:
-    """What ``torch.cuda.memory_allocated`` counts for a tensor of ``nbytes``: nothing for an
-    empty one, else ``nbytes`` rounded up to 512 (``kMinBlockSize``; also the smallest block).
-
-    Not modelled: a cached large block reused whole when splitting it would leave <= 1 MiB
-    (the allocator then counts the whole block), and ``PYTORCH_CUDA_ALLOC_CONF`` settings
-    (``roundup_power2_divisions``, expandable segments)."""
-    return 0 if nbytes <= 0 else -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
-
-
-_LOW = (torch.float16, torch.bfloat16)
-
-
-def sdpa_cuda_kernel(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None, enable_gqa: bool = False
-) -> str:
-    """``"flash"``, ``"efficient"`` or ``"math"``: the kernel torch's ``scaled_dot_product_attention``
-    picks on an sm80+ GPU (A100, H100, H200) with the default backends, tried in torch's order.
-
-    Flash: fp16/bf16, no mask, head dim <= 256 and a multiple of 8. Memory-efficient: fp32, fp16
-    or bf16, any mask, head dim a multiple of 16 bytes' worth of elements (4 in fp32, 8 in 16-bit),
-    no grouped-query heads. Otherwise the math path (the seq x seq matrix, as on the CPU)."""
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or not (q.dtype == k.dtype == v.dtype):
-        return "math"
-    d, dv = q.shape[-1], v.shape[-1]
-    gqa = k.shape[1] != q.shape[1]
-    if gqa and not enable_gqa:
-        return "math"
-    if q.dtype in _LOW and attn_mask is None and d == dv and d <= 256 and d % 8 == 0:
-        return "flash"
-    align = 4 if q.dtype == torch.float32 else 8
-    if q.dtype in (torch.float32, *_LOW) and not gqa and d % align == 0 and dv % align == 0:
-        return "efficient"
-    return "math"
-
-
-def _sdpa_bias(mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
-    """The additive bias torch's SDPA gives the memory-efficient kernel: a boolean mask becomes
-    a new tensor of ``q``'s dtype, and a last dim that is not a multiple of 16 is padded."""
-    if mask is None:
-        return None
-    if mask.dtype == torch.bool:
-        mask = torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(mask.logical_not(), float("-inf"))
-    size = mask.shape[-1]
-    if size % 16:
-        padded = torch.empty((*mask.shape[:-1], size + 16 - size % 16), dtype=mask.dtype)
-        padded[..., :size] = mask
-        mask = padded[..., :size]
-    return mask
-
-
-def cuda_sdpa(tracker: LiveStorage | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None,
-              dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
-              original: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
-    """``scaled_dot_product_attention`` by the aten op of the CUDA kernel :func:`sdpa_cuda_kernel`
-    picks (its meta kernel and autograd formula run on the fake tensors)."""
-    kernel = sdpa_cuda_kernel(q, k, v, attn_mask, enable_gqa)
-    if kernel == "flash":
-        out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)
-        return out[0]
-    if kernel == "efficient":
-        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        bias = _sdpa_bias(attn_mask, q)
-        out = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, grad, dropout_p, is_causal, scale=scale)
-        if tracker is not None:
-            for t in out[2:]:  # philox seed and offset: host tensors on a GPU
-                tracker.untrack(t)
-        return out[0]
-    fn = original or torch.nn.functional.scaled_dot_product_attention
-    kwargs = {"enable_gqa": True} if enable_gqa else {}
-    return fn(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kwargs)
-
-
-# CUDA autocast runs these in fp32 (a bf16 input is cast up; for the reductions and softmaxes the
-# output dtype is set to fp32); CPU autocast does not list them. By the name of the torch
-# function or Tensor method. The losses, in both lists, are left to CPU autocast.
-CUDA_AUTOCAST_FP32 = frozenset({
-    "pow", "__pow__", "__rpow__", "exp", "expm1", "log", "log2", "log10", "log1p", "rsqrt", "reciprocal",
-    "acos", "asin", "cosh", "sinh", "tan", "erfinv", "softplus", "layer_norm", "group_norm", "logsumexp",
-    "cosine_similarity", "dist", "renorm",
-})  # fmt: skip
-CUDA_AUTOCAST_FP32_OUTPUT = frozenset({"softmax", "log_softmax", "sum", "cumsum", "cumprod", "prod"})
-
-
-def _up(x: Any) -> Any:
-    return x.float() if isinstance(x, torch.Tensor) and x.dtype in _LOW else x
-
-
-def _autocast_fp32(fn: Callable[..., Any], set_dtype: bool) -> Callable[..., Any]:
-    """``fn`` as CUDA autocast runs it: bf16/fp16 inputs cast to fp32 (``set_dtype``: the output
-    dtype set to fp32 instead) while autocast is on (the trace's CPU autocast stands for CUDA's)."""
-
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if torch.is_autocast_enabled("cpu"):
-            if not set_dtype:
-                args, kwargs = tree_map(_up, args), tree_map(_up, kwargs)
-            elif kwargs.get("dtype") is None and args and isinstance(args[0], torch.Tensor) and args[0].dtype in _LOW:
-                kwargs = {**kwargs, "dtype": torch.float32}
-        return fn(*args, **kwargs)
-
-    return run
-
-
-@contextlib.contextmanager
-def cuda_forward(tracker: LiveStorage | None) -> Iterator[None]:
-    """The forward and backward as a GPU runs them: ``scaled_dot_product_attention`` by the fused
-    CUDA kernel (:func:`cuda_sdpa`) and CUDA autocast's fp32 ops (:data:`CUDA_AUTOCAST_FP32`),
-    replaced in ``torch``, ``torch.nn.functional`` and ``torch.Tensor`` for this thread
-    (:func:`thread_patch`; a ``TorchFunctionMode`` would not be seen by checkpointing's
-    recomputation inside backward)."""
-    functional = torch.nn.functional
-
-    def attention(sdpa: Any) -> Any:
-        def run(*args: Any, **kwargs: Any) -> torch.Tensor:
-            return cuda_sdpa(tracker, *args, original=sdpa, **kwargs)
-
-        return run
-
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(thread_patch(functional, "scaled_dot_product_attention", attention))
-        for names, set_dtype in ((CUDA_AUTOCAST_FP32, False), (CUDA_AUTOCAST_FP32_OUTPUT, True)):
-            for name in sorted(names):
-                for owner in (torch, functional, torch.Tensor):
-                    if callable(getattr(owner, name, None)):
-                        stack.enter_context(thread_patch(owner, name, functools.partial(_autocast_fp32, set_dtype=set_dtype)))
-        yield

@@ -32,6 +32,7 @@ import contextlib
 import copy
 import io
 import json
+import logging
 import os
 import re
 import sys
@@ -455,7 +456,32 @@ def _too_many_modules(config: Any, what: str) -> ValueError:
     )
 
 
+# What an installed peer logs while transformers imports it for a model leanopt builds (torchao,
+# imported by the modeling code: a "Failed to load ... .so" per extension built for another
+# Python, and torch's _pytree deprecation notes on its enums) is not the user's business: quiet
+# while leanopt builds, as it was before. A user who imports transformers' models first sees it.
+_PEER_IMPORT_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+@contextlib.contextmanager
+def _quiet_peer_imports() -> Iterator[None]:
+    loggers = [logging.getLogger(name) for name in _PEER_IMPORT_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(max(lg.getEffectiveLevel(), logging.ERROR))
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
 def _build_on_meta(config: Any, class_name: str | None, what: str) -> torch.nn.Module:
+    with _quiet_peer_imports():
+        return _build_quietly(config, class_name, what)
+
+
+def _build_quietly(config: Any, class_name: str | None, what: str) -> torch.nn.Module:
     transformers = _transformers(what)
     _check_config_values(config.to_dict(), what)
     candidates: list[Any] = []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -202,7 +202,8 @@ class Adafactor(LeanOptimizer):
             self._update(self.backend, key, group, bucket, [p.grad for p in bucket], [self.state[p] for p in bucket])
         if group["relative_step"] and params:
             latest = max(int(self.state[p]["step"]) for p in params)
-            group["lr"] = self._reported[gi] = _relative_step_size(group, latest)
+            # ``group`` is the live param group (a dict in ``param_groups``): the step size is reported there.
+            cast(dict[str, Any], group)["lr"] = self._reported[gi] = _relative_step_size(group, latest)
 
     def _check_lr_untouched(self, gi: int, group: Mapping[str, Any]) -> None:
         lr = group["lr"]

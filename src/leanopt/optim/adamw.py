@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -70,7 +70,7 @@ class AdamW(ElementwiseOptimizer):
 
     name = "adamw"
     family = "adamw"
-    references = ("torch.optim.AdamW",)
+    references: ClassVar[tuple[str, ...]] = ("torch.optim.AdamW",)
     rule = rules.ADAMW
     # As torch.optim.AdamW: a complex param and its states are updated as real (re, im) pairs.
     supports_complex = True

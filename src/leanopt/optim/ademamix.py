@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -67,7 +67,7 @@ class AdEMAMix(ElementwiseOptimizer):
 
     name = "ademamix"
     family = "ademamix"
-    references = ("bitsandbytes.optim.AdEMAMix",)
+    references: ClassVar[tuple[str, ...]] = ("bitsandbytes.optim.AdEMAMix",)
     rule = rules.ADEMAMIX
 
     def __init__(

@@ -16,9 +16,9 @@ import functools
 import inspect
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -30,6 +30,9 @@ from leanopt.optim.offload import Offload, check_offload
 from leanopt.optim.rounding import LOW_PRECISION, check_rounding, generator_for, stochastic_round
 from leanopt.optim.sharding import allocate_state, checkpoint_value, is_dtensor, load_value
 from leanopt.quant import QuantizedState
+
+if TYPE_CHECKING:  # release imports this module; the annotations only need the name
+    from leanopt.optim.release import GradientRelease
 
 
 def _number(name: str, value: Any) -> float:
@@ -125,7 +128,7 @@ def wrap_constructor(
     keyword wraps a constructor once (a subclass of a wrapped class without an ``__init__`` of
     its own is left alone). The mechanism of ``offload=`` and ``state_dtype=``."""
     init = cls.__dict__.get("__init__")
-    taken = getattr(init, "_leanopt_keywords", frozenset())
+    taken: frozenset[str] = getattr(init, "_leanopt_keywords", frozenset())
     if init is None or keyword in taken:
         return
 
@@ -143,9 +146,11 @@ def wrap_constructor(
     if keyword not in signature.parameters:
         at = next((i for i, q in enumerate(params) if q.name in ahead_of or q.kind == inspect.Parameter.VAR_KEYWORD), len(params))
         params.insert(at, inspect.Parameter(keyword, inspect.Parameter.KEYWORD_ONLY, default=shown_default, annotation=annotation))
-    __init__.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
-    __init__._leanopt_keywords = taken | {keyword}  # type: ignore[attr-defined]
-    cls.__init__ = __init__  # type: ignore[attr-defined]
+    # Attributes a plain function does not declare, and a class's constructor replaced: set by
+    # name, which is what the assignments did, without telling the type checker otherwise.
+    setattr(__init__, "__signature__", signature.replace(parameters=params))
+    setattr(__init__, "_leanopt_keywords", taken | {keyword})
+    setattr(cls, "__init__", __init__)
 
 
 def as_float(value: Any) -> float:
@@ -171,6 +176,9 @@ class LeanOptimizer(torch.optim.Optimizer):
     # State keys a loaded state may hold that this optimizer drops: a peer's bookkeeping it
     # recomputes. Any other key outside the layout is another rule's state, and is refused.
     ignored_state_keys: ClassVar[frozenset[str]] = frozenset()
+    # Set by leanopt.release_gradients on the optimizer it releases (and back to None when it is
+    # removed); absent otherwise, hence read through :meth:`_release`. Declared, not assigned.
+    _gradient_release: GradientRelease | None
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], *, backend: str = "auto") -> None:
         # The backend is how to compute, not what: it is not a hyper-parameter and is not saved.
@@ -196,6 +204,10 @@ class LeanOptimizer(torch.optim.Optimizer):
         """Where states and master weights live: ``None`` (with the params) or ``"cpu"``."""
         return "cpu" if getattr(self, "_offload", None) is not None else None
 
+    def _release(self) -> GradientRelease | None:
+        """The :func:`leanopt.release_gradients` handle that set itself on this optimizer, if any."""
+        return getattr(self, "_gradient_release", None)
+
     def _complete_defaults(self, defaults: dict[str, Any]) -> dict[str, Any]:
         """The defaults every param group gets: the optimizer's, plus what a mixin adds."""
         return dict(defaults)
@@ -203,10 +215,11 @@ class LeanOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         # Released (leanopt.release_gradients): the hooks freed their gradients inside backward;
         # one set by hand since is dropped, as in the usual loop.
-        if getattr(self, "_gradient_release", None) is not None:
-            self._gradient_release._optimizer_stepped()
-        elif getattr(self, "_offload", None) is not None:
-            self._offload.zero_grad()
+        release, offload = self._release(), getattr(self, "_offload", None)
+        if release is not None:
+            release._optimizer_stepped()
+        elif offload is not None:
+            offload.zero_grad()
         super().zero_grad(set_to_none)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -266,11 +279,13 @@ class LeanOptimizer(torch.optim.Optimizer):
             raise ValueError(f"param group 'optimizer' is {merged['optimizer']!r}; this optimizer is {self.name!r}")
         self.validate_group(merged)
         check_rounding(merged.get("rounding", "nearest"))
-        if getattr(self, "_offload", None) is not None:
-            self._offload.check_group({**merged, "params": param_group.get("params") or []}, len(self.param_groups))
+        offload: Offload | None = getattr(self, "_offload", None)
+        if offload is not None:
+            offload.check_group({**merged, "params": param_group.get("params") or []}, len(self.param_groups))
         super().add_param_group(param_group)
-        if getattr(self, "_gradient_release", None) is not None:
-            self._gradient_release._hook_params()  # a group added while released is released too
+        release = self._release()
+        if release is not None:
+            release._hook_params()  # a group added while released is released too
 
     def _check_grads(self) -> None:
         """Refuse gradients no backend can apply, before any param or state is changed."""
@@ -321,16 +336,18 @@ class LeanOptimizer(torch.optim.Optimizer):
             if not layout:  # a stateless param (SGD without momentum): no entry, as torch keeps none
                 return {}
             state = self.state[p]
-            device = p.device if self._offload is None else self._offload.state_device()
+            offload = self._offload
+            device = p.device if offload is None else offload.state_device()
             for spec in layout:
                 state[spec.key] = allocate_state(spec, p) if is_dtensor(p) else spec.allocate(device)
         return state
 
     def _state_target(self, p: torch.Tensor) -> torch.Tensor:
         """A tensor on the device ``p``'s states live on (``p`` itself, or a host stand-in when offloaded)."""
-        if getattr(self, "_offload", None) is None:
+        offload: Offload | None = getattr(self, "_offload", None)
+        if offload is None:
             return p
-        return torch.empty(0, device=self._offload.state_device())
+        return torch.empty(0, device=offload.state_device())
 
     def _advance(self, p: torch.Tensor, group: Mapping[str, Any]) -> None:
         state = self._init_state(p, group)
@@ -364,8 +381,9 @@ class LeanOptimizer(torch.optim.Optimizer):
         runs ``closure`` and steps only gradients no hook stepped (set by hand, for instance).
         """
         loss = self._closure_loss(closure)
-        if getattr(self, "_gradient_release", None) is not None:
-            self._gradient_release._optimizer_stepped(step=True)  # steps what no hook stepped
+        release = self._release()
+        if release is not None:
+            release._optimizer_stepped(step=True)  # steps what no hook stepped
             return loss
         if self._offload is not None:
             self._offload.step()
@@ -398,7 +416,10 @@ class LeanOptimizer(torch.optim.Optimizer):
         master = p.detach().float()
         if rounding == "kahan":
             master.add_(state["kahan_comp"].float())
-        master.grad = p.grad.float()
+        grad = p.grad
+        if grad is None:  # the callers pass only params with a gradient
+            raise RuntimeError(f"param {index} of group {gi} has no gradient to step")
+        master.grad = grad.float()
         self.state[master] = state
         try:
             self._step_group(gi, group, [master], f"{key}/rounded")
@@ -437,8 +458,9 @@ class LeanOptimizer(torch.optim.Optimizer):
 
     # ---- save / load --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        if getattr(self, "_offload", None) is not None:
-            self._offload.wait()  # host steps in flight finish first
+        offload: Offload | None = getattr(self, "_offload", None)
+        if offload is not None:
+            offload.wait()  # host steps in flight finish first
         # torch runs the post hooks inside its state_dict; run them here instead, so that they
         # see (and may edit or replace) the state_dict this method returns.
         post_hooks = self._optimizer_state_dict_post_hooks
@@ -453,9 +475,10 @@ class LeanOptimizer(torch.optim.Optimizer):
             # Entries under other keys (a hook may add one, as torch allows) are saved as they are.
             if not (isinstance(pid, int) and 0 <= pid < len(params) and isinstance(st, Mapping)):
                 return st
-            if is_dtensor(params[pid]):
+            param = params[pid]
+            if is_dtensor(param):
                 # A sharded (DTensor) param's quantized shards are saved as a DTensor, for DCP to reshard.
-                st = {k: checkpoint_value(v, params[pid]) for k, v in st.items()}
+                st = {k: checkpoint_value(v, param) for k, v in st.items()}
             # Quantized entries become plain dicts of tensors/ints/strings: weights_only-safe.
             return {k: (v.to_state_dict() if isinstance(v, QuantizedState) else v) for k, v in st.items()}
 
@@ -493,8 +516,9 @@ class LeanOptimizer(torch.optim.Optimizer):
         if not isinstance(state_dict["state"], Mapping):
             raise ValueError(f"{cls}.load_state_dict: 'state' is a {type(state_dict['state']).__name__}, expected a dict")
         origin = self._loaded_identity(state_dict)
-        if getattr(self, "_offload", None) is not None:
-            self._offload.wait()
+        offload: Offload | None = getattr(self, "_offload", None)
+        if offload is not None:
+            offload.wait()
         # Options a checkpoint lacks (saved before they existed) take the constructor's values,
         # as torch's optimizers do; every group is then checked as the constructor checks it.
         filled_groups = []
@@ -504,8 +528,8 @@ class LeanOptimizer(torch.optim.Optimizer):
             try:
                 self.validate_group(filled, loaded=True)
                 check_rounding(filled.get("rounding", "nearest"))
-                if getattr(self, "_offload", None) is not None:
-                    self._offload.check_group({**filled, "params": group["params"]}, gi)
+                if offload is not None:
+                    offload.check_group({**filled, "params": group["params"]}, gi)
             except ValueError as err:
                 raise ValueError(f"{cls}.load_state_dict: param group {gi}: {err}{origin.other_rule()}") from None
             filled_groups.append(filled)
@@ -546,8 +570,8 @@ class LeanOptimizer(torch.optim.Optimizer):
             self._optimizer_load_state_dict_post_hooks = post_hooks
         for p, st in converted.items():
             self.state[p] = st
-        for hook in list(post_hooks.values()):
-            hook(self)
+        for post_hook in list(post_hooks.values()):
+            post_hook(self)
 
     def _kept_on_load(self, group: Mapping[str, Any]) -> dict[str, Any]:
         """Options of this optimizer's ``group`` that a loaded group does not replace (the
@@ -630,8 +654,10 @@ class LeanOptimizer(torch.optim.Optimizer):
             where = f"{cls}.load_state_dict: {spec.key!r} of {label}"
             if spec.key == "step":
                 _check_step(saved["step"], where)
-            convert = load_value if is_dtensor(p) else convert_saved
-            out[spec.key] = convert(spec, saved[spec.key], p if is_dtensor(p) else target, where)
+            if is_dtensor(p):
+                out[spec.key] = load_value(spec, saved[spec.key], p, where)
+            else:
+                out[spec.key] = convert_saved(spec, saved[spec.key], target, where)
         return out
 
     def _missing_state(self, spec: StateSpec, p: torch.Tensor, saved: Mapping[str, Any]) -> Any:
@@ -656,7 +682,7 @@ class _Origin:
         return "" if seen.family in (None, self.family) else f"; its states are {seen.layout}'s (the {seen.family} rule)"
 
 
-def _merged_group(group: Mapping[str, Any], saved_groups: list[Mapping[str, Any]], pid: Any) -> dict[str, Any]:
+def _merged_group(group: Mapping[str, Any], saved_groups: Sequence[Mapping[str, Any]], pid: Any) -> dict[str, Any]:
     # Layout options (amsgrad, quantize, beta1...) come from the saved group: that is what
     # the optimizer will run with after loading.
     for sg in saved_groups:

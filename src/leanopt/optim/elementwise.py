@@ -106,11 +106,14 @@ class ElementwiseOptimizer(LeanOptimizer):
             by_device.setdefault(p.device, []).append(p)
         hp = self.rule.hyperparameters(group)
         for device_params in by_device.values():
+            grads = [g for p in device_params if (g := p.grad) is not None]
+            if len(grads) != len(device_params):  # the callers pass only params with a gradient
+                raise RuntimeError(f"{type(self).__name__}: a param of group {gi} has no gradient to step")
             # Elementwise: a DTensor (FSDP2) param updates its own shard; a complex one its real view.
             kernels.step(
                 self.backend, self.rule, self._tables, key,
                 [real_view(local(p)) for p in device_params],
-                [real_view(local(p.grad)) for p in device_params],
+                [real_view(local(g)) for g in grads],
                 [[real_view(local(self.state[p][k])) for k in keys] for p in device_params],
                 self._steps(device_params), hp, safe=self.safe,
                 offsets=[shard_offset(p) for p in device_params],

@@ -112,14 +112,14 @@ def _recognized(groups: list[Mapping[str, Any]], states: list[Mapping[str, Any]]
     if BNB_KEY in keys:
         nested = [s[BNB_KEY] for s in states if isinstance(s.get(BNB_KEY), Mapping)]
         eight = any(isinstance(n.get("state1"), torch.Tensor) and n["state1"].dtype == torch.uint8 for n in nested)
-        bits, peer = ("8-bit", 8) if eight else ("32-bit", 32)
+        label, peer = ("8-bit", 8) if eight else ("32-bit", 32)
         if betas == {3} or any(stacked_emas(n) for n in nested):
-            return Recognized(f"bitsandbytes {bits} (AdEMAMix, 3 states)", "ademamix", "bitsandbytes", peer)
+            return Recognized(f"bitsandbytes {label} (AdEMAMix, 3 states)", "ademamix", "bitsandbytes", peer)
         if any("unorm_vec" in n for n in nested):
             # An update-norm clip (LAMB, or max_unorm > 0) is part of the rule: not AdamW's.
-            return Recognized(f"bitsandbytes {bits} (2 states, update-norm clipping: LAMB or max_unorm)", None, "bitsandbytes", peer)
+            return Recognized(f"bitsandbytes {label} (2 states, update-norm clipping: LAMB or max_unorm)", None, "bitsandbytes", peer)
         if any("state2" in n for n in nested):
-            return Recognized(f"bitsandbytes {bits} (Adam-family, 2 states)", "adamw", "bitsandbytes", peer)
+            return Recognized(f"bitsandbytes {label} (Adam-family, 2 states)", "adamw", "bitsandbytes", peer)
         # Lion, SGD momentum, RMSprop and Adagrad all save one state1 and the same options;
         # only eps tells two of them apart (Lion and momentum save 0.0).
         eps = {float(g["eps"]) for g in groups if isinstance(g.get("eps"), (int, float))}
@@ -129,7 +129,7 @@ def _recognized(groups: list[Mapping[str, Any]], states: list[Mapping[str, Any]]
             which = "RMSprop or Adagrad"
         else:
             which = "Lion, SGD momentum, RMSprop or Adagrad"
-        return Recognized(f"bitsandbytes {bits} (1 state: {which})", None, "bitsandbytes", peer)
+        return Recognized(f"bitsandbytes {label} (1 state: {which})", None, "bitsandbytes", peer)
     subclasses = sorted({name for s in states for v in s.values() if (name := tensor_subclass(v)) is not None})
     if any(name.startswith("torchao.") for name in subclasses):
         names = ", ".join(n.rsplit(".", 1)[-1] for n in subclasses)

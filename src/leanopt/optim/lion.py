@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -58,7 +58,7 @@ class Lion(ElementwiseOptimizer):
 
     name = "lion"
     family = "lion"
-    references = ("bitsandbytes.optim.Lion",)
+    references: ClassVar[tuple[str, ...]] = ("bitsandbytes.optim.Lion",)
     rule = rules.LION
 
     def __init__(

@@ -90,9 +90,10 @@ class LowBit(ElementwiseOptimizer):
         def __init__(self: Any, *args: Any, **kw: Any) -> None:
             LowBit.__init__(self, *args, **kw)
 
-        __init__.__signature__ = base.replace(parameters=params[:at] + storage + params[at:])  # type: ignore[attr-defined]
+        # Set by name, as base.wrap_constructor does: a function's __signature__, a class's constructor.
+        setattr(__init__, "__signature__", base.replace(parameters=params[:at] + storage + params[at:]))
         __init__.__qualname__ = f"{cls.__qualname__}.__init__"
-        cls.__init__ = __init__  # type: ignore[method-assign]
+        setattr(cls, "__init__", __init__)
 
     def _complete_defaults(self, defaults: dict[str, Any]) -> dict[str, Any]:
         return {**super()._complete_defaults(defaults), **self._storage}

@@ -43,11 +43,13 @@ covered by the ``offload`` stage of ``scripts/gpu_check.sh``).
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import math
+import sys
 import threading
 import types
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -323,9 +325,10 @@ class Offload:
         t = self._twins.get(id(p))
         now = (p.data_ptr(), p._version)
         if t is None or t.shape != p.shape or self._synced.get(id(p)) != now:
-            self.transport.wait(self._uploads.pop(id(p), None))
+            transport = self._moving()
+            transport.wait(self._uploads.pop(id(p), None))
             if t is None or t.shape != p.shape:
-                t = self.transport.empty(p.shape, master_dtype(p.dtype))
+                t = transport.empty(p.shape, master_dtype(p.dtype))
                 self._twins[id(p)] = t
             t.copy_(p.detach())
             self._synced[id(p)] = now
@@ -333,6 +336,14 @@ class Offload:
 
     def state_device(self) -> torch.device:
         return torch.device("cpu") if self.transport is not None else torch.device("meta")
+
+    def _moving(self) -> HostTransport:
+        """The transport, for the paths that move data; params on the meta device (a model being
+        estimated) have none, and nothing of theirs is ever stepped or copied."""
+        transport = self.transport
+        if transport is None:
+            raise RuntimeError("offload='cpu' with params on the meta device: nothing is stepped or copied (a model being estimated)")
+        return transport
 
     def _submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
         if self._executor is None:
@@ -363,12 +374,13 @@ class Offload:
         """Runs on the worker thread: the optimizer's update of ``p`` on its host copy, then the
         upload; ``span``: only elements ``[start, stop)`` (``grad`` is theirs), the step count
         advanced by the first chunk."""
+        transport = self._moving()
         for handle in waits:
             if isinstance(handle, concurrent.futures.Future):
                 handle.result()
             else:
-                self.transport.wait(handle)
-        self.transport.wait(self._uploads.pop(id(p), None))  # its last upload has read the host copy
+                transport.wait(handle)
+        transport.wait(self._uploads.pop(id(p), None))  # its last upload has read the host copy
         opt = self.optimizer
         group = opt.param_groups[gi]
         with torch.no_grad():
@@ -379,7 +391,7 @@ class Offload:
             if span is not None:
                 start, stop = span
                 _step_chunk(opt, gi, group, p, twin, grad, start, stop, f"group{gi}/param{index}/chunk")
-                self._uploads[id(p)] = self.transport.to_device(twin.view(-1)[start:stop], p.view(-1)[start:stop], mark)
+                self._uploads[id(p)] = transport.to_device(twin.view(-1)[start:stop], p.view(-1)[start:stop], mark)
                 self._synced[id(p)] = (p.data_ptr(), p._version)
                 return
             state = opt.state.get(p, {})  # {}: a stateless param (SGD without momentum)
@@ -390,7 +402,7 @@ class Offload:
             finally:
                 del opt.state[twin]
                 twin.grad = None
-            self._uploads[id(p)] = self.transport.to_device(twin, p, mark)
+            self._uploads[id(p)] = transport.to_device(twin, p, mark)
             self._synced[id(p)] = (p.data_ptr(), p._version)
 
     def step(self) -> None:
@@ -404,13 +416,14 @@ class Offload:
         ]
         for gi, i, p in pending:  # every gradient checked before any param changes
             opt._check_grad(p, gi, i)
+        transport = self._moving()
         try:
             for gi, i, p in pending:
                 twin = self.twin(p)
                 host = self._grads.pop(id(p), None)  # released: the host gradient
                 arrived = self._arrived.pop(id(p), None) if host is not None else None
                 device = p.grad  # without release; released: one set by hand (or None)
-                parts = self.spans(p, gi) or [None]
+                parts: Sequence[tuple[int, int] | None] = self.spans(p, gi) or [None]
                 if device is not None and parts[0] is not None:
                     device = device.reshape(-1)  # a view (a copy for a non-contiguous gradient)
                 for span in parts:
@@ -420,22 +433,22 @@ class Offload:
                         src = device if span is None else device[span[0]:span[1]]
                         # A slot is free before its buffer exists: IN_FLIGHT buffers at most.
                         self._wait_some(IN_FLIGHT)
-                        mark = self.transport.mark()
-                        part = self.transport.empty(src.shape, src.dtype)
-                        waits.append(self.transport.to_host(src, part, mark))
+                        mark = transport.mark()
+                        part = transport.empty(src.shape, src.dtype)
+                        waits.append(transport.to_host(src, part, mark))
                         if grad is None:
                             grad = part
                         else:
-                            waits = [self._submit(_accumulate, self.transport, grad, part, waits)]
+                            waits = [self._submit(_accumulate, transport, grad, part, waits)]
                         del part, src
-                    self._submit(self._host_step, p, gi, i, twin, grad, waits, self.transport.mark(), span)
+                    self._submit(self._host_step, p, gi, i, twin, grad, waits, transport.mark(), span)
                     del grad, waits
                 if device is not None and self.released:
                     p.grad = None
                 del device, host
             self.wait()
         finally:
-            self.transport.finish()
+            transport.finish()
         if self._backwards:
             self._shape = (self._backwards, self._clipped)
         self._new_cycle()
@@ -443,7 +456,7 @@ class Offload:
     def zero_grad(self) -> None:
         """``optimizer.zero_grad()``: drop the host gradients (a step's worth is abandoned)."""
         self.wait()
-        self.transport.finish()
+        self._moving().finish()
         if self._eager:  # params stepped in backward: the loop's step() is only skipped this time
             self._shape = (self._backwards, self._clipped)
         self._grads.clear()
@@ -472,27 +485,34 @@ class Offload:
         """A released gradient: to the host (accumulated onto what is there), device copy freed;
         stepped at once when the loop's shape says this was its last gradient of the step."""
         grad = p.grad
-        mark = self.transport.mark()
+        if grad is None:  # the release hook calls this once the gradient is accumulated
+            raise RuntimeError(f"leanopt offload: param {index} of group {gi} was released without a gradient")
+        transport = self._moving()
+        mark = transport.mark()
         buf = self._grads.get(id(p))
         if buf is None:
-            buf = self._grads[id(p)] = self.transport.empty(grad.shape, grad.dtype)
-            self._arrived[id(p)] = self.transport.to_host(grad, buf, mark)
+            buf = self._grads[id(p)] = transport.empty(grad.shape, grad.dtype)
+            self._arrived[id(p)] = transport.to_host(grad, buf, mark)
         else:
-            part = self.transport.empty(grad.shape, grad.dtype)
-            handle = self.transport.to_host(grad, part, mark)
-            self._arrived[id(p)] = self._submit(_accumulate, self.transport, buf, part, [self._arrived.get(id(p)), handle])
+            part = transport.empty(grad.shape, grad.dtype)
+            handle = transport.to_host(grad, part, mark)
+            self._arrived[id(p)] = self._submit(_accumulate, transport, buf, part, [self._arrived.get(id(p)), handle])
         p.grad = None
         if outermost and self._shape is not None and self._shape == (self._backwards, False):
             self._eager.add(id(p))
             twin = self.twin(p)
             self._grads.pop(id(p))
             arrived = self._arrived.pop(id(p), None)
-            for span in self.spans(p, gi) or [None]:
-                grad = buf if span is None else buf.view(-1)[span[0]:span[1]]
-                self._submit(self._host_step, p, gi, index, twin, grad, [arrived], mark, span)
+            chunks: Sequence[tuple[int, int] | None] = self.spans(p, gi) or [None]
+            for span in chunks:
+                chunk_grad = buf if span is None else buf.view(-1)[span[0]:span[1]]
+                self._submit(self._host_step, p, gi, index, twin, chunk_grad, [arrived], mark, span)
 
     def holds_gradients(self, params: Iterable[torch.Tensor]) -> bool:
         return any(id(p) in self._grads for p in params)
+
+    def stepped_in_backward(self, params: Iterable[torch.Tensor]) -> bool:
+        return any(id(p) in self._eager for p in params)
 
     def clip_grad_norm_(self, params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:  # fmt: skip
@@ -505,18 +525,39 @@ class Offload:
                 "or in none"
             )
         self.wait()
-        holders = []
+        # A released param's gradient is a host buffer, not its .grad: a stand-in holds it there.
+        holders: list[torch.Tensor | SimpleNamespace] = []
+        grads: list[torch.Tensor] = []
         for p in params:
             if id(p) in self._grads:
                 holders.append(SimpleNamespace(grad=self._grads[id(p)]))
+                grads.append(self._grads[id(p)])
             elif p.grad is not None:
                 holders.append(p)
-        grads = [h.grad for h in holders]
+                grads.append(p.grad)
         device = params[0].device if params else torch.device("cpu")
         total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
-        torch.nn.utils.clip_grads_with_norm_(holders, max_norm, total, foreach)
+        # torch reads only each one's .grad; its annotation asks for Tensors, which the stand-ins are not.
+        torch.nn.utils.clip_grads_with_norm_(holders, max_norm, total, foreach)  # type: ignore[arg-type]
         self._clipped = True
         return total.to(device)
+
+    def clip_grad_value_(self, params: list[torch.Tensor], clip_value: float, foreach: bool | None = None) -> None:
+        """``torch.nn.utils.clip_grad_value_`` over ``params``' gradients, wherever they are (as
+        :meth:`clip_grad_norm_`): each element clamped to ``[-clip_value, clip_value]``."""
+        if self._eager:
+            raise RuntimeError(
+                "leanopt offload: clip_grad_value_ after params were stepped inside backward (the last step had no "
+                "clipping, so this one's params were stepped as their gradients arrived); clip in every step, "
+                "or in none"
+            )
+        self.wait()
+        grads = [self._grads[id(p)] if id(p) in self._grads else p.grad for p in params]
+        # torch's own clamp of each gradient: the same bits as torch's function on device gradients.
+        holders = [SimpleNamespace(grad=g) for g in grads if g is not None]
+        # torch reads only each one's .grad; its annotation asks for Tensors, which the stand-ins are not.
+        _torch_clip_grad_value_(holders, clip_value, foreach)  # type: ignore[arg-type]
+        self._clipped = True
 
     def close(self) -> None:
         if self._executor is not None:
@@ -560,14 +601,17 @@ def check_host_memory(needed: int, what: str) -> None:
         )
 
 
-# ---- torch.nn.utils.clip_grad_norm_ over released, offloaded params -------------------------
+# ---- torch.nn.utils.clip_grad_norm_ / clip_grad_value_ over released, offloaded params -------
 _torch_clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
+_torch_clip_grad_value_ = torch.nn.utils.clip_grad_value_
 
 
 def _engine_holding(params: list[Any]) -> Offload | None:
     tensors = [p for p in params if isinstance(p, torch.Tensor)]
     for engine in list(_ENGINES):
-        if engine.released and engine.holds_gradients(tensors):
+        # Released, and holding these params' gradients or having stepped them inside this
+        # backward (its clip then refuses, naming why): torch's functions would see no gradient.
+        if engine.released and (engine.holds_gradients(tensors) or engine.stepped_in_backward(tensors)):
             return engine
     return None
 
@@ -597,14 +641,70 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0, er
     return engine.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
 
 
-clip_grad_norm_.__wrapped__ = _torch_clip_grad_norm_  # type: ignore[attr-defined]
+setattr(clip_grad_norm_, "__wrapped__", _torch_clip_grad_norm_)  # what functools.wraps would set: inspect sees torch's
+
+
+def clip_grad_value_(parameters: Any, clip_value: float, foreach: bool | None = None) -> None:
+    """``torch.nn.utils.clip_grad_value_``, aware of gradient release (installed with
+    :func:`clip_grad_norm_`): it clamps the gradients a released, offloaded optimizer holds in
+    host memory, and raises ``RuntimeError`` for params whose gradients an on-device release
+    has already applied and freed (torch's would silently clamp nothing). Every other call is
+    torch's own."""
+    from leanopt.optim.release import CLIP_AFTER_RELEASE, freed_by_release
+
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    engine = _engine_holding(params)
+    if engine is None and freed_by_release(params) is not None:
+        raise RuntimeError(CLIP_AFTER_RELEASE.replace("clip_grad_norm_", "clip_grad_value_"))
+    if engine is None:
+        given = (p for p in params) if isinstance(parameters, types.GeneratorType) else params
+        return _torch_clip_grad_value_(given, clip_value, foreach)
+    return engine.clip_grad_value_(params, clip_value, foreach)
+
+
+clip_grad_value_.__wrapped__ = _torch_clip_grad_value_  # type: ignore[attr-defined]
 
 
 def route_torch_clipping() -> None:
-    """Make ``torch.nn.utils.clip_grad_norm_`` (what Trainer and Accelerate call) see host
-    gradients; for every other param it is torch's own function, called as it was."""
+    """Make ``torch.nn.utils.clip_grad_norm_`` (what Trainer and Accelerate call) and
+    ``clip_grad_value_`` (Accelerate's ``clip_grad_value_``) see host gradients; for every other
+    param each is torch's own function, called as it was."""
     import torch.nn.utils.clip_grad as clip_module
 
     torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
     clip_module.clip_grad_norm_ = clip_grad_norm_
+    torch.nn.utils.clip_grad_value_ = clip_grad_value_
+    clip_module.clip_grad_value_ = clip_grad_value_
+    route_accelerate_clipping()
+
+
+def route_accelerate_clipping() -> None:
+    """Make ``accelerate.Accelerator.clip_grad_norm_`` (what Trainer calls for ``max_grad_norm``)
+    see released gradients, when accelerate is imported (called at the release and again at the
+    first released gradient, by when a Trainer has imported it). Since accelerate 1.16 it clips
+    with ``get_total_norm`` and ``clip_grads_with_norm_`` over the params whose ``.grad`` is
+    set, not through ``torch.nn.utils.clip_grad_norm_``: released params have none (freed, or
+    waiting in host memory), so it would clip nothing, silently. Over params a release holds or
+    freed, the call is :func:`clip_grad_norm_`'s (host gradients clipped; freed ones refused);
+    every other call is accelerate's own."""
+    from leanopt.torch_patches import PEER_PATCHES
+
+    (module_name, class_name, attr, _), = PEER_PATCHES  # the one listed: accelerate's clip_grad_norm_
+    accelerator = getattr(sys.modules.get(module_name), class_name, None)
+    original = getattr(accelerator, attr, None)
+    if original is None or getattr(original, "_leanopt_routed", False):
+        return
+
+    @functools.wraps(original)
+    def routed(self: Any, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
+        from leanopt.optim.release import freed_by_release
+
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if _engine_holding(params) is None and freed_by_release(params) is None:
+            return original(self, params, max_norm, norm_type)
+        self.unscale_gradients()
+        return clip_grad_norm_(params, max_norm, norm_type)
+
+    routed._leanopt_routed = True  # type: ignore[attr-defined]
+    setattr(accelerator, attr, routed)
 

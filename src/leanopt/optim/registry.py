@@ -8,12 +8,19 @@ optimizer's declared identity).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-REGISTRY: dict[str, type] = {}
+if TYPE_CHECKING:  # base imports this module (inside a function); the annotation only needs the name
+    from leanopt.optim.base import LeanOptimizer
+
+# Every registered class is a LeanOptimizer subclass (leanopt's own and the external ones of the
+# contract suite): typed so, its ``name``, ``family`` and constructor are visible to mypy.
+REGISTRY: dict[str, type[LeanOptimizer]] = {}
+
+_Optimizer = TypeVar("_Optimizer", bound="type[LeanOptimizer]")
 
 
-def register(cls: type) -> type:
+def register(cls: _Optimizer) -> _Optimizer:
     """Class decorator: add ``cls`` under its ``name`` (lower case, unique)."""
     name = cls.__dict__.get("name")
     if not isinstance(name, str) or name != name.lower() or not name:
@@ -24,7 +31,7 @@ def register(cls: type) -> type:
     return cls
 
 
-def optimizer_class(name: Any) -> type:
+def optimizer_class(name: Any) -> type[LeanOptimizer]:
     """The registered class of ``name`` (case-insensitive); ``ValueError`` naming the known ones."""
     cls = REGISTRY.get(name.lower()) if isinstance(name, str) else None
     if cls is None:

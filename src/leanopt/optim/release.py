@@ -39,7 +39,10 @@ What cannot work is refused rather than trained wrongly:
   (Trainer) or drop the clip, or use ``offload="cpu"``, whose released gradients wait on the host
   and are clipped there. A call with ``max_norm=inf`` clips nothing, and is what Trainer makes
   to log ``grad_norm`` even at ``max_grad_norm=0``: it returns NaN (the norm of gradients that
-  are gone is not known), not torch's 0.
+  are gone is not known), not torch's 0. ``torch.nn.utils.clip_grad_value_`` (Accelerate's
+  ``clip_grad_value_``) is routed the same way: refused for freed gradients, applied to the
+  host-held ones of ``offload="cpu"``. ``torch.nn.utils.get_total_norm`` takes gradients, not
+  params, and is not routed: after release each ``p.grad`` it would be given is ``None``.
 * **An AMP GradScaler**: the hooks would step the scaled (possibly inf) gradients, and skipping
   a step on inf needs every gradient before any param is stepped. The scaler is invisible to an
   optimizer until ``scaler.step``, so the first released gradient looks for one: an enabled
@@ -65,12 +68,16 @@ import gc
 import sys
 import weakref
 from collections.abc import Iterable
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from leanopt.optim.base import LeanOptimizer
 from leanopt.optim.sharding import is_dtensor
+
+if TYPE_CHECKING:
+    from leanopt.optim.offload import Offload
 
 __all__ = ["GradientRelease", "OffloadRelease", "freed_by_release", "release_gradients"]
 
@@ -83,7 +90,7 @@ _FUNCTION_BACKWARD = torch.autograd.function.BackwardCFunction.apply.__code__
 def _enclosing_function_node() -> Any:
     """The autograd node (a custom Function's) whose backward runs the current backward, or
     ``None`` when the current backward is an outermost one."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code is _FUNCTION_BACKWARD:
             return frame.f_locals.get("self")
@@ -93,7 +100,8 @@ def _enclosing_function_node() -> Any:
 
 def _with_subclasses(cls: type) -> list[type]:
     out = [cls]
-    for sub in cls.__subclasses__():
+    subclasses: list[type] = cls.__subclasses__()
+    for sub in subclasses:
         out += _with_subclasses(sub)
     return out
 
@@ -154,7 +162,8 @@ class GradientRelease:
             _RELEASES.add(self)
         # GradScaler.step then calls optimizer.step() (instead of asserting that it found no
         # gradient to unscale), where a scaler used after the first check is refused by name.
-        optimizer._step_supports_amp_scaling = True
+        # torch's GradScaler reads this by getattr; neither torch's Optimizer stubs nor LeanOptimizer declare it.
+        optimizer._step_supports_amp_scaling = True  # type: ignore[attr-defined]
 
     def _hook_params(self) -> None:
         """Hook every param that requires grad and has no hook yet (at the release, for groups
@@ -243,7 +252,11 @@ class GradientRelease:
             self._seen.add(id(p))
 
     def _check_process(self) -> None:
-        """Refuse a GradScaler in use and a DDP over these params (see the module)."""
+        """Refuse a GradScaler in use and a DDP over these params (see the module); route
+        accelerate's clipping, imported by now if a Trainer runs this backward."""
+        from leanopt.optim.offload import route_accelerate_clipping
+
+        route_accelerate_clipping()
         scalers, ddps = self._scalers_and_ddps()
         if scalers or ddps:  # perhaps unreachable objects the collector has not freed yet
             gc.collect()
@@ -314,7 +327,10 @@ class OffloadRelease(GradientRelease):
     frees_gradients = False
 
     def __init__(self, optimizer: LeanOptimizer) -> None:
-        self.engine = optimizer._offload
+        engine = getattr(optimizer, "_offload", None)
+        if engine is None:  # checked before any hook is placed
+            raise ValueError("OffloadRelease needs an optimizer made with offload='cpu'; release_gradients picks the release")
+        self.engine: Offload = engine
         self._task: int | None = None  # the outermost backward whose gradients are arriving
         super().__init__(optimizer)
         self.engine.released = True
@@ -405,11 +421,12 @@ def release_gradients(model: torch.nn.Module | Iterable[torch.Tensor], optimizer
         for p in group["params"]:
             if is_dtensor(p):
                 raise ValueError(_FSDP2_REFUSAL)
-    if getattr(optimizer, "_offload", None) is not None:
+    offload: Offload | None = getattr(optimizer, "_offload", None)
+    if offload is not None:
         from leanopt.optim.offload import check_host_memory
 
-        extra = optimizer._offload.host_bytes(released=True) - optimizer._offload.host_bytes(released=False)
-        if optimizer._offload.transport is not None:
+        extra = offload.host_bytes(released=True) - offload.host_bytes(released=False)
+        if offload.transport is not None:
             check_host_memory(extra, "release_gradients with offload='cpu' (host gradient buffers)")
         return OffloadRelease(optimizer)
     return GradientRelease(optimizer)

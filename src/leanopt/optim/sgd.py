@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -71,7 +71,7 @@ class SGD(ElementwiseOptimizer):
 
     name = "sgd"
     family = "sgd"
-    references = ("torch.optim.SGD",)
+    references: ClassVar[tuple[str, ...]] = ("torch.optim.SGD",)
     rule = rules.SGD
     # As torch.optim.SGD: the rule is linear in the param, gradient and buffer with real
     # scalars, so the real view of a complex param steps as torch steps the complex one.

@@ -29,13 +29,16 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 
 from leanopt.optim.layout import StateSpec, convert_saved
 from leanopt.quant import QuantizedState
 from leanopt.quant.formats import may_hold_true
+
+if TYPE_CHECKING:  # the annotations only: nothing here imports torch.distributed when unused
+    from torch.distributed.tensor import DTensor
 
 __all__ = [
     "ShardQuantizedState",
@@ -53,7 +56,7 @@ __all__ = [
 ]
 
 
-def is_dtensor(t: Any) -> bool:
+def is_dtensor(t: Any) -> TypeGuard[DTensor]:
     """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (without importing it when unused)."""
     return type(t).__name__ == "DTensor" and hasattr(t, "to_local") and hasattr(t, "placements")
 
@@ -74,7 +77,7 @@ def _reduced_dim(spec: StateSpec, shape: tuple[int, ...]) -> int | None:
     return candidates[0] if len(candidates) == 1 else -1
 
 
-def state_placements(spec: StateSpec, p: torch.Tensor) -> tuple[Any, ...] | None:
+def state_placements(spec: StateSpec, p: DTensor) -> tuple[Any, ...] | None:
     """Placements of the DTensor state ``spec`` of DTensor param ``p``; ``None``: a plain tensor.
 
     Raises ``ValueError`` for a state whose relation to the param's shape is unknown or
@@ -107,7 +110,7 @@ def state_placements(spec: StateSpec, p: torch.Tensor) -> tuple[Any, ...] | None
     return tuple(out)
 
 
-def _dim0_sharding(p: torch.Tensor) -> tuple[int, int] | None:
+def _dim0_sharding(p: DTensor) -> tuple[int, int] | None:
     """``(mesh_dim, ranks)`` when ``p`` is sharded on dim 0 over one mesh dim and replicated over
     any others (FSDP2, HSDP): then each shard is one contiguous range of the flat order."""
     from torch.distributed.tensor import Replicate, Shard
@@ -140,7 +143,7 @@ def shard_offset(p: Any) -> int:
     return ranges[p.device_mesh.get_local_rank(sharding[0])][0]
 
 
-def shared_blocks(p: torch.Tensor, block_size: int) -> list[int] | None:
+def shared_blocks(p: DTensor, block_size: int) -> list[int] | None:
     """The blocks (of the whole tensor's flat order) that straddle a shard boundary of ``p``.
 
     Empty when every shard starts on a block boundary (``ceil(rows / ranks) * row_numel`` a
@@ -218,11 +221,13 @@ class ShardQuantizedState(QuantizedState):
         return self.clone()
 
 
-def quantized_shard(spec: StateSpec, p: torch.Tensor) -> QuantizedState:
+def quantized_shard(spec: StateSpec, p: DTensor) -> QuantizedState:
     """Zero quantized state ``spec`` for this rank's shard of DTensor ``p``, blocked like the whole tensor."""
     fmt = spec.quant
+    if fmt is None:
+        raise ValueError(f"quantized_shard: state {spec.key!r} is not a quantized state (its StateSpec has no quant)")
     mine = local(p)
-    block = getattr(fmt, "block_size", None)
+    block: int = getattr(fmt, "block_size", 0)  # 0: a format without blocks, nothing straddles
     shared = shared_blocks(p, block) if block else []
     if not shared:
         if shared is None:
@@ -233,7 +238,10 @@ def quantized_shard(spec: StateSpec, p: torch.Tensor) -> QuantizedState:
                 stacklevel=4,
             )
         return fmt.zeros(tuple(mine.shape), mine.device)
-    mesh_dim, ranks = _dim0_sharding(p)
+    sharding = _dim0_sharding(p)
+    if sharding is None:  # shared_blocks found straddling blocks only under a dim-0 sharding
+        raise RuntimeError(f"quantized_shard: {spec.key!r}: blocks straddle shards but the param is not sharded on dim 0")
+    mesh_dim, ranks = sharding
     rows = p.shape[0] if p.ndim else 1
     start, end = _shard_ranges(rows, p.numel() // rows, ranks)[p.device_mesh.get_local_rank(mesh_dim)]
     lead = start % block
@@ -266,16 +274,16 @@ def allocate_state(spec: StateSpec, p: torch.Tensor) -> Any:
     return zeros(tuple(spec.shape), dtype=spec.dtype, device_mesh=p.device_mesh, placements=list(placements))
 
 
-def _from_local(t: torch.Tensor, like: torch.Tensor, placements: Any = None) -> torch.Tensor:
+def _from_local(t: torch.Tensor, like: DTensor, placements: Any = None) -> DTensor:
     from torch.distributed.tensor import DTensor
 
-    shape = tuple(like.shape)
+    shape = like.shape
     stride = torch.empty(shape, device="meta").stride()
     placements = like.placements if placements is None else placements
     return DTensor.from_local(t, like.device_mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
-def checkpoint_value(value: Any, p: torch.Tensor) -> Any:
+def checkpoint_value(value: Any, p: DTensor) -> Any:
     """The ``state_dict`` form of one state entry of DTensor param ``p``.
 
     A quantized shard becomes a fp32 DTensor placed like ``p`` (dequantized): a checkpoint
@@ -289,7 +297,7 @@ def checkpoint_value(value: Any, p: torch.Tensor) -> Any:
     return value
 
 
-def load_value(spec: StateSpec, value: Any, p: torch.Tensor, where: str) -> Any:
+def load_value(spec: StateSpec, value: Any, p: DTensor, where: str) -> Any:
     """A saved value of state ``spec`` of DTensor param ``p`` -> the form :func:`allocate_state` gives.
 
     Accepts what :func:`checkpoint_value` saves (DTensors, from any number of ranks: DCP
@@ -320,14 +328,14 @@ def load_value(spec: StateSpec, value: Any, p: torch.Tensor, where: str) -> Any:
     return dense
 
 
-def _shard_of(whole: torch.Tensor, p: torch.Tensor, placements: Any) -> torch.Tensor:
+def _shard_of(whole: torch.Tensor, p: DTensor, placements: Any) -> DTensor:
     from torch.distributed.tensor import distribute_tensor
 
     # src_data_rank=None: every rank holds the whole value and slices its own shard, no messages.
     return distribute_tensor(whole, p.device_mesh, list(placements), src_data_rank=None)
 
 
-def shardable(p: torch.Tensor) -> bool:
+def shardable(p: DTensor) -> bool:
     """Whether DTensor's sharding propagation accepts ``p``'s placements: every sharded dim at
     least as long as the number of ranks it is split over (``torch.distributed.tensor``'s
     ``is_tensor_shardable``). A 1-row matrix on 2 ranks is not: DTensor then finds no strategy
@@ -340,7 +348,7 @@ def shardable(p: torch.Tensor) -> bool:
     return True
 
 
-def update_whole(fn: Callable[..., Any], p: torch.Tensor, state: Mapping[str, Any]) -> Any:
+def update_whole(fn: Callable[..., Any], p: DTensor, state: Mapping[str, Any]) -> Any:
     """Run ``fn(param, grad, state)`` on whole tensors, then keep this rank's shards.
 
     For the few DTensor params DTensor cannot run an update on (:func:`shardable`: fewer rows

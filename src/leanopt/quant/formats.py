@@ -96,9 +96,10 @@ def _mul32(x: torch.Tensor, k: int) -> torch.Tensor:
     return (lo + hi) & _M32
 
 
-def dither(index: torch.Tensor, step: int) -> torch.Tensor:
+def dither(index: torch.Tensor, step: int | torch.Tensor) -> torch.Tensor:
     """A uniform number in [0, 1) per element from its global flat ``index`` (int64 >= 0) and
-    ``step``: 32-bit integer arithmetic only, so every backend computes the same bits.
+    ``step`` (a number, or a 0-dim int64 tensor where a compiled graph takes it as an input):
+    32-bit integer arithmetic only, so every backend computes the same bits.
 
     ``h = (index mod 2^32) xor ((index >> 32) * 0x9E3779B9)``, ``h = h * 0x9E3779B1 +
     step * 0x85EBCA77``, then the ``lowbias32`` finalizer (``h ^= h >> 16; h *= 0x7FEB352D;
