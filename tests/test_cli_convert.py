@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
@@ -259,3 +260,52 @@ def test_convert_over_the_file_size_limit_names_the_cause(tmp_path) -> None:
     assert "file too large" in lines[0] and "16,384" in lines[0] and str(dst) in lines[0], lines[0]
     assert "internal error" not in lines[0]
     assert not dst.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["optimizer.pt"]
+
+
+# ---- --state-dtype: bf16 moments written by convert -------------------------------------------------
+def test_state_dtype_bfloat16_writes_bf16_moments_that_continue(tmp_path, capsys) -> None:
+    """8-bit -> AdamW with bf16 moments: 2 B per element per moment (the small params too), loaded
+    by AdamW(state_dtype=torch.bfloat16), and its next steps stay within bf16's rounding of the
+    fp32 conversion's."""
+    model, src = _trained_and_saved(tmp_path, lambda ps: leanopt.AdamW8bit(ps, lr=1e-3), 3)
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        dst = tmp_path / f"to-{dtype}.pt"
+        assert main(["convert", str(src), str(dst), "--to", "adamw", "--state-dtype", dtype]) == 0
+        sd = torch.load(dst, weights_only=True)
+        assert {g["state_dtype"] for g in sd["param_groups"]} == {dtype}
+        assert {v.dtype for s in sd["state"].values() for k, v in s.items() if k != "step"} == {getattr(torch, dtype)}
+        copy = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 4))
+        copy.load_state_dict(model.state_dict())
+        opt = leanopt.AdamW(copy.parameters(), lr=1e-3, state_dtype=getattr(torch, dtype))
+        opt.load_state_dict(sd)
+        n = sum(p.numel() for p in copy.parameters())
+        assert leanopt.measure(opt).bytes == (8 if dtype == "float32" else 4) * n + 4 * 4
+        torch.manual_seed(1)
+        for _ in range(5):
+            opt.zero_grad()
+            copy(torch.randn(16, 64)).square().mean().backward()
+            opt.step()
+        runs[dtype] = torch.cat([p.detach().flatten() for p in copy.parameters()])
+    moved = (runs["float32"] - torch.cat([p.detach().flatten() for p in model.parameters()])).abs().max()
+    assert 0 < (runs["bfloat16"] - runs["float32"]).abs().max() < 0.05 * moved
+    capsys.readouterr()
+
+
+# Every registered optimizer without state_dtype= (factored states), and torch's AdamW as a target.
+_NO_STATE_DTYPE = [c.name for c in OPTIMIZERS if "state_dtype" not in inspect.signature(c.cls).parameters]
+
+
+@pytest.mark.parametrize("src_name, to, says", [
+    ("adamw8bit", "torch-adamw", "torch-adamw keeps its states in each param's dtype"),
+    *[(name, name, f"{CASES[name].cls.__name__} has no state_dtype option") for name in _NO_STATE_DTYPE],
+])
+def test_state_dtype_refused_where_the_target_has_none(src_name: str, to: str, says: str, tmp_path, capsys) -> None:
+    _, src = saved(tmp_path, src_name)
+    dst = tmp_path / "out.pt"
+    assert main(["convert", str(src), str(dst), "--to", to, "--state-dtype", "bfloat16"]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "state_dtype=bfloat16" in err and len(err.strip().splitlines()) == 1
+    assert not dst.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["optimizer.pt"]
+    assert main(["convert", str(src), str(dst), "--to", to, "--state-dtype", "float16"]) == 2
+    assert "invalid choice: 'float16'" in capsys.readouterr().err and not dst.exists()

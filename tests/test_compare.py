@@ -469,9 +469,19 @@ def test_mode_names() -> None:
                          ("adamw+release+release", "'release' is given twice"),
                          ("adamw+fp32+bf16-kahan", "one precision mode at most"),
                          ("torch-adamw+bf16-stochastic", "needs a leanopt optimizer"),
-                         ("torch-adamw+release", "release needs a leanopt optimizer")]:
+                         ("torch-adamw+release", "release needs a leanopt optimizer"),
+                         ("adamw+bf16-states+bf16-states", "'bf16-states' is given twice"),
+                         ("torch-adamw+bf16-states", "bf16-states needs a leanopt elementwise optimizer"),
+                         ("adafactor+bf16-states", "adafactor is not an elementwise optimizer"),
+                         ("adamw8bit+bf16-states", "already block-quantized .*: adamw+bf16-states")]:
         with pytest.raises(ValueError, match=message.replace("+", r"\+")):
             contender(bad)
+    # bf16 states: a storage mode beside any precision mode and release, canonically after the precision.
+    states = contender("lion+release+bf16-states+bf16-kahan")
+    assert states.name == "lion+bf16-kahan+bf16-states+release" and states.state_dtype == "bfloat16"
+    assert states.mode().label == "bf16 (kahan rounding) + bfloat16 states + gradient release"
+    assert states.kwargs(lr=1e-4, weight_decay=0.0, device=cpu)["state_dtype"] == "bfloat16"
+    assert "state_dtype" not in contender("lion").kwargs(lr=1e-4, weight_decay=0.0, device=cpu)
     assert not any("+" in name for name in DEFAULT_CONTENDERS)  # modes are never run unless named
     assert set(MODES) >= {"bf16-nearest", "bf16-stochastic", "bf16-kahan", "bf16-mixed", "release"}
 
@@ -502,8 +512,8 @@ def modes_result() -> Any:
     """Pure bf16 (Kahan), gradient release, and both, against plain AdamW: 4 steps, 2 seeds."""
     threads = torch.get_num_threads()
     try:
-        return compare(_tiny_plan(), ["adamw", "adamw+bf16-kahan", "adamw+release", "adamw+bf16-kahan+release"],
-                       isolate=False)
+        return compare(_tiny_plan(), ["adamw", "adamw+bf16-kahan", "adamw+release", "adamw+bf16-kahan+release",
+                                      "adamw+bf16-states"], isolate=False)
     finally:
         torch.set_num_threads(threads)
 
@@ -528,6 +538,14 @@ def test_mode_contenders_run_and_measure_memory(modes_result: Any) -> None:
     # Released, step() is a no-op: no step time is reported (the update is in the whole step's time).
     assert release["step_ms_median"] is None and release["train_step_ms_median"] > 0
     assert modes_result.reference == "adamw" and plain["verdict"] == "reference"
+    # bf16 states: the two moments at 2 B each (AdamW: 4 B/param + the step counters), as estimated.
+    states = by_name["adamw+bf16-states"]
+    assert states["state_dtype"] == "bfloat16" and plain["state_dtype"] == "float32"
+    assert states["mode"] == "fp32 + bfloat16 states" and states["kwargs"]["state_dtype"] == "bfloat16"
+    assert states["state_bytes"] - plain["state_bytes"] / 2 == pytest.approx(0, abs=4 * 64)  # steps: 4 B per param tensor
+    assert states["kept_bytes_per_param"] == pytest.approx(12.0, abs=0.01)
+    assert states["loss_curves"] != plain["loss_curves"]  # rounded moments: another (close) run
+    assert max(abs(a - b) for ca, cb in zip(states["loss_curves"], plain["loss_curves"]) for a, b in zip(ca, cb)) < 0.05
 
 
 def test_release_trains_exactly_what_the_plain_loop_trains(modes_result: Any) -> None:

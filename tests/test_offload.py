@@ -49,7 +49,8 @@ def train(case, *, offload: str | None = None, release: bool = False, steps: int
           opt: torch.optim.Optimizer | None = None, first_step: int = 0,
           each_step: Callable[[int, torch.nn.Module, Any], None] | None = None):  # fmt: skip
     """A loop of ``steps`` optimizer steps of ``accumulate`` backward passes each; ``clip``: None,
-    "torch" (torch.nn.utils.clip_grad_norm_ on the model) or "optimizer" (its clip_grad_norm_)."""
+    "torch" (torch.nn.utils.clip_grad_norm_ on the model), "optimizer" (its clip_grad_norm_) or
+    "value" (torch.nn.utils.clip_grad_value_ on the model)."""
     model = make_model() if model is None else model
     opt = case.cls(model.parameters(), **case.kwargs, offload=offload) if opt is None else opt
     handle = leanopt.release_gradients(model, opt) if release else None
@@ -62,6 +63,8 @@ def train(case, *, offload: str | None = None, release: bool = False, steps: int
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
         elif clip == "optimizer":
             norms.append(opt.clip_grad_norm_(0.05))
+        elif clip == "value":
+            torch.nn.utils.clip_grad_value_(model.parameters(), 1e-3)
         opt.step()
         if sched is not None:
             sched.step()
@@ -158,6 +161,8 @@ def test_more_backward_passes_than_the_loop_had_raise_once_params_were_stepped()
         loss_of(model, batch(2, 1)).backward()
     with pytest.raises(RuntimeError, match="clip_grad_norm_ after params were stepped inside backward"):
         opt.clip_grad_norm_(1.0)
+    with pytest.raises(RuntimeError, match="clip_grad_value_ after params were stepped inside backward"):
+        torch.nn.utils.clip_grad_value_(model.parameters(), 1.0)
 
 
 def test_clipping_in_every_step_keeps_the_steps_for_step_time() -> None:
@@ -166,6 +171,16 @@ def test_clipping_in_every_step_keeps_the_steps_for_step_time() -> None:
     model, opt, _ = train(case, offload="cpu", release=True, steps=3, clip="torch")
     ref = train(case, steps=3, clip="torch")
     assert same(params_of(model), params_of(ref[0]))
+
+
+def test_clip_grad_value_clamps_the_host_gradients_of_a_release() -> None:
+    # Accelerate's clip_grad_value_ is torch's: routed, it clamps what waits on the host, to the
+    # bits of the usual loop's clamp (at 1e-3 most elements are clamped: the runs differ without it).
+    case = OPTIMIZERS[0]
+    model, _, _ = train(case, offload="cpu", release=True, steps=3, clip="value")
+    ref = train(case, steps=3, clip="value")
+    assert same(params_of(model), params_of(ref[0]))
+    assert not same(params_of(ref[0]), params_of(train(case, steps=3)[0]))
 
 
 def test_torch_clip_grad_norm_is_torch_s_own_for_other_params() -> None:

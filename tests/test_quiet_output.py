@@ -49,6 +49,16 @@ sys.exit(code)
 """)
     assert done.returncode == 0 and done.stdout.splitlines()[-1] == "True", done.stderr
     assert done.stderr == "", done.stderr
+    # The same from the Python API (no CLI to set logging up): quiet while leanopt builds the
+    # model, and the peers' loggers left as they were for the user's own imports afterwards.
+    done = python("""
+import logging, sys
+from leanopt.memory.presets import resolve_model
+resolve_model("distilbert-base-cased")
+print("torchao" in sys.modules, logging.getLogger("torchao").level, logging.getLogger("torch.utils._pytree").level)
+""")
+    assert done.returncode == 0 and done.stdout.splitlines()[-1] == "True 0 0", done.stderr
+    assert done.stderr == "", done.stderr
 
 
 def test_version_without_numpy_says_nothing_else() -> None:

@@ -413,6 +413,10 @@ def test_clipping_gradients_the_release_freed_is_refused(case: OptimizerCase) ->
             clip()
     with pytest.raises(RuntimeError, match="release_gradients"):
         opt.clip_grad_norm_(1.0)
+    for clip in (lambda: torch.nn.utils.clip_grad_value_(m.parameters(), 0.1),
+                 lambda: torch.nn.utils.clip_grad.clip_grad_value_(list(m.parameters())[:1], 0.1)):
+        with pytest.raises(RuntimeError, match="clip_grad_value_ over params whose gradients .* already applied and freed"):
+            clip()
     # A norm-only call (Trainer's grad_norm log at max_grad_norm=0) clips nothing: the norm is unknown.
     assert torch.isnan(torch.nn.utils.clip_grad_norm_(m.parameters(), float("inf")))
     # Once the loop has stepped, no gradient is missing: torch's own answer (no gradients: 0).
@@ -447,6 +451,11 @@ def test_clipping_other_params_is_torch_s_own_while_released() -> None:
     nb = offload_module._torch_clip_grad_norm_(b.parameters(), 0.01)
     assert torch.equal(na, nb)
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(a.parameters(), b.parameters()))
+    assert torch.nn.utils.clip_grad_value_ is offload_module.clip_grad_value_
+    torch.nn.utils.clip_grad_value_(a.parameters(), 1e-4)
+    offload_module._torch_clip_grad_value_(b.parameters(), 1e-4)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(a.parameters(), b.parameters()))
+    assert max(p.grad.abs().max().item() for p in a.parameters()) == pytest.approx(1e-4)
     handle.remove()
 
 
