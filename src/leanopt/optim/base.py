@@ -179,6 +179,9 @@ class LeanOptimizer(torch.optim.Optimizer):
     # Set by leanopt.release_gradients on the optimizer it releases (and back to None when it is
     # removed); absent otherwise, hence read through :meth:`_release`. Declared, not assigned.
     _gradient_release: GradientRelease | None
+    # Set True on the instance while released (torch's GradScaler reads it by getattr: its step
+    # then calls step() instead of unscaling gradients the hooks freed). Declared, not assigned.
+    _step_supports_amp_scaling: bool
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], *, backend: str = "auto") -> None:
         # The backend is how to compute, not what: it is not a hyper-parameter and is not saved.

@@ -162,8 +162,7 @@ class GradientRelease:
             _RELEASES.add(self)
         # GradScaler.step then calls optimizer.step() (instead of asserting that it found no
         # gradient to unscale), where a scaler used after the first check is refused by name.
-        # torch's GradScaler reads this by getattr; neither torch's Optimizer stubs nor LeanOptimizer declare it.
-        optimizer._step_supports_amp_scaling = True  # type: ignore[attr-defined]
+        optimizer._step_supports_amp_scaling = True  # read by GradScaler through getattr (declared on LeanOptimizer)
 
     def _hook_params(self) -> None:
         """Hook every param that requires grad and has no hook yet (at the release, for groups
