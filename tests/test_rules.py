@@ -145,6 +145,12 @@ def _matches_reference(case: OptimizerCase, backend: str, dtype: torch.dtype, kw
                 assert got.format == want.format and got.shape == want.shape
                 assert (got.codes == want.codes).float().mean() >= 0.99, f"{key} codes, seed {seed}"
                 torch.testing.assert_close(got.absmax, want.absmax, rtol=1e-5, atol=0)
+            elif key != "step" and bf16_states:
+                # A rounding that went the other way is one bf16 ulp apart, and later steps keep it
+                # within two (the gradients do not depend on the params).
+                gap = (got.float() - want.float()).abs()
+                assert (gap <= 2 * _ulp(torch.maximum(got.abs(), want.abs())) * 1.001).all(), f"{key}, seed {seed}"
+                assert (gap == 0).float().mean() >= 0.99, f"{key}, seed {seed}"
             elif key != "step":
                 assert (got - want).abs().max() <= 2e-5 * want.abs().max() + 1e-7, f"{key}, seed {seed}"
     assert quantized_seen >= (3 if quantized else 0)  # 300, 2049 and 33x65 elements: quantized
