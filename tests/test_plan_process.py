@@ -64,13 +64,18 @@ def test_process_bytes_within_5_percent_of_a_fresh_process(cache, row):
     predicted = bench.predict(*row)
     assert predicted.process_bytes is not None, predicted.process_source
     assert predicted.process_bytes - predicted.process_bytes_pinned == predicted.one_time["glibc_heap"] > 0
-    pinned, default = bench.measure(*row), bench.measure(*row, default_malloc=True)
-    assert predicted.peak_bytes < pinned < default  # the step's peak alone is under what the process needed
-    figures = (row, predicted.peak_bytes, predicted.process_bytes_pinned, pinned, predicted.process_bytes, default)
+    # Pinned, a fresh process's peak repeats within 0.2 %: one process. Under glibc's defaults it does
+    # not: the tiny GPT-2 row falls in two clusters ~35 MiB apart (eleven fresh processes on the idle
+    # machine, 2026-12-03: 342-358 MiB and 382-411 MiB; docs/plan.md), so three processes, and the
+    # model (opt-in, plan(allocator="glibc")) is held to the cluster it errs on: not more than 10 %
+    # under the largest (the side where a plan would say "fits" and the process would not), not
+    # more than 20 % over the smallest.
+    pinned = bench.measure(*row)
+    defaults = sorted(bench.measure(*row, default_malloc=True) for _ in range(3))
+    assert predicted.peak_bytes < pinned < defaults[0]  # the step's peak alone is under what the process needed
+    figures = (row, predicted.peak_bytes, predicted.process_bytes_pinned, pinned, predicted.process_bytes, defaults)
     assert abs(predicted.process_bytes_pinned - pinned) <= 0.05 * pinned, figures
-    # glibc's heap is modelled, not measured (plan(allocator="glibc"), opt-in): on this row -2.9 %
-    # and -5.6 % in two idle runs (docs/plan.md), so it is held to 10 %, not the pinned figure's 5 %.
-    assert abs(predicted.process_bytes - default) <= 0.10 * default, figures
+    assert 0.90 * defaults[-1] <= predicted.process_bytes <= 1.20 * defaults[0], figures
 
 
 # ---- glibc's default heap, modelled ----------------------------------------------------------------
