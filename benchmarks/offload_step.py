@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     for run in runs:
         row = {k: quartiles(run[k]) for k in ("iteration", "step", "fwd_bwd")}
         if run["mode"].startswith("offload"):
-            row["host_bytes"] = run["opt"]._offload.host_bytes()
+            row["host_bytes"] = run["opt"].placement.host_bytes()
             row["host_bytes_per_param"] = round(row["host_bytes"] / n_params, 3)
         if cuda:
             row["device_peak_bytes"] = run.get("peak", 0)

@@ -43,9 +43,9 @@ class RMSprop(leanopt.ElementwiseOptimizer):
     rule = RMSPROP
 
     def __init__(self, params, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, *, maximize=False, rounding="nearest",
-                 backend="auto"):  # fmt: skip
+                 backend="auto", state_dtype=torch.float32, offload=None):  # fmt: skip
         defaults = dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, maximize=maximize, rounding=rounding)
-        super().__init__(params, defaults, backend=backend)
+        super().__init__(params, defaults, backend=backend, state_dtype=state_dtype, offload=offload)
 
     def validate_group(self, group, *, loaded=False):
         for key, high in (("lr", math.inf), ("eps", math.inf), ("weight_decay", math.inf), ("alpha", 1.0)):

@@ -339,3 +339,32 @@ def test_zero_size_params_keep_finite_state() -> None:
     for p in empty:
         assert opt.state[p]["step"].item() == 2
         assert all(torch.isfinite(v).all() for v in opt.state[p].values())
+
+
+@pytest.mark.parametrize("release", [False, True], ids=["kept", "released"])
+def test_the_reported_step_size_is_the_same_offloaded(release: bool) -> None:
+    # relative_step reports its step size as each group's lr. Params with different step counts
+    # (one gets a gradient every other step): the offloaded step, one param at a time, reports
+    # what the on-device step does -- the group's most advanced param's -- not the last one's.
+    runs = []
+    for offload in (None, "cpu"):
+        torch.manual_seed(0)
+        model = torch.nn.ModuleDict({"often": torch.nn.Linear(8, 8), "seldom": torch.nn.Linear(8, 8)})
+        opt = leanopt.Adafactor(model.parameters(), warmup_init=True, offload=offload)
+        handle = leanopt.release_gradients(model, opt) if release and offload else None
+        lrs = []
+        for step in range(6):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+            y = model["often"](x) + (model["seldom"](x) if step % 2 == 0 else 0)
+            y.square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            lrs.append(opt.param_groups[0]["lr"])
+        if handle is not None:
+            handle.remove()
+        runs.append((lrs, opt.state_dict()))
+    (lrs, sd), (off_lrs, off_sd) = runs
+    assert off_lrs == lrs and lrs[-1] == pytest.approx(6e-6)  # min(1e-6 * t, 1/sqrt(t)) at t = 6
+    assert off_sd["param_groups"] == sd["param_groups"]
+    assert all(torch.equal(a, b) for st, off in zip(sd["state"].values(), off_sd["state"].values())
+               for a, b in zip(st.values(), off.values()))  # fmt: skip

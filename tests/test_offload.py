@@ -1,4 +1,4 @@
-"""``offload="cpu"`` (issue 21) on CPU params: the host machinery (host copies, the worker thread,
+"""``offload="cpu"`` on CPU params: the host machinery (host copies, the worker thread,
 host gradient buffers, clipping on the host, steps inside backward) must give the same bits as
 the same optimizer without offload, for every optimizer of the registry (``tests/registry.py``).
 
@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import leanopt
+from leanopt.optim import clipping
 from leanopt.optim import offload as offload_module
 from registry import OPTIMIZERS
 
@@ -122,55 +123,53 @@ def test_accumulation_clipping_and_schedulers_are_bit_identical(case, release, a
 
 
 @cases
-def test_released_params_are_stepped_inside_backward_once_the_loop_shape_is_known(case) -> None:
-    seen = []
-
-    def probe(step: int, model: torch.nn.Module, opt: Any) -> None:
-        # After the step: nothing is left on the host or the device.
-        assert not opt._offload._grads and all(p.grad is None for p in model.parameters())
-
+def test_a_declared_backward_pass_steps_the_params_as_their_gradients_arrive(case) -> None:
+    # step_in_backward=2: from the very first step, the 2nd backward pass after a step() steps
+    # each param on the host as its gradient arrives; step() then has nothing left to do.
     model = make_model()
     opt = case.cls(model.parameters(), **case.kwargs, offload="cpu")
-    handle = leanopt.release_gradients(model, opt)
+    handle = leanopt.release_gradients(model, opt, step_in_backward=2)
+    counts = []
     for step in range(4):
         for micro in range(2):
             (loss_of(model, batch(step, micro)) / 2).backward()
             assert all(p.grad is None for p in model.parameters())  # freed once on the host
-            seen.append(len(opt._offload._eager))
+            opt.placement.wait()
+            counts.append({int(st["step"]) for st in opt.state.values()} or {0})
         opt.step()
         opt.zero_grad()
-        probe(step, model, opt)
+        assert not opt.placement.held_gradients(list(model.parameters()))
     handle.remove()
-    n = len(list(model.parameters()))
-    # First step: the loop's shape is unknown, all waits for step(); then the 2nd backward steps.
-    assert seen == [0, 0, 0, n, 0, n, 0, n]
+    assert counts == [{0}, {1}, {1}, {2}, {2}, {3}, {3}, {4}]
     assert_same_run(train(case, steps=4, accumulate=2), (model, opt, []))
 
 
-def test_more_backward_passes_than_the_loop_had_raise_once_params_were_stepped() -> None:
+def test_a_backward_pass_beyond_the_declared_one_is_refused_before_it_is_applied() -> None:
     case = OPTIMIZERS[0]
     model = make_model()
     opt = case.cls(model.parameters(), **case.kwargs, offload="cpu")
-    leanopt.release_gradients(model, opt)
-    for step in range(2):
-        loss_of(model, batch(step, 0)).backward()
-        opt.step()
-        opt.zero_grad()
-    loss_of(model, batch(2, 0)).backward()  # stepped inside backward: the last step had one pass
-    with pytest.raises(RuntimeError, match="more than 1 backward pass"):
-        loss_of(model, batch(2, 1)).backward()
-    with pytest.raises(RuntimeError, match="clip_grad_norm_ after params were stepped inside backward"):
+    leanopt.release_gradients(model, opt, step_in_backward=2)
+    for micro in range(2):
+        loss_of(model, batch(0, micro)).backward()  # the second is stepped inside backward
+    opt.placement.wait()  # the host steps it submitted, and their uploads
+    before = params_of(model)
+    with pytest.raises(RuntimeError, match=r"backward pass 3 since the last optimizer.step\(\).*step_in_backward=2"):
+        loss_of(model, batch(0, 2)).backward()
+    opt.placement.wait()
+    assert same(before, params_of(model)) and {int(st["step"]) for st in opt.state.values()} == {1}
+    with pytest.raises(RuntimeError, match="clip_grad_norm_ over params whose gradients .* already applied"):
         opt.clip_grad_norm_(1.0)
-    with pytest.raises(RuntimeError, match="clip_grad_value_ after params were stepped inside backward"):
+    with pytest.raises(RuntimeError, match="clip_grad_value_ over params whose gradients .* already applied"):
         torch.nn.utils.clip_grad_value_(model.parameters(), 1.0)
+    opt.step()  # nothing left: the params were stepped inside backward
+    assert {int(st["step"]) for st in opt.state.values()} == {1}
 
 
-def test_clipping_in_every_step_keeps_the_steps_for_step_time() -> None:
-    # Clipping needs every gradient before any step: a loop that clips is never stepped early.
-    case = OPTIMIZERS[0]
-    model, opt, _ = train(case, offload="cpu", release=True, steps=3, clip="torch")
-    ref = train(case, steps=3, clip="torch")
-    assert same(params_of(model), params_of(ref[0]))
+def test_step_in_backward_must_be_a_positive_int() -> None:
+    for value in (0, -2, 1.5, True, "2"):
+        model = make_model()
+        with pytest.raises(ValueError, match="Invalid step_in_backward"):
+            leanopt.release_gradients(model, leanopt.AdamW(model.parameters(), offload="cpu"), step_in_backward=value)
 
 
 def test_clip_grad_value_clamps_the_host_gradients_of_a_release() -> None:
@@ -184,13 +183,15 @@ def test_clip_grad_value_clamps_the_host_gradients_of_a_release() -> None:
 
 
 def test_torch_clip_grad_norm_is_torch_s_own_for_other_params() -> None:
-    leanopt.release_gradients(make_model(), leanopt.AdamW(make_model().parameters(), offload="cpu"))  # routes it
-    assert torch.nn.utils.clip_grad_norm_ is offload_module.clip_grad_norm_
+    model = make_model()
+    handle = leanopt.release_gradients(model, leanopt.AdamW(model.parameters(), offload="cpu"))  # routes it
+    assert torch.nn.utils.clip_grad_norm_ is clipping.clip_grad_norm_
     a, b = make_model(), make_model()
     for m in (a, b):
         loss_of(m, batch(0, 0)).backward()
     na = torch.nn.utils.clip_grad_norm_(a.parameters(), 0.01)
-    nb = offload_module._torch_clip_grad_norm_(b.parameters(), 0.01)
+    nb = clipping.TORCH_CLIP_GRAD_NORM_(b.parameters(), 0.01)
+    handle.remove()
     assert same(na, nb) and same([p.grad for p in a.parameters()], [p.grad for p in b.parameters()])
 
 
@@ -232,7 +233,7 @@ def test_the_engine_waits_for_every_asynchronous_copy(case, release) -> None:
     ref = train(case, steps=6, accumulate=2, scheduler="step")
     model = make_model()
     opt = case.cls(model.parameters(), **case.kwargs, offload="cpu")
-    opt._offload.transport = DeferredTransport()
+    opt.placement.transport = DeferredTransport()
     got = train(case, model=model, opt=opt, release=release, steps=6, accumulate=2, scheduler="step")
     assert_same_run(ref, got)
 
@@ -241,7 +242,7 @@ def test_the_engine_waits_for_every_asynchronous_copy(case, release) -> None:
 @cases
 def test_bf16_params_step_an_fp32_master_on_the_host(case) -> None:
     opt = bf16_run_beside_fp32_masters(case, steps=10)
-    assert all(t.dtype == torch.float32 for t in opt._offload._twins.values())
+    assert all(t.dtype == torch.float32 for t in opt.placement._twins.values())
 
 
 def bf16_run_beside_fp32_masters(case, steps: int):
@@ -315,6 +316,24 @@ def test_a_param_written_outside_the_optimizer_is_copied_to_the_host_again(case)
     assert_same_run(train(case, steps=5, each_step=reload), train(case, offload="cpu", steps=5, each_step=reload))
 
 
+@pytest.mark.parametrize("case", [c for c in OPTIMIZERS if c.cls.family == OPTIMIZERS[0].cls.family][:2], ids=str)
+def test_a_model_converted_after_the_optimizer_was_built_is_refused(case) -> None:
+    # On the device the kernels refuse fp64 params with fp32 states (torch's optimizers too);
+    # offloaded, the fp32 host copy would go on training the fp64 params in fp32, silently.
+    for offload in (None, "cpu"):
+        model = make_model()
+        opt = case.cls(model.parameters(), **case.kwargs, offload=offload)
+        loss_of(model, batch(0, 0)).backward()
+        opt.step()
+        opt.zero_grad()
+        model.double()
+        loss_of(model, batch(1, 0).double()).backward()
+        before = params_of(model)
+        with pytest.raises(RuntimeError, match=r"param \d of group 0 is torch.float64, but its optimizer state was made for"):
+            opt.step()
+        assert same(before, params_of(model))
+
+
 # ---- bad input --------------------------------------------------------------------------------
 @pytest.mark.parametrize("value", ["gpu", "CPU", True, 1, "cuda"])
 def test_invalid_offload_values_are_refused(value) -> None:
@@ -337,7 +356,7 @@ def test_params_on_several_devices_are_refused() -> None:
 def test_not_enough_host_memory_is_a_runtime_error(monkeypatch) -> None:
     model = make_model()
     probe = leanopt.AdamW8bit(model.parameters(), offload="cpu")
-    needed = probe._offload.host_bytes()
+    needed = probe.placement.host_bytes()
     monkeypatch.setattr(offload_module, "host_memory_available", lambda: needed - 1)
     with pytest.raises(RuntimeError, match="host memory"):
         leanopt.AdamW8bit(model.parameters(), offload="cpu")
@@ -369,10 +388,10 @@ def test_host_bytes_per_bf16_param_within_the_issue_s_budget(name: str, limit: f
     opt = leanopt.optim.registry.optimizer_class(name)(weights, offload="cpu")
     n = 128 * 2**20
     states = sum(spec.nbytes() for w in weights for spec in opt._param_layout(w, opt.param_groups[0]))
-    assert opt._offload.host_bytes() == 4 * n + states + 2 * (2 * 2**20)
-    assert opt._offload.host_bytes() / n <= limit
+    assert opt.placement.host_bytes() == 4 * n + states + 2 * (2 * 2**20)
+    assert opt.placement.host_bytes() / n <= limit
     # Released, a gradient buffer per param is the bound until step() (bf16: 2 B).
-    assert opt._offload.host_bytes(released=True) == 4 * n + states + 2 * n
+    assert opt.placement.host_bytes(released=True) == 4 * n + states + 2 * n
 
 
 @cases
@@ -384,7 +403,7 @@ def test_training_memory_counts_what_the_engine_holds(case, precision, release) 
     opt = case.cls(model.parameters(), **case.kwargs, offload="cpu")
     m = leanopt.training_memory(make_model(), case.cls, precision=precision, grad_release=release, offload=True,
                                 **case.kwargs)  # fmt: skip
-    assert m.host_bytes == opt._offload.host_bytes(released=release)
+    assert m.host_bytes == opt.placement.host_bytes(released=release)
     n = sum(p.numel() for p in model.parameters())
     assert m.total == m.weights + m.gradients and m.optimizer_state == m.master_weights == 0
     assert m.weights == n * model[0].weight.element_size() and "offload" in m.mode
@@ -430,6 +449,21 @@ def test_estimate_and_measure_work_on_an_offloaded_optimizer() -> None:
 
 
 # ---- Trainer and Accelerate -------------------------------------------------------------------
+def clipped_on_the_host(opt: Any) -> list[int]:
+    """How many host gradients each clip of ``opt``'s placement gave to clipping, as it goes."""
+    seen: list[int] = []
+    held = opt.placement.held_gradients
+
+    def counted(params: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+        out = held(params)
+        if out:
+            seen.append(len(out))
+        return out
+
+    opt.placement.held_gradients = counted
+    return seen
+
+
 @cases
 def test_trainer_with_clipping_and_a_scheduler_matches_the_on_device_run(case, tmp_path) -> None:
     transformers = pytest.importorskip("transformers")
@@ -446,10 +480,12 @@ def test_trainer_with_clipping_and_a_scheduler_matches_the_on_device_run(case, t
         # Trainer's defaults: max_grad_norm=1.0 (clipping through accelerate), a linear schedule.
         trainer = transformers.Trainer(model=model, args=training_args(tmp_path / mode, gradient_accumulation_steps=2),
                                        train_dataset=TokenDataset(), optimizers=(opt, None))  # fmt: skip
+        clipped = clipped_on_the_host(opt)
         trainer.train()
         if handle is not None:
-            # Two backward passes per step, clipped on the host (Trainer -> accelerate -> torch's utility).
-            assert opt._offload._shape == (2, True)
+            # Each step's two backward passes waited on the host and were clipped there (Trainer ->
+            # accelerate -> leanopt's clipping).
+            assert clipped == [len(list(model.parameters()))] * trainer.state.global_step
             handle.remove()
         finals.append(params_of(model))
     assert same(finals[0], finals[1])
@@ -468,6 +504,7 @@ def test_accelerate_loop_with_accumulation_and_clipping_matches_the_on_device_ru
         accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
         model, prepared = accelerator.prepare(model, opt)
         handle = leanopt.release_gradients(model, opt) if release else None
+        clipped = clipped_on_the_host(opt)
         for step in range(8):
             with accelerator.accumulate(model):
                 accelerator.backward(loss_of(model, batch(step // 2, step % 2)))
@@ -476,7 +513,7 @@ def test_accelerate_loop_with_accumulation_and_clipping_matches_the_on_device_ru
                 prepared.step()
                 prepared.zero_grad()
         if handle is not None:
-            assert opt._offload._shape == (2, True)
+            assert clipped == [len(list(model.parameters()))] * 4  # every step's gradients, on the host
             handle.remove()
         finals.append(params_of(model))
         AcceleratorState._reset_state(reset_partial_state=True)

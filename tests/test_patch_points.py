@@ -178,18 +178,20 @@ def test_every_process_wide_replacement_in_src_is_listed():
 
 def test_the_peer_patch_points_exist_and_are_routed():
     # accelerate's clip_grad_norm_ (the one peer attribute replaced): present, with the parameters
-    # the replacement passes on, and replaced by the release once accelerate is imported.
+    # the replacement passes on, replaced while a release is in effect and given back after.
     pytest.importorskip("accelerate")
     import inspect
 
     import leanopt
-    from leanopt.optim import offload
+    from leanopt.optim import clipping
 
     for module_name, class_name, attr, by in torch_patches.PEER_PATCHES:
         owner = getattr(importlib.import_module(module_name), class_name)
-        assert list(inspect.signature(getattr(owner, attr)).parameters)[:4] == ["self", "parameters", "max_norm", "norm_type"]
-        assert by == f"{offload.__name__}.route_accelerate_clipping"
+        original = getattr(owner, attr)
+        assert list(inspect.signature(original).parameters)[:4] == ["self", "parameters", "max_norm", "norm_type"]
+        assert by == f"{clipping.__name__}.route_accelerate"
         model = torch.nn.Linear(4, 4)
         handle = leanopt.release_gradients(model, leanopt.AdamW(model.parameters()))
-        assert getattr(getattr(owner, attr), "_leanopt_routed", False)
+        assert getattr(getattr(owner, attr), "_leanopt_original", None) is original
         handle.remove()
+        assert getattr(owner, attr) is original

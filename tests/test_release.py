@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import leanopt
+from leanopt.optim import clipping
 import repo_modules
 from registry import OPTIMIZERS, OptimizerCase
 
@@ -28,6 +29,14 @@ def backends(case: OptimizerCase) -> list[str]:
 
 
 CASE_BACKENDS = [pytest.param(c, b, id=f"{c.name}-{b}") for c in OPTIMIZERS for b in backends(c)]
+
+# The mechanisms of release (hooks, the step cycle, reentrant backwards, clipping, the GradScaler
+# and DDP checks) do not depend on the update rule: they run on one optimizer of each rule
+# family and one with block-quantized states. What depends on the rule -- each optimizer's
+# per-param step giving the bits of its group step -- runs for every optimizer and backend
+# (test_released_training_is_bit_identical_to_the_usual_loop).
+MECHANISMS = list({case.cls.family: case for case in reversed(OPTIMIZERS)}.values())
+MECHANISMS += [next(c for c in OPTIMIZERS if issubclass(c.cls, leanopt.LowBit))]
 
 
 def model(seed: int = 0) -> torch.nn.Module:
@@ -83,29 +92,34 @@ def test_released_training_is_bit_identical_to_the_usual_loop(case: OptimizerCas
     assert all(p.grad is not None for p in ours.parameters()), "remove() restores the usual loop"
 
 
-@pytest.mark.parametrize("case", OPTIMIZERS, ids=str)
-def test_gradient_accumulation_is_refused(case: OptimizerCase) -> None:
+@pytest.mark.parametrize("case", MECHANISMS, ids=str)
+@pytest.mark.parametrize("calls", ["zero_grad-first", "none"])
+def test_a_second_backward_before_step_is_refused(case: OptimizerCase, calls: str) -> None:
+    # On the device every backward pass is a step (the release's declaration): a second one
+    # before step() -- gradient accumulation, or a loop that never calls step() -- is refused
+    # at its first gradient, before anything of it is applied.
     m = model()
     opt = case.cls(m.parameters(), **case.kwargs)
     with leanopt.release_gradients(m, opt):
-        opt.zero_grad()
+        if calls == "zero_grad-first":
+            opt.zero_grad()
         loss_of(m, 0).backward()
         before = [p.detach().clone() for p in m.parameters()]
-        with pytest.raises(RuntimeError, match="second gradient before optimizer.step"):
-            loss_of(m, 1).backward()  # a second micro-batch before step(): accumulation
-        # The error came before any param was stepped twice.
-        assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
+        with pytest.raises(RuntimeError, match=r"backward pass 2 since the last optimizer.step\(\).*nothing of this backward"):
+            loss_of(m, 1).backward()
+        assert all(torch.equal(a, b) for a, b in zip(before, m.parameters())), "refused before any param was stepped twice"
+        assert {int(st["step"]) for st in opt.state.values()} <= {1}
         opt.step()
         loss_of(m, 2).backward()  # after step(), the next backward is the next step
+    assert {int(st["step"]) for st in opt.state.values()} <= {2}
 
 
-def test_a_loop_without_step_calls_takes_one_step_per_backward() -> None:
+@pytest.mark.parametrize("value", [0, 2, -1, 1.0, True, "1"])
+def test_step_in_backward_on_the_device_must_be_one(value) -> None:
     m = model()
-    opt = leanopt.AdamW(m.parameters())
-    leanopt.release_gradients(m, opt)
-    for step in range(3):
-        loss_of(m, step).backward()
-    assert {int(st["step"]) for st in opt.state.values()} == {3}
+    with pytest.raises(ValueError, match="step_in_backward"):
+        leanopt.release_gradients(m, leanopt.AdamW(m.parameters()), step_in_backward=value)
+    leanopt.release_gradients(m, leanopt.AdamW(m.parameters()), step_in_backward=1).remove()
 
 
 def test_refusals_are_value_errors() -> None:
@@ -164,18 +178,10 @@ def test_peak_memory_drops_by_most_of_the_gradient_bytes() -> None:
 
 # ---- gradients that reach a param by a path without a release hook (issue 20) ----------------
 # Each trains as in the usual loop: stepped at the end of the backward, or by optimizer.step().
-# "bare": a loop that calls neither zero_grad() nor step() (one step per backward).
-HOOKLESS = [
-    ("unfrozen_after_release", "step"),
-    ("unfrozen_after_release", "bare"),
-    ("group_added_after_release", "step"),
-    ("group_added_after_release", "bare"),
-    ("grad_set_by_hand", "step"),
-    ("torch_autograd_grad", "step"),
-]
+HOOKLESS = ["unfrozen_after_release", "group_added_after_release", "grad_set_by_hand", "torch_autograd_grad"]
 
 
-def hookless_run(case: OptimizerCase, path: str, loop: str, released: bool, steps: int = 3):
+def hookless_run(case: OptimizerCase, path: str, released: bool, steps: int = 3):
     m = model()
     first, last = list(m[0].parameters()), list(m[2].parameters())
     if path == "unfrozen_after_release":  # staged unfreezing: frozen when released
@@ -187,13 +193,11 @@ def hookless_run(case: OptimizerCase, path: str, loop: str, released: bool, step
     handle = leanopt.release_gradients(m, opt) if released else None
     if path == "group_added_after_release":
         opt.add_param_group({"params": first})
-    calls_step = loop == "step" or not released
     for step in range(steps):
         if path == "unfrozen_after_release" and step == 1:
             for p in first:
                 p.requires_grad_(True)
-        if calls_step:
-            opt.zero_grad()
+        opt.zero_grad()
         loss = loss_of(m, step)
         if path == "torch_autograd_grad":
             params = list(m.parameters())
@@ -203,16 +207,15 @@ def hookless_run(case: OptimizerCase, path: str, loop: str, released: bool, step
             loss.backward()
         if path == "grad_set_by_hand":
             m.extra.grad = torch.randn(4, generator=torch.Generator().manual_seed(step))
-        if calls_step:
-            opt.step()
+        opt.step()
     return m, opt, handle
 
 
-@pytest.mark.parametrize("path,loop", HOOKLESS, ids=[f"{p}-{l}" for p, l in HOOKLESS])
-@pytest.mark.parametrize("case", OPTIMIZERS, ids=str)
-def test_params_no_hook_sees_are_trained_as_in_the_usual_loop(case: OptimizerCase, path: str, loop: str) -> None:
-    usual, usual_opt, _ = hookless_run(case, path, loop, released=False)
-    ours, opt, handle = hookless_run(case, path, loop, released=True)
+@pytest.mark.parametrize("path", HOOKLESS)
+@pytest.mark.parametrize("case", MECHANISMS, ids=str)
+def test_params_no_hook_sees_are_trained_as_in_the_usual_loop(case: OptimizerCase, path: str) -> None:
+    usual, usual_opt, _ = hookless_run(case, path, released=False)
+    ours, opt, handle = hookless_run(case, path, released=True)
     start = model()
     assert not torch.equal(usual[0].weight, start[0].weight), "the usual loop trains the first layer"
     assert_same_training(ours, opt, usual, usual_opt)
@@ -221,7 +224,7 @@ def test_params_no_hook_sees_are_trained_as_in_the_usual_loop(case: OptimizerCas
 
 
 # ---- AMP GradScaler (issue 20): its scaled, possibly inf gradients must never be stepped -------
-@pytest.mark.parametrize("case", OPTIMIZERS, ids=str)
+@pytest.mark.parametrize("case", MECHANISMS, ids=str)
 def test_a_grad_scaler_is_refused_before_the_first_released_step(case: OptimizerCase) -> None:
     m = model()
     opt = case.cls(m.parameters(), **case.kwargs)
@@ -299,30 +302,27 @@ class Segments(torch.nn.Module):
         return self.out(h)
 
 
-REENTRANT = [(layout, loop) for layout in ("separate", "shared", "shared_nested") for loop in ("step", "bare")]
+REENTRANT = ["separate", "shared", "shared_nested"]
 
 
 # The outer checkpoint's forward runs the inner ones under no_grad, so torch warns there; their
 # recomputation inside the outer one's backward has the gradients (every param is checked to train).
 @pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad=True")
-@pytest.mark.parametrize("layout,loop", REENTRANT, ids=[f"{a}-{b}" for a, b in REENTRANT])
-@pytest.mark.parametrize("case", OPTIMIZERS, ids=str)
-def test_reentrant_checkpointing_steps_each_param_once_on_its_whole_gradient(case: OptimizerCase, layout: str, loop: str) -> None:
+@pytest.mark.parametrize("layout", REENTRANT)
+@pytest.mark.parametrize("case", MECHANISMS, ids=str)
+def test_reentrant_checkpointing_steps_each_param_once_on_its_whole_gradient(case: OptimizerCase, layout: str) -> None:
     runs = []
     for released in (False, True):
         m = Segments(layout)
         opt = case.cls(m.parameters(), **case.kwargs)
         handle = leanopt.release_gradients(m, opt) if released else None
-        calls_step = loop == "step" or not released
         for step in range(3):
-            if calls_step:
-                opt.zero_grad()
+            opt.zero_grad()
             x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
             m(x).square().mean().backward()
             if released:
                 assert all(p.grad is None for p in m.parameters()), "freed by the end of backward"
-            if calls_step:
-                opt.step()
+            opt.step()
         runs.append((m, opt))
     (usual, usual_opt), (ours, opt) = runs
     assert [int(opt.state[p]["step"]) for p in ours.parameters()] == [3] * len(list(ours.parameters()))
@@ -371,7 +371,7 @@ class InsideAndOutside(torch.nn.Module):
         return self.shared(h) if self.order == "inside_first" else h
 
 
-@pytest.mark.parametrize("case", OPTIMIZERS, ids=str)
+@pytest.mark.parametrize("case", MECHANISMS, ids=str)
 def test_a_weight_used_inside_and_outside_a_reentrant_checkpoint(case: OptimizerCase) -> None:
     # Outside part last: the inside part is kept, and the whole gradient stepped at the end.
     runs = []
@@ -402,20 +402,20 @@ def _released_after_backward(case: OptimizerCase):
     return m, opt, handle
 
 
-@pytest.mark.parametrize("case", OPTIMIZERS, ids=str)
+@pytest.mark.parametrize("case", MECHANISMS, ids=str)
 def test_clipping_gradients_the_release_freed_is_refused(case: OptimizerCase) -> None:
     m, opt, handle = _released_after_backward(case)
     assert all(p.grad is None for p in m.parameters())
     for clip in (lambda: torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0),
                  lambda: torch.nn.utils.clip_grad.clip_grad_norm_(list(m.parameters())[:1], 0.5, norm_type=1.0),
                  lambda: torch.nn.utils.clip_grad_norm_(m.parameters(), float("inf"), error_if_nonfinite=True)):  # fmt: skip
-        with pytest.raises(RuntimeError, match="already applied and freed inside backward.*max_grad_norm=0.*offload='cpu'"):
+        with pytest.raises(RuntimeError, match="already applied inside backward.*param 0 of group 0.*max_grad_norm=0.*offload='cpu'"):
             clip()
     with pytest.raises(RuntimeError, match="release_gradients"):
         opt.clip_grad_norm_(1.0)
     for clip in (lambda: torch.nn.utils.clip_grad_value_(m.parameters(), 0.1),
                  lambda: torch.nn.utils.clip_grad.clip_grad_value_(list(m.parameters())[:1], 0.1)):
-        with pytest.raises(RuntimeError, match="clip_grad_value_ over params whose gradients .* already applied and freed"):
+        with pytest.raises(RuntimeError, match="clip_grad_value_ over params whose gradients .* already applied"):
             clip()
     # A norm-only call (Trainer's grad_norm log at max_grad_norm=0) clips nothing: the norm is unknown.
     assert torch.isnan(torch.nn.utils.clip_grad_norm_(m.parameters(), float("inf")))
@@ -424,47 +424,41 @@ def test_clipping_gradients_the_release_freed_is_refused(case: OptimizerCase) ->
     opt.zero_grad()
     assert torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0).item() == 0.0
     loss_of(m, 1).backward()
-    with pytest.raises(RuntimeError, match="already applied and freed"):
+    with pytest.raises(RuntimeError, match="already applied inside backward"):
         torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+    opt.step()
     handle.remove()
-    # After remove() the usual loop clips as torch does.
-    from leanopt.optim import offload as offload_module
-
+    # After remove() torch's own function is back, and the usual loop clips as torch does.
+    assert torch.nn.utils.clip_grad_norm_ is clipping.TORCH_CLIP_GRAD_NORM_
     loss_of(m, 2).backward()
     twin = [torch.nn.Parameter(p.detach().clone()) for p in m.parameters()]
     for t, p in zip(twin, m.parameters()):
         t.grad = p.grad.clone()
-    assert torch.equal(torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3), offload_module._torch_clip_grad_norm_(twin, 1e-3))
+    assert torch.equal(torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3), clipping.TORCH_CLIP_GRAD_NORM_(twin, 1e-3))
     assert all(torch.equal(p.grad, t.grad) for p, t in zip(m.parameters(), twin))
 
 
 def test_clipping_other_params_is_torch_s_own_while_released() -> None:
-    from leanopt.optim import offload as offload_module
-
     case = OPTIMIZERS[0]
     _, _, handle = _released_after_backward(case)
-    assert torch.nn.utils.clip_grad_norm_ is offload_module.clip_grad_norm_  # the one patch point
+    assert torch.nn.utils.clip_grad_norm_ is clipping.clip_grad_norm_  # routed while a release is in effect
     a, b = model(1), model(1)
     loss_of(a, 0).backward()
     loss_of(b, 0).backward()
     na = torch.nn.utils.clip_grad_norm_(a.parameters(), 0.01)
-    nb = offload_module._torch_clip_grad_norm_(b.parameters(), 0.01)
+    nb = clipping.TORCH_CLIP_GRAD_NORM_(b.parameters(), 0.01)
     assert torch.equal(na, nb)
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(a.parameters(), b.parameters()))
-    assert torch.nn.utils.clip_grad_value_ is offload_module.clip_grad_value_
+    assert torch.nn.utils.clip_grad_value_ is clipping.clip_grad_value_
     torch.nn.utils.clip_grad_value_(a.parameters(), 1e-4)
-    offload_module._torch_clip_grad_value_(b.parameters(), 1e-4)
+    clipping.TORCH_CLIP_GRAD_VALUE_(b.parameters(), 1e-4)
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(a.parameters(), b.parameters()))
     assert max(p.grad.abs().max().item() for p in a.parameters()) == pytest.approx(1e-4)
     handle.remove()
 
 
-# One optimizer of each rule family: the refusal is the wrapper's, the same for every optimizer
-# (test_clipping_gradients_the_release_freed_is_refused runs them all); a Trainer run costs ~10 s.
-ONE_PER_FAMILY = list({case.cls.family: case for case in reversed(OPTIMIZERS)}.values())
-
-
-@pytest.mark.parametrize("case", ONE_PER_FAMILY, ids=str)
+# The refusals are release's, the same for every optimizer; a Trainer run costs ~10 s.
+@pytest.mark.parametrize("case", MECHANISMS, ids=str)
 def test_trainer_with_release_and_its_default_clipping_raises_the_clear_error(case: OptimizerCase, tmp_path) -> None:
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
@@ -479,11 +473,11 @@ def test_trainer_with_release_and_its_default_clipping_raises_the_clear_error(ca
         return transformers.Trainer(model=m, args=args, train_dataset=TokenDataset(), optimizers=(opt, None)), handle
 
     t, handle = trainer(1.0)  # Trainer's default max_grad_norm
-    with pytest.raises(RuntimeError, match="already applied and freed inside backward.*max_grad_norm=0"):
+    with pytest.raises(RuntimeError, match="already applied inside backward.*max_grad_norm=0"):
         t.train()
     handle.remove()
-    t, handle = trainer(0.0, accumulate=2)  # the second window's second backward: refused
-    with pytest.raises(RuntimeError, match="gradient accumulation cannot work"):
+    t, handle = trainer(0.0, accumulate=2)  # the window's second backward: refused
+    with pytest.raises(RuntimeError, match="backward pass 2 since the last optimizer.step"):
         t.train()
     handle.remove()
     # The documented alternative trains; the gradient norm it logs is unknown (NaN), not 0.

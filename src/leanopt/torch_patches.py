@@ -9,14 +9,17 @@ trace must change in it, so those few attributes are replaced, and only these:
 * ``torch.UntypedStorage.resize_``: how FSDP2 frees and refills an unsharded param's storage,
   which is no aten op, followed by a trace under FSDP2 (``LiveStorage.distributed``);
 * ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` (and their defining module's
-  names): made aware of gradient release for the whole process by
-  :func:`leanopt.optim.offload.route_torch_clipping`; every call it is not concerned with is
-  torch's own.
+  names): for the whole process, but only while a gradient release is in effect or an
+  offloaded optimizer holds released gradients on the host (:func:`leanopt.optim.clipping.engage`;
+  the last ``disengage`` puts torch's own back). Loops that clip through torch's function
+  (Trainer, Accelerate, plain loops) would otherwise clip host-held gradients not at all and
+  gradients already applied silently; torch has no extension point for where a gradient is.
+  Every call over params no release concerns is torch's own.
 
-One attribute of a peer is replaced too, for the whole process, and only once that peer is
+One attribute of a peer is replaced too, under the same condition and only once that peer is
 imported: ``accelerate.Accelerator.clip_grad_norm_`` (:data:`PEER_PATCHES`), which since
 accelerate 1.16 clips with ``get_total_norm`` over ``p.grad`` and so would clip released
-gradients silently not at all (:func:`leanopt.optim.offload.route_accelerate_clipping`).
+gradients silently not at all (:func:`leanopt.optim.clipping.route_accelerate`).
 
 :data:`TORCH_PATCHES` lists them; :func:`thread_patch` refuses any other pair (``ValueError``),
 and tests/test_patch_points.py fails if a listed attribute is gone from the installed torch or a
@@ -70,16 +73,15 @@ TORCH_PATCHES: tuple[Patch, ...] = (
         "cumprod", "cumsum", "log_softmax", "prod", "softmax", "sum",
     }), _CUDA_FORWARD, "thread"),  # fmt: skip
     Patch(torch.UntypedStorage, frozenset({"resize_"}), "leanopt.memory.plan_trace.LiveStorage", "thread"),
-    Patch(torch.nn.utils, frozenset({"clip_grad_norm_", "clip_grad_value_"}), "leanopt.optim.offload.route_torch_clipping", "process"),
-    Patch(torch.nn.utils.clip_grad, frozenset({"clip_grad_norm_", "clip_grad_value_"}), "leanopt.optim.offload.route_torch_clipping",
-          "process"),
+    Patch(torch.nn.utils, frozenset({"clip_grad_norm_", "clip_grad_value_"}), "leanopt.optim.clipping.engage", "process"),
+    Patch(torch.nn.utils.clip_grad, frozenset({"clip_grad_norm_", "clip_grad_value_"}), "leanopt.optim.clipping.engage", "process"),
 )
 
 
 # (module, class, attribute, the leanopt function that replaces it): a peer's attributes replaced
 # for the whole process once the module is imported (never imported here: the peers are optional).
 PEER_PATCHES: tuple[tuple[str, str, str, str], ...] = (
-    ("accelerate.accelerator", "Accelerator", "clip_grad_norm_", "leanopt.optim.offload.route_accelerate_clipping"),
+    ("accelerate.accelerator", "Accelerator", "clip_grad_norm_", "leanopt.optim.clipping.route_accelerate"),
 )
 
 

@@ -537,7 +537,7 @@ def traced_param_steps(shapes: list[tuple[tuple[int, ...], torch.dtype]], optimi
 
     Each is traced on one param of that shape: a first ``step()`` makes its state (and the
     optimizer's workspaces), as earlier steps have in a run; then the second, counted, is what the
-    hook of :func:`leanopt.release_gradients` runs, ``optimizer._step_param``, with the gradient
+    hook of :func:`leanopt.release_gradients` runs, ``optimizer.step_param``, with the gradient
     present, and the gradient is dropped after, as the hook drops it. A leanopt optimizer's
     ``step()`` with ``rounding="stochastic"|"kahan"`` on bf16/fp16 params runs this same
     ``_step_rounded`` for one param after the other, nothing shared between them, so its peak is
@@ -565,7 +565,7 @@ def traced_param_steps(shapes: list[tuple[tuple[int, ...], torch.dtype]], optimi
             tracker.phase = "step"
             tracker.reset_peak()
             before = tracker.current
-            opt._step_param(p, 0, 0)
+            opt.step_param(p)
             p.grad = None
             transient[shape, dtype] = tracker.peak().bytes - before
             del p, opt

@@ -236,7 +236,7 @@ def training_memory(
         host_copies = 4 * n  # fp32 host copies: the params' own, or bf16 params' masters
         # The engine's own count, on the meta params (nothing allocated, no host memory checked).
         offloaded = resolve_optimizer(optimizer)(params, **optimizer_kwargs, offload="cpu")
-        host_gradients = offloaded._offload.host_bytes(released=grad_release) - host_copies - state.bytes
+        host_gradients = offloaded.placement.host_bytes(released=grad_release) - host_copies - state.bytes
     return TrainingMemory(
         optimizer=state.optimizer,
         precision=precision,

@@ -13,6 +13,7 @@ from leanopt.kernels.reference import adafactor_schedule
 from leanopt.optim.base import LeanOptimizer, as_float, check_beta, check_flag, check_nonnegative
 from leanopt.optim.elementwise import state_dtype
 from leanopt.optim.layout import StateSpec
+from leanopt.optim.param_step import ParamStep
 from leanopt.optim.registry import register
 from leanopt.optim.sharding import is_dtensor, shardable, update_whole
 
@@ -124,6 +125,7 @@ class Adafactor(LeanOptimizer):
         *,
         rounding: str = "nearest",
         backend: str = "auto",
+        offload: str | None = None,
     ) -> None:
         # Positional order and defaults are transformers', so it is a drop-in replacement.
         defaults = dict(
@@ -140,21 +142,24 @@ class Adafactor(LeanOptimizer):
         )
         validate_adafactor_hparams(defaults)
         self._reported: dict[int, float] = {}  # the lr each relative-step group last reported
+        self._latest: dict[int, int] = {}  # the largest step count of each group's params
         self._warned_lr_ignored = False
-        super().__init__(params, defaults, backend=backend)
+        super().__init__(params, defaults, backend=backend, offload=offload)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("_reported", {})
+        self.__dict__.setdefault("_latest", {})
         self.__dict__.setdefault("_warned_lr_ignored", False)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         for gi, group in enumerate(self.param_groups):
+            steps = [int(self.state[p]["step"]) for p in group["params"] if p in self.state]
+            self._latest[gi] = max(steps, default=0)
             if group["relative_step"]:
                 if group["lr"] is None:  # a transformers checkpoint: report the step size to come
-                    steps = [int(self.state[p]["step"]) for p in group["params"] if p in self.state]
-                    group["lr"] = _relative_step_size(group, max(steps, default=0) + 1)
+                    group["lr"] = _relative_step_size(group, self._latest[gi] + 1)
                 self._reported[gi] = group["lr"]
 
     def validate_group(self, group: Mapping[str, Any], *, loaded: bool = False) -> None:
@@ -184,24 +189,28 @@ class Adafactor(LeanOptimizer):
             specs.append(StateSpec("exp_avg_sq", shape, sd))
         return specs
 
-    def _step_group(self, gi: int, group: Mapping[str, Any], params: list[torch.Tensor], key: str) -> None:
+    def update(self, gi: int, group: Mapping[str, Any], items: list[ParamStep], key: str) -> None:
         if group["relative_step"]:
             self._check_lr_untouched(gi, group)
         stepped = []
-        for p in params:
-            if is_dtensor(p) and not shardable(p):
+        for it in items:
+            if is_dtensor(it.param) and not shardable(it.param):
                 # Fewer rows than ranks: DTensor has no sharding for Adafactor's ops on this
                 # param, so every rank updates it whole and keeps its shard.
-                update_whole(lambda q, g, st: self._update("reference", key, group, [q], [g], [st]), p, self.state[p])
+                update_whole(lambda q, g, st, n=it.step: self._update("reference", key, group, [q], [g], [st], [n]),
+                             it.param, it.grad, it.state)  # fmt: skip
             else:
-                stepped.append(p)
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for p in stepped:
-            by_device.setdefault(p.device, []).append(p)
+                stepped.append(it)
+        by_device: dict[torch.device, list[ParamStep]] = {}
+        for it in stepped:
+            by_device.setdefault(it.param.device, []).append(it)
         for bucket in by_device.values():
-            self._update(self.backend, key, group, bucket, [p.grad for p in bucket], [self.state[p] for p in bucket])
-        if group["relative_step"] and params:
-            latest = max(int(self.state[p]["step"]) for p in params)
+            self._update(self.backend, key, group, [it.param for it in bucket], [it.grad for it in bucket],
+                         [it.state for it in bucket], [it.step for it in bucket])  # fmt: skip
+        if group["relative_step"] and items:
+            # The step size of the group's most advanced param, whichever params this call
+            # stepped (offload and release step one at a time): the same report either way.
+            latest = self._latest[gi] = max(self._latest.get(gi, 0), *(it.step for it in items))
             # ``group`` is the live param group (a dict in ``param_groups``): the step size is reported there.
             cast(dict[str, Any], group)["lr"] = self._reported[gi] = _relative_step_size(group, latest)
 
@@ -219,7 +228,7 @@ class Adafactor(LeanOptimizer):
             stacklevel=3,
         )
 
-    def _update(self, backend: str, key: str, group: Mapping[str, Any], params, grads, states) -> None:
+    def _update(self, backend: str, key: str, group: Mapping[str, Any], params, grads, states, steps) -> None:
         eps1, eps2 = group["eps"]
         kernels.adafactor(
             backend,
@@ -231,7 +240,7 @@ class Adafactor(LeanOptimizer):
             [s.get("exp_avg_sq_row") for s in states],
             [s.get("exp_avg_sq_col") for s in states],
             [s.get("exp_avg_sq") for s in states],
-            [int(s["step"].item()) for s in states],
+            list(steps),
             lr=None if group["relative_step"] else as_float(group["lr"]),
             eps1=eps1,
             eps2=eps2,

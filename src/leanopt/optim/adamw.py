@@ -91,6 +91,8 @@ class AdamW(ElementwiseOptimizer):
         fused: bool | None = None,
         rounding: str = "nearest",
         backend: str = "auto",
+        state_dtype: torch.dtype | str = torch.float32,
+        offload: str | None = None,
     ) -> None:
         validate_adam_hparams(lr, betas, eps, weight_decay)
         backend = backend_for_torch_flags(type(self).__name__, backend, foreach=foreach, fused=fused,
@@ -98,7 +100,7 @@ class AdamW(ElementwiseOptimizer):
         defaults = dict(
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize, rounding=rounding
         )
-        super().__init__(params, defaults, backend=backend)
+        super().__init__(params, defaults, backend=backend, state_dtype=state_dtype, offload=offload)
 
     def validate_group(self, group: Mapping[str, Any], *, loaded: bool = False) -> None:
         validate_adam_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])

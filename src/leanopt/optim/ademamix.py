@@ -84,10 +84,12 @@ class AdEMAMix(ElementwiseOptimizer):
         maximize: bool = False,
         rounding: str = "nearest",
         backend: str = "auto",
+        state_dtype: torch.dtype | str = torch.float32,
+        offload: str | None = None,
     ) -> None:
         defaults = dict(lr=lr, betas=tuple(betas), alpha=alpha, eps=eps, weight_decay=weight_decay, t_alpha=t_alpha,
                         t_beta3=t_beta3, maximize=maximize, rounding=rounding)  # fmt: skip
-        super().__init__(params, defaults, backend=backend)
+        super().__init__(params, defaults, backend=backend, state_dtype=state_dtype, offload=offload)
 
     def validate_group(self, group: Mapping[str, Any], *, loaded: bool = False) -> None:
         check_nonnegative("lr", group["lr"])

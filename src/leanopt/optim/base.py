@@ -1,6 +1,11 @@
 """Bookkeeping shared by every leanopt optimizer: validation, lazy state, safe save/load.
 
-A subclass supplies ``state_layout`` (what state a parameter gets) and ``step``. The base
+A subclass supplies ``state_layout`` (what state a parameter gets) and ``update`` (its rule, on
+explicit :class:`~leanopt.optim.param_step.ParamStep` items). Where a step runs -- on the
+device, or offloaded to the host -- is the business of the optimizer's ``placement``
+(:mod:`leanopt.optim.placement`), which ``step``, ``zero_grad``, state creation and
+``state_dict``/``load_state_dict`` delegate to; gradient release attaches to the placement
+(:mod:`leanopt.optim.release`), clipping asks it (:mod:`leanopt.optim.clipping`). The base
 allocates state from the layout, and its ``load_state_dict`` checks, before anything is
 changed, that the state is of the optimizer's family (by the name it declares, or by its state
 keys: :func:`leanopt.optim.identity.recognize_states`) and every incoming tensor against the
@@ -12,27 +17,25 @@ quantized forms of the same state key.
 from __future__ import annotations
 
 import copy
-import functools
-import inspect
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from leanopt import kernels
 from leanopt.kernels.multi_tensor import TableCache
+from leanopt.optim import clipping
 from leanopt.optim.identity import declared_optimizer, recognize_states
 from leanopt.optim.layout import StateSpec, convert_saved
-from leanopt.optim.offload import Offload, check_offload
-from leanopt.optim.rounding import LOW_PRECISION, check_rounding, generator_for, stochastic_round
+from leanopt.optim.offload import Offloaded, check_offload
+from leanopt.optim.param_step import ParamStep, chunk_elements, chunks
+from leanopt.optim.placement import OnDevice, Placement
+from leanopt.optim.rounding import LOW_PRECISION, check_rounding, rounding_dither, stochastic_round
 from leanopt.optim.sharding import allocate_state, checkpoint_value, is_dtensor, load_value
 from leanopt.quant import QuantizedState
-
-if TYPE_CHECKING:  # release imports this module; the annotations only need the name
-    from leanopt.optim.release import GradientRelease
 
 
 def _number(name: str, value: Any) -> float:
@@ -116,54 +119,26 @@ def backend_for_torch_flags(
     return backend
 
 
-def wrap_constructor(
-    cls: type, keyword: str, *, shown_default: Any, annotation: str,
-    before: Callable[[Any, Any], None] | None = None, after: Callable[[Any, Any], None] | None = None,
-    ahead_of: tuple[str, ...] = (),
-) -> None:  # fmt: skip
-    """Make ``cls``'s own ``__init__`` take the keyword-only ``keyword`` without declaring or
-    forwarding it: the wrapper takes it out of the call (``None`` when not given) and runs
-    ``before(self, value)``, the constructor, then ``after(self, value)``. The signature shows
-    it (default ``shown_default``) ahead of the first of ``ahead_of`` or of ``**kwargs``. Each
-    keyword wraps a constructor once (a subclass of a wrapped class without an ``__init__`` of
-    its own is left alone). The mechanism of ``offload=`` and ``state_dtype=``."""
-    init = cls.__dict__.get("__init__")
-    taken: frozenset[str] = getattr(init, "_leanopt_keywords", frozenset())
-    if init is None or keyword in taken:
-        return
-
-    @functools.wraps(init)
-    def __init__(self: Any, *args: Any, **kw: Any) -> None:
-        value = kw.pop(keyword, None)
-        if before is not None:
-            before(self, value)
-        init(self, *args, **kw)
-        if after is not None:
-            after(self, value)
-
-    signature = inspect.signature(init)
-    params = list(signature.parameters.values())
-    if keyword not in signature.parameters:
-        at = next((i for i, q in enumerate(params) if q.name in ahead_of or q.kind == inspect.Parameter.VAR_KEYWORD), len(params))
-        params.insert(at, inspect.Parameter(keyword, inspect.Parameter.KEYWORD_ONLY, default=shown_default, annotation=annotation))
-    # Attributes a plain function does not declare, and a class's constructor replaced: set by
-    # name, which is what the assignments did, without telling the type checker otherwise.
-    setattr(__init__, "__signature__", signature.replace(parameters=params))
-    setattr(__init__, "_leanopt_keywords", taken | {keyword})
-    setattr(cls, "__init__", __init__)
-
-
 def as_float(value: Any) -> float:
     """A group's ``lr`` (a number or a one-element tensor) as the float the kernels take."""
     return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
 
 
 class LeanOptimizer(torch.optim.Optimizer):
-    """Base class of leanopt's optimizers (bookkeeping only; the maths is in ``kernels``)."""
+    """Base class of leanopt's optimizers (bookkeeping only; the maths is in ``kernels``).
+
+    A subclass gives ``state_layout`` (what state a param gets) and ``update`` (its rule on
+    explicit tensors: :class:`~leanopt.optim.param_step.ParamStep` items). Where a step runs is
+    the ``placement``'s business (:mod:`leanopt.optim.placement`): ``step``, ``zero_grad``,
+    where states are created and what waits before a save or load are delegated to it.
+    """
 
     # Complex params: stepped on their real view (as torch's AdamW does), or refused with a
     # ValueError when the param group is added (so ``leanopt.estimate`` refuses them too).
     supports_complex: bool = False
+    # Whether the update of an element reads only that element (every elementwise rule): such
+    # a param may be stepped in chunks, which bounds the temporaries of offload and rounding.
+    chunkable: ClassVar[bool] = False
     # The declared identity: the registry name (leanopt.optim.registry), saved in every param
     # group under "optimizer", and the rule it runs (optimizers of one family -- AdamW,
     # AdamW8bit, AdamW4bit -- load each other's states; others refuse them by name).
@@ -176,80 +151,56 @@ class LeanOptimizer(torch.optim.Optimizer):
     # State keys a loaded state may hold that this optimizer drops: a peer's bookkeeping it
     # recomputes. Any other key outside the layout is another rule's state, and is refused.
     ignored_state_keys: ClassVar[frozenset[str]] = frozenset()
-    # Set by leanopt.release_gradients on the optimizer it releases (and back to None when it is
-    # removed); absent otherwise, hence read through :meth:`_release`. Declared, not assigned.
-    _gradient_release: GradientRelease | None
     # Set True on the instance while released (torch's GradScaler reads it by getattr: its step
     # then calls step() instead of unscaling gradients the hooks freed). Declared, not assigned.
     _step_supports_amp_scaling: bool
 
-    def __init__(self, params: Iterable[Any], defaults: dict[str, Any], *, backend: str = "auto") -> None:
-        # The backend is how to compute, not what: it is not a hyper-parameter and is not saved.
+    def __init__(self, params: Iterable[Any], defaults: dict[str, Any], *, backend: str = "auto",
+                 offload: str | None = None) -> None:  # fmt: skip
+        # The backend is how to compute and the placement where: neither is a hyper-parameter,
+        # neither is saved.
         self.backend = kernels.check_backend(backend)
+        check_offload(offload)
         self._tables = TableCache()
-        self._offload: Offload | None = None
+        self.placement: Placement = OnDevice(self)
         super().__init__(params, {**self._complete_defaults(defaults), "optimizer": self.name})
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        # Every optimizer takes ``offload=`` (leanopt.optim.offload) after its own keywords: its
-        # constructor is wrapped, so a subclass neither declares nor forwards it. Like the
-        # backend it says where to compute, not what: it is not a hyper-parameter, not saved.
-        super().__init_subclass__(**kwargs)
-
-        def after(self: Any, offload: str | None) -> None:
-            if offload is not None:
-                self._offload = Offload(self)
-
-        wrap_constructor(cls, "offload", shown_default=None, annotation="str | None", before=lambda self, v: check_offload(v), after=after)
+        if offload is not None:
+            self.placement = Offloaded(self)
 
     @property
     def offload(self) -> str | None:
         """Where states and master weights live: ``None`` (with the params) or ``"cpu"``."""
-        return "cpu" if getattr(self, "_offload", None) is not None else None
-
-    def _release(self) -> GradientRelease | None:
-        """The :func:`leanopt.release_gradients` handle that set itself on this optimizer, if any."""
-        return getattr(self, "_gradient_release", None)
+        return self.placement.offload
 
     def _complete_defaults(self, defaults: dict[str, Any]) -> dict[str, Any]:
         """The defaults every param group gets: the optimizer's, plus what a mixin adds."""
         return dict(defaults)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        # Released (leanopt.release_gradients): the hooks freed their gradients inside backward;
-        # one set by hand since is dropped, as in the usual loop.
-        release, offload = self._release(), getattr(self, "_offload", None)
-        if release is not None:
-            release._optimizer_stepped()
-        elif offload is not None:
-            offload.zero_grad()
+        # Gradients the placement holds elsewhere (offloaded, released) are dropped or zeroed
+        # first; torch's zero_grad then does p.grad.
+        self.placement.zero_grad(set_to_none)
         super().zero_grad(set_to_none)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        # torch's __getstate__ keeps defaults, state and param_groups: a copy (deepcopy, pickle)
+        # is a plain optimizer on the device, without placement or release.
         super().__setstate__(state)
         self.__dict__.setdefault("backend", "auto")
         self.__dict__.setdefault("_tables", TableCache())
-        self.__dict__.setdefault("_offload", None)
+        if not isinstance(self.__dict__.get("placement"), Placement):
+            self.placement = OnDevice(self)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                         foreach: bool | None = None) -> torch.Tensor:  # fmt: skip
         """``torch.nn.utils.clip_grad_norm_`` over this optimizer's params, returning the total norm.
 
-        With ``offload="cpu"`` and :func:`leanopt.release_gradients` the gradients are in host
-        memory, where a plain look at ``p.grad`` cannot see them (leanopt routes
-        ``torch.nn.utils.clip_grad_norm_`` here for such params); this one sees them wherever
-        they are. Under gradient release without offload they were applied and freed inside
-        backward, and this raises ``RuntimeError``.
+        It sees their gradients wherever they are (:mod:`leanopt.optim.clipping`): in host
+        memory with ``offload="cpu"`` and :func:`leanopt.release_gradients`, and it refuses
+        (``RuntimeError``) gradients a release already applied inside backward.
         """
         params = [p for g in self.param_groups for p in g["params"]]
-        if self._offload is not None:
-            return self._offload.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
-        if getattr(self, "_gradient_release", None) is not None:
-            raise RuntimeError(
-                "clip_grad_norm_ under leanopt.release_gradients: each gradient was applied and freed inside backward, "
-                "so there is nothing to clip; use offload='cpu' (which keeps them on the host until step()) or no release"
-            )
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
+        return clipping.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
 
     # ---- validation -----------------------------------------------------------------------
     def validate_group(self, group: Mapping[str, Any], *, loaded: bool = False) -> None:
@@ -282,21 +233,12 @@ class LeanOptimizer(torch.optim.Optimizer):
             raise ValueError(f"param group 'optimizer' is {merged['optimizer']!r}; this optimizer is {self.name!r}")
         self.validate_group(merged)
         check_rounding(merged.get("rounding", "nearest"))
-        offload: Offload | None = getattr(self, "_offload", None)
-        if offload is not None:
-            offload.check_group({**merged, "params": param_group.get("params") or []}, len(self.param_groups))
+        self.placement.check_group({**merged, "params": param_group.get("params") or []}, len(self.param_groups))
         super().add_param_group(param_group)
-        release = self._release()
-        if release is not None:
-            release._hook_params()  # a group added while released is released too
-
-    def _check_grads(self) -> None:
-        """Refuse gradients no backend can apply, before any param or state is changed."""
-        for gi, group in enumerate(self.param_groups):
-            for pi, p in enumerate(group["params"]):
-                self._check_grad(p, gi, pi)
+        self.placement.group_added()
 
     def _check_grad(self, p: torch.Tensor, gi: int, pi: int) -> None:
+        """Refuse a gradient no backend can apply, before any param or state is changed."""
         g = p.grad
         if g is None:
             return
@@ -316,6 +258,19 @@ class LeanOptimizer(torch.optim.Optimizer):
                 f"{type(self).__name__}: param {pi} of group {gi} is {p.dtype} and has a gradient: only "
                 "floating-point params can be optimized (set its .grad to None, or leave it out of the optimizer)"
             )
+        for value in self.state.get(p, {}).values():
+            # A param converted since its state was made (model.double() after the optimizer was
+            # built): fp64 params keep fp64 states, complex ones complex states, the others fp32
+            # or bf16. Refused before any param changes; offloaded, the fp32 host copy would
+            # otherwise go on training an fp64 param in fp32, silently.
+            if isinstance(value, torch.Tensor) and value.shape == p.shape and (
+                (value.dtype == torch.float64) != (p.dtype == torch.float64) or value.is_complex() != p.is_complex()
+            ):
+                raise RuntimeError(
+                    f"{type(self).__name__}: param {pi} of group {gi} is {p.dtype}, but its optimizer state was made "
+                    f"for a {value.dtype} param (the model was converted after the optimizer was built); build the "
+                    "optimizer after converting the model"
+                )
 
     # ---- layout -------------------------------------------------------------------------
     def state_layout(
@@ -333,45 +288,31 @@ class LeanOptimizer(torch.optim.Optimizer):
         return specs
 
     def _init_state(self, p: torch.Tensor, group: Mapping[str, Any]) -> dict[str, Any]:
+        """``p``'s state, created from its layout on the placement's state device if it has none
+        (a stateless param -- SGD without momentum -- gets no entry, as torch keeps none)."""
         state = self.state.get(p)
         if not state:
             layout = self._param_layout(p, group)
-            if not layout:  # a stateless param (SGD without momentum): no entry, as torch keeps none
+            if not layout:
                 return {}
             state = self.state[p]
-            offload = self._offload
-            device = p.device if offload is None else offload.state_device()
+            device = self.placement.state_device(p)
             for spec in layout:
                 state[spec.key] = allocate_state(spec, p) if is_dtensor(p) else spec.allocate(device)
         return state
 
-    def _state_target(self, p: torch.Tensor) -> torch.Tensor:
-        """A tensor on the device ``p``'s states live on (``p`` itself, or a host stand-in when offloaded)."""
-        offload: Offload | None = getattr(self, "_offload", None)
-        if offload is None:
-            return p
-        return torch.empty(0, device=offload.state_device())
+    @staticmethod
+    def _advance(state: dict[str, Any]) -> int:
+        """Count one more step in ``state``; the new count (0 for a param that keeps none)."""
+        if "step" not in state:
+            return 0
+        state["step"] += 1
+        return int(state["step"].item())
 
-    def _advance(self, p: torch.Tensor, group: Mapping[str, Any]) -> None:
-        state = self._init_state(p, group)
-        if "step" in state:
-            state["step"] += 1
-
-    # ---- helpers for step ---------------------------------------------------------------
-    def _stepped_params(self, group: Mapping[str, Any]) -> list[torch.Tensor]:
-        """The params of ``group`` that have a gradient, with state created and ``step`` advanced."""
-        out = []
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            self._advance(p, group)
-            out.append(p)
-        return out
-
-    def _steps(self, params: Iterable[torch.Tensor]) -> list[int]:
-        """The (new) step counts of ``params``: host tensors, read without a device sync (0 for
-        a param that keeps no count)."""
-        return [int(self.state[p]["step"].item()) if "step" in self.state.get(p, ()) else 0 for p in params]
+    @staticmethod
+    def _step_count(state: Mapping[str, Any]) -> int:
+        """The step count in ``state``, a host tensor read without a device sync (0 if none)."""
+        return int(state["step"].item()) if "step" in state else 0
 
     # ---- step -----------------------------------------------------------------------------
     @kernels.eager
@@ -380,78 +321,78 @@ class LeanOptimizer(torch.optim.Optimizer):
         """One update of every param that has a gradient (see the class for the rule).
 
         Gradients are checked first (sparse, wrong shape: an error before anything changes).
-        Under :func:`leanopt.release_gradients` params are stepped inside ``backward`` and this
-        runs ``closure`` and steps only gradients no hook stepped (set by hand, for instance).
+        Under :func:`leanopt.release_gradients` params the release applied inside ``backward``
+        are not stepped again (see :mod:`leanopt.optim.release`).
         """
         loss = self._closure_loss(closure)
-        release = self._release()
-        if release is not None:
-            release._optimizer_stepped(step=True)  # steps what no hook stepped
-            return loss
-        if self._offload is not None:
-            self._offload.step()
-            return loss
-        self._check_grads()
-        for gi, group in enumerate(self.param_groups):
-            self._update_group(gi, group, self._stepped_params(group), f"group{gi}")
+        self.placement.step()
         return loss
 
-    def _update_group(self, gi: int, group: Mapping[str, Any], params: list[torch.Tensor], key: str) -> None:
-        """:meth:`_step_group`, with low-precision params written back as ``group["rounding"]`` says."""
-        rounding = group.get("rounding", "nearest")
-        rounded = [p for p in params if rounding != "nearest" and p.dtype in LOW_PRECISION]
-        if not rounded:
-            self._step_group(gi, group, params, key)
-            return
-        plain = [p for p in params if not (rounding != "nearest" and p.dtype in LOW_PRECISION)]
-        if plain:
-            self._step_group(gi, group, plain, key)
-        index = {id(p): i for i, p in enumerate(group["params"])}
-        for p in rounded:
-            self._step_rounded(gi, group, p, index[id(p)], rounding, key)
-
-    def _step_rounded(self, gi: int, group: Mapping[str, Any], p: torch.Tensor, index: int, rounding: str, key: str) -> None:
-        # The rule runs on an fp32 copy of the param (plus its compensation), with the param's
-        # own state; then the result is written back with the group's rounding.
-        if is_dtensor(p):
-            raise ValueError(f"rounding={rounding!r} is not supported for DTensor (FSDP2) params (param {index} of group {gi})")
-        state = self.state[p]
-        master = p.detach().float()
-        if rounding == "kahan":
-            master.add_(state["kahan_comp"].float())
-        grad = p.grad
-        if grad is None:  # the callers pass only params with a gradient
-            raise RuntimeError(f"param {index} of group {gi} has no gradient to step")
-        master.grad = grad.float()
-        self.state[master] = state
-        try:
-            self._step_group(gi, group, [master], f"{key}/rounded")
-        finally:
-            del self.state[master]
-        with torch.no_grad():
-            if rounding == "kahan":
-                nearest = master.to(p.dtype)
-                state["kahan_comp"].copy_(master.sub_(nearest.float()))
-                p.copy_(nearest)
-            else:
-                gen = generator_for(p.device, int(state["step"]), gi, index)
-                p.copy_(stochastic_round(master, p.dtype, gen))
-
-    def _step_group(self, gi: int, group: Mapping[str, Any], params: list[torch.Tensor], key: str) -> None:
-        """Update ``params`` of ``group`` (state created, ``step`` advanced); ``key`` names the
-        kernels' cached launch tables for this list of params."""
-        raise NotImplementedError
-
     @torch.no_grad()
-    def _step_param(self, p: torch.Tensor, gi: int, index: int) -> None:
-        """Update one param from its gradient now (gradient release): the same maths, per
-        param, as :meth:`step`."""
-        if p.grad is None:
-            return
-        self._check_grad(p, gi, index)
+    def step_param(self, p: torch.Tensor) -> None:
+        """Update ``p`` alone from its gradient now: the maths :meth:`step` applies to it (what
+        gradient release runs inside ``backward``). A param without a gradient is left alone;
+        one this optimizer does not hold is a ``ValueError``."""
+        for gi, group in enumerate(self.param_groups):
+            for i, q in enumerate(group["params"]):
+                if q is p:
+                    if p.grad is not None:
+                        self._check_grad(p, gi, i)
+                        self._step_params(gi, [(i, p)], f"group{gi}/param{i}")
+                    return
+        raise ValueError(f"{type(self).__name__}.step_param: the tensor (shape {tuple(p.shape)}) is not one of its params")
+
+    def _step_params(self, gi: int, params: Sequence[tuple[int, torch.Tensor]], key: str) -> None:
+        """Step ``params`` of group ``gi`` (each with its index in the group) from their
+        ``.grad``: state created, step counted, the update run (``key`` names the kernels'
+        cached launch tables for this list)."""
         group = self.param_groups[gi]
-        self._advance(p, group)
-        self._update_group(gi, group, [p], f"group{gi}/param{index}")
+        items = []
+        for i, p in params:
+            state = self._init_state(p, group)
+            grad = p.grad
+            if grad is None:  # the callers pass only params with a gradient
+                raise RuntimeError(f"{type(self).__name__}: param {i} of group {gi} has no gradient to step")
+            items.append(ParamStep(p, grad, state, self._advance(state), (gi, i)))
+        self._run(gi, group, items, key)
+
+    def _run(self, gi: int, group: Mapping[str, Any], items: list[ParamStep], key: str) -> None:
+        """:meth:`update`, with low-precision params written back as ``group["rounding"]`` says."""
+        rounding = group.get("rounding", "nearest")
+        rounded = [it for it in items if rounding != "nearest" and it.param.dtype in LOW_PRECISION]
+        plain = [it for it in items if not (rounding != "nearest" and it.param.dtype in LOW_PRECISION)]
+        if plain:
+            self.update(gi, group, plain, key)
+        for item in rounded:
+            self._step_rounded(gi, group, item, rounding, f"{key}/rounded")
+
+    def _step_rounded(self, gi: int, group: Mapping[str, Any], item: ParamStep, rounding: str, key: str) -> None:
+        """The rule on an fp32 copy of the param (plus its compensation), with the param's own
+        state, then the result written back with the group's rounding: in chunks for a
+        ``chunkable`` rule, so the copies are those of one chunk (:mod:`leanopt.optim.rounding`)."""
+        p = item.param
+        if is_dtensor(p):
+            raise ValueError(f"rounding={rounding!r} is not supported for DTensor (FSDP2) params (param {item.index[1]} "
+                             f"of group {gi})")  # fmt: skip
+        blocks = [v.format.block_size for v in item.state.values() if isinstance(v, QuantizedState)]
+        for part in chunks(item, chunk_elements(self.chunkable and item.grad.is_contiguous(), p, blocks)):
+            master = part.param.float()
+            comp = part.state.get("kahan_comp") if rounding == "kahan" else None
+            if comp is not None:
+                master.add_(comp.float())
+            self.update(gi, group, [ParamStep(master, part.grad.float(), part.state, part.step, part.index, part.offset)], key)
+            if comp is not None:
+                nearest = master.to(p.dtype)
+                comp.copy_(master.sub_(nearest.float()))
+                part.param.copy_(nearest)
+            else:
+                u = rounding_dither(master.numel(), part.offset, part.step, gi, item.index[1], master.device)
+                part.param.copy_(stochastic_round(master, p.dtype, u))
+
+    def update(self, gi: int, group: Mapping[str, Any], items: list[ParamStep], key: str) -> None:
+        """The rule: update each item's ``param`` and states in place from its ``grad`` (state
+        created, step counted). ``key`` names the kernels' cached launch tables for this list."""
+        raise NotImplementedError
 
     def _closure_loss(self, closure: Callable[[], Any] | None) -> Any:
         if closure is None:
@@ -461,9 +402,7 @@ class LeanOptimizer(torch.optim.Optimizer):
 
     # ---- save / load --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        offload: Offload | None = getattr(self, "_offload", None)
-        if offload is not None:
-            offload.wait()  # host steps in flight finish first
+        self.placement.wait()  # steps in flight (offloaded: on the host) finish first
         # torch runs the post hooks inside its state_dict; run them here instead, so that they
         # see (and may edit or replace) the state_dict this method returns.
         post_hooks = self._optimizer_state_dict_post_hooks
@@ -519,9 +458,7 @@ class LeanOptimizer(torch.optim.Optimizer):
         if not isinstance(state_dict["state"], Mapping):
             raise ValueError(f"{cls}.load_state_dict: 'state' is a {type(state_dict['state']).__name__}, expected a dict")
         origin = self._loaded_identity(state_dict)
-        offload: Offload | None = getattr(self, "_offload", None)
-        if offload is not None:
-            offload.wait()
+        self.placement.wait()
         # Options a checkpoint lacks (saved before they existed) take the constructor's values,
         # as torch's optimizers do; every group is then checked as the constructor checks it.
         filled_groups = []
@@ -531,8 +468,7 @@ class LeanOptimizer(torch.optim.Optimizer):
             try:
                 self.validate_group(filled, loaded=True)
                 check_rounding(filled.get("rounding", "nearest"))
-                if offload is not None:
-                    offload.check_group({**filled, "params": group["params"]}, gi)
+                self.placement.check_group({**filled, "params": group["params"]}, gi)
             except ValueError as err:
                 raise ValueError(f"{cls}.load_state_dict: param group {gi}: {err}{origin.other_rule()}") from None
             filled_groups.append(filled)
@@ -645,7 +581,7 @@ class LeanOptimizer(torch.optim.Optimizer):
         extra = [k for k in saved if k not in keys and k != "kahan_comp" and k not in self.ignored_state_keys]
         if extra:
             raise refuse(f"{', '.join(map(repr, extra))} has no place in it")
-        target = self._state_target(p)  # offloaded: states are converted onto the host
+        target = torch.empty(0, device=self.placement.state_device(p))  # offloaded: states are converted onto the host
         for spec in layout:
             if spec.key not in saved:
                 # A state saved without compensation (another rounding) continues from none.

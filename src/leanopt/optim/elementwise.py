@@ -9,15 +9,16 @@ quantized sibling adds :class:`leanopt.optim.lowbit.LowBit` (see ``AdamW8bit``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
 import torch
 
 from leanopt import kernels
 from leanopt.kernels.rules import Rule
-from leanopt.optim.base import LeanOptimizer, wrap_constructor
+from leanopt.optim.base import LeanOptimizer
 from leanopt.optim.layout import StateSpec
+from leanopt.optim.param_step import ParamStep
 from leanopt.optim.sharding import local, shard_offset
 from leanopt.quant.bf16 import check_state_dtype, state_dtype_name
 
@@ -39,26 +40,19 @@ class ElementwiseOptimizer(LeanOptimizer):
     """An optimizer that runs ``rule`` on each element (the shared implementation)."""
 
     rule: ClassVar[Rule]
+    chunkable = True
     # Safe mode (the low-bit optimizers): second-moment floors and skipped non-finite elements.
     safe: ClassVar[bool] = False
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        # Every elementwise optimizer takes ``state_dtype=`` (how its dense states are stored:
-        # fp32, or bf16 with stochastic rounding, leanopt.quant.bf16): its constructor is
-        # wrapped, as for ``offload=``, so that a subclass (one defined outside leanopt too)
-        # neither declares nor forwards it. Unlike offload it is saved: each param group holds its name ("bfloat16").
-        super().__init_subclass__(**kwargs)
-
-        def before(self: Any, state_dtype: torch.dtype | None) -> None:
-            # None: not given here. A wrapped __init__ calling another (LowBit's calls its
-            # optimizer's) passes nothing on, and the inner one keeps what the outer one set.
-            if state_dtype is not None or "_state_dtype" not in self.__dict__:
-                self._state_dtype = check_state_dtype(torch.float32 if state_dtype is None else state_dtype)
-
-        wrap_constructor(cls, "state_dtype", shown_default=torch.float32, annotation="torch.dtype", before=before, ahead_of=("offload",))
+    def __init__(self, params: Iterable[Any], defaults: dict[str, Any], *, backend: str = "auto",
+                 state_dtype: torch.dtype | str = torch.float32, offload: str | None = None) -> None:  # fmt: skip
+        # How dense states are stored (fp32, or bf16 with stochastic rounding: leanopt.quant.bf16).
+        # Unlike backend and offload it is saved: each param group holds its name ("bfloat16").
+        self._state_dtype = check_state_dtype(state_dtype)
+        super().__init__(params, defaults, backend=backend, offload=offload)
 
     def _complete_defaults(self, defaults: dict[str, Any]) -> dict[str, Any]:
-        return {**super()._complete_defaults(defaults), "state_dtype": state_dtype_name(getattr(self, "_state_dtype", torch.float32))}
+        return {**super()._complete_defaults(defaults), "state_dtype": state_dtype_name(self._state_dtype)}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if isinstance(param_group, Mapping) and "state_dtype" in param_group:
@@ -97,24 +91,19 @@ class ElementwiseOptimizer(LeanOptimizer):
         sd = self.dense_state_dtype(dtype, group)
         return self.step_layout(dtype, group) + [StateSpec(key, tuple(shape), sd) for key in self.state_keys(group)]
 
-    def _step_group(self, gi: int, group: Mapping[str, Any], params: list[torch.Tensor], key: str) -> None:
-        if not params:
-            return
+    def update(self, gi: int, group: Mapping[str, Any], items: list[ParamStep], key: str) -> None:
         keys = self.state_keys(group)
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for p in params:
-            by_device.setdefault(p.device, []).append(p)
         hp = self.rule.hyperparameters(group)
-        for device_params in by_device.values():
-            grads = [g for p in device_params if (g := p.grad) is not None]
-            if len(grads) != len(device_params):  # the callers pass only params with a gradient
-                raise RuntimeError(f"{type(self).__name__}: a param of group {gi} has no gradient to step")
+        by_device: dict[torch.device, list[ParamStep]] = {}
+        for item in items:
+            by_device.setdefault(item.param.device, []).append(item)
+        for on_device in by_device.values():
             # Elementwise: a DTensor (FSDP2) param updates its own shard; a complex one its real view.
             kernels.step(
                 self.backend, self.rule, self._tables, key,
-                [real_view(local(p)) for p in device_params],
-                [real_view(local(g)) for g in grads],
-                [[real_view(local(self.state[p][k])) for k in keys] for p in device_params],
-                self._steps(device_params), hp, safe=self.safe,
-                offsets=[shard_offset(p) for p in device_params],
+                [real_view(local(it.param)) for it in on_device],
+                [real_view(local(it.grad)) for it in on_device],
+                [[real_view(local(s)) for s in it.states(keys)] for it in on_device],
+                [it.step for it in on_device], hp, safe=self.safe,
+                offsets=[it.offset + shard_offset(it.param) for it in on_device],
             )  # fmt: skip

@@ -71,9 +71,11 @@ class Lion(ElementwiseOptimizer):
         maximize: bool = False,
         rounding: str = "nearest",
         backend: str = "auto",
+        state_dtype: torch.dtype | str = torch.float32,
+        offload: str | None = None,
     ) -> None:
         defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize, rounding=rounding)
-        super().__init__(params, defaults, backend=backend)
+        super().__init__(params, defaults, backend=backend, state_dtype=state_dtype, offload=offload)
 
     def validate_group(self, group: Mapping[str, Any], *, loaded: bool = False) -> None:
         check_nonnegative("lr", group["lr"])

@@ -90,7 +90,7 @@ class LowBit(ElementwiseOptimizer):
         def __init__(self: Any, *args: Any, **kw: Any) -> None:
             LowBit.__init__(self, *args, **kw)
 
-        # Set by name, as base.wrap_constructor does: a function's __signature__, a class's constructor.
+        # Set by name: a function's __signature__, a class's constructor.
         setattr(__init__, "__signature__", base.replace(parameters=params[:at] + storage + params[at:]))
         __init__.__qualname__ = f"{cls.__qualname__}.__init__"
         setattr(cls, "__init__", __init__)

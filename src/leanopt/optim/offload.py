@@ -1,39 +1,43 @@
-"""Optimizer offload to host memory (issue 21): ``offload="cpu"`` on every leanopt optimizer.
+"""Optimizer offload to host memory: ``offload="cpu"`` on every leanopt optimizer.
 
 The device keeps the params (and their gradients while they exist); the host keeps the
 optimizer's states -- low-bit ones stay low-bit -- and one host copy of each param, an fp32
-master for bf16/fp16 params. A step runs the optimizer's own update (the same kernels,
-:meth:`~leanopt.optim.base.LeanOptimizer._update_group`) on the host copy, on a worker thread,
-and copies the result into the device param. ``optimizer.state`` is keyed by the device params
-as always, so ``state_dict()``/``load_state_dict()`` have the format of the same optimizer
-without offload, and a checkpoint moves between the two both ways.
+master for bf16/fp16 params. A step runs the optimizer's own update (``update``, the same
+kernels) on the host copy, on a worker thread, and copies the result into the device param.
+``optimizer.state`` is keyed by the device params as always, so ``state_dict()``/
+``load_state_dict()`` have the format of the same optimizer without offload, and a checkpoint
+moves between the two both ways. :class:`Offloaded` is the optimizer's placement
+(:mod:`leanopt.optim.placement`).
 
 Two ways gradients reach the host:
 
 * **Without release** the device gradients stay (autograd accumulates them, ``clip_grad_norm_``,
   a GradScaler's ``unscale_`` and DDP see them as usual). ``optimizer.step()`` copies each
   gradient to a host buffer, steps it and uploads the param, ``IN_FLIGHT`` buffers in flight at
-  a time. A param of an elementwise rule goes in chunks of at most ``CHUNK_ELEMENTS`` (a
-  multiple of its quantized states' block size): each chunk of its gradient is copied, stepped
-  -- the same kernels on the same elements, their flat index the offset that keys the decay
-  rounding's dither, so the same bits -- and uploaded, so the host's gradient buffers (and the
-  step's own temporaries) are bounded whatever the largest param (TinyLlama's 65.5M-element
-  embedding). Adafactor (statistics of a whole matrix) steps each param whole.
+  a time. A param of a ``chunkable`` rule goes in chunks of at most
+  :data:`~leanopt.optim.param_step.CHUNK_ELEMENTS` (a multiple of its quantized states' block
+  size): each chunk of its gradient is copied, stepped -- the same kernels on the same elements,
+  their flat index the offset that keys the decay rounding's dither, so the same bits -- and
+  uploaded, so the host's gradient buffers (and the step's own temporaries) are bounded whatever
+  the largest param (TinyLlama's 65.5M-element embedding). Adafactor (statistics of a whole
+  matrix) steps each param whole.
 * **With** :func:`leanopt.release_gradients` each gradient is copied to the host as soon as
   autograd has accumulated it (post-accumulate-grad hook; a side stream on CUDA) and the device
   gradient is freed. A host buffer per param accumulates the gradients of several backward
-  passes (gradient accumulation), ``optimizer.clip_grad_norm_`` (and ``torch.nn.utils
-  .clip_grad_norm_``, which is routed there for these params) clips them on the host, and
-  ``optimizer.step()`` steps what is there. Once the loop has shown its shape -- ``k`` backward
-  passes per ``step()``, no clipping -- each param of the ``k``-th backward is stepped on the
-  worker thread as soon as its gradient is on the host, while backward goes on, and
-  ``step()`` waits for the rest. A later step with more backward passes, or a clip after params
-  were stepped that way, raises ``RuntimeError`` (the update cannot be taken back).
+  passes (gradient accumulation); ``optimizer.clip_grad_norm_`` (and torch's and accelerate's,
+  routed there while gradients wait: :mod:`leanopt.optim.clipping`) clips them on the host, and
+  ``optimizer.step()`` steps what is there; ``zero_grad()`` drops them (or zeroes them, with
+  ``set_to_none=False``), as the usual loop drops its gradients. Only when the release declares
+  it (``step_in_backward=k``) are the params of the ``k``-th backward pass after a ``step()``
+  stepped on the worker thread as their gradients arrive, while backward goes on
+  (:mod:`leanopt.optim.release` says what such a loop may not do).
 
 The host copy follows the device param: a param written outside the optimizer (a model's
 ``load_state_dict``, an in-place edit under ``no_grad``; anything that bumps its version
 counter or replaces its storage) is copied to the host again before its next step. Writes
-through ``param.data`` are invisible to the version counter: write the param itself.
+through ``param.data`` are invisible to the version counter: write the param itself. A param
+converted to another dtype after the optimizer was built (``model.double()``) is refused at its
+next step, as the kernels refuse it on the device.
 
 What moves data is one small interface, :class:`HostTransport` (host to host, for CPU params:
 what the tests exercise) and :class:`CudaTransport` (pinned buffers, two side streams, events:
@@ -43,28 +47,24 @@ covered by the ``offload`` stage of ``scripts/gpu_check.sh``).
 from __future__ import annotations
 
 import concurrent.futures
-import functools
-import math
-import sys
 import threading
-import types
-import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
+from leanopt.optim import clipping
+from leanopt.optim.param_step import ParamStep, chunk_elements, spans, state_chunk
+from leanopt.optim.placement import Pending, Placement
 from leanopt.optim.rounding import LOW_PRECISION
+from leanopt.optim.sharding import is_dtensor
 
 OFFLOAD_CHOICES = (None, "cpu")
 # Gradient chunks (or whole params) whose host step and upload may be in flight at once without
 # release, each in its own host gradient buffer: one being copied while the other is stepped.
+# TinyLlama-1.1B's two 65.5M-element params (embedding, head) made two whole-param buffers
+# 0.24 B/param of host memory; two chunks of CHUNK_ELEMENTS are 0.015.
 IN_FLIGHT = 2
-# Elements of a param of an elementwise rule stepped at once on the host (2**22: a 16 MiB fp32
-# or 8 MiB bf16 gradient buffer). TinyLlama-1.1B's two 65.5M-element params (embedding, head)
-# made the two whole-param buffers 0.24 B/param of host memory; in chunks they are 0.015.
-CHUNK_ELEMENTS = 1 << 22
 
 
 def check_offload(value: Any) -> None:
@@ -186,70 +186,14 @@ def transport_for(device: torch.device) -> HostTransport | None:
     raise ValueError(f"offload='cpu' supports params on cuda or cpu, got params on {device}")
 
 
-# ---- chunks ---------------------------------------------------------------------------------
-def chunk_elements(optimizer: Any, p: torch.Tensor, layout: list[Any]) -> int | None:
-    """Elements per chunk of ``p``'s host step (``layout``: its StateSpecs), or None where it is
-    stepped whole: a rule that is not elementwise (the optimizer has its own ``_step_group``),
-    complex or non-contiguous params. A chunk is a multiple of each quantized state's block
-    size, so no block straddles two chunks."""
-    from leanopt.optim.elementwise import ElementwiseOptimizer
+# ---- the placement ---------------------------------------------------------------------------
+class Offloaded(Placement):
+    """States and a host copy of each param in host memory, stepped there (see the module)."""
 
-    if not isinstance(optimizer, ElementwiseOptimizer) or optimizer.__class__._step_group is not ElementwiseOptimizer._step_group:
-        return None
-    if p.is_complex() or not p.is_floating_point() or not p.is_contiguous():
-        return None
-    block = 1
-    for spec in layout:
-        if spec.quant is not None:
-            block = math.lcm(block, getattr(spec.quant, "block_size", 1))
-    return max(block, CHUNK_ELEMENTS // block * block)
-
-
-def spans(numel: int, chunk: int | None) -> list[tuple[int, int]] | None:
-    """The ``[start, stop)`` ranges of the flat param stepped one after the other (None: whole)."""
-    if chunk is None or numel <= chunk:
-        return None
-    return [(start, min(start + chunk, numel)) for start in range(0, numel, chunk)]
-
-
-def _state_chunk(value: Any, start: int, stop: int) -> Any:
-    """Elements ``[start, stop)`` of a param's state: a view of a dense state's flat memory, or
-    a quantized state over its codes and block scales from ``start`` (a block boundary)."""
-    from leanopt.quant import QuantizedState
-
-    if isinstance(value, QuantizedState):
-        fmt = value.format
-        byte0, byte1 = fmt.code_bytes(start), fmt.code_bytes(stop)
-        block0 = start // fmt.block_size
-        return QuantizedState(value.codes[byte0:byte1], value.absmax[block0:block0 + fmt.num_blocks(stop - start)], fmt,
-                              (stop - start,))  # fmt: skip
-    return value.view(-1)[start:stop]
-
-
-def _step_chunk(opt: Any, gi: int, group: Mapping[str, Any], p: torch.Tensor, twin: torch.Tensor, grad: torch.Tensor,
-                start: int, stop: int, key: str) -> None:  # fmt: skip
-    """``ElementwiseOptimizer._step_group`` on elements ``[start, stop)`` of ``p``'s host copy:
-    the rule's kernels on views of the host copy and of the states, ``grad`` the chunk's
-    gradient, ``start`` the flat index of its first element (as a shard's offset)."""
-    from leanopt import kernels
-
-    state = opt.state[p]
-    kernels.step(
-        opt.backend, opt.rule, opt._tables, key, [twin.view(-1)[start:stop]], [grad],
-        [[_state_chunk(state[k], start, stop) for k in opt.state_keys(group)]],
-        opt._steps([p]), opt.rule.hyperparameters(group), safe=opt.safe, offsets=[start],
-    )  # fmt: skip
-
-
-# ---- the engine -----------------------------------------------------------------------------
-_ENGINES: weakref.WeakSet[Offload] = weakref.WeakSet()
-
-
-class Offload:
-    """The host side of one offloaded optimizer (``optimizer._offload``)."""
+    offload = "cpu"
 
     def __init__(self, optimizer: Any) -> None:
-        self.optimizer = weakref.proxy(optimizer)
+        super().__init__(optimizer)
         params = [p for g in optimizer.param_groups for p in g["params"]]
         devices = sorted({str(p.device) for p in params})
         if len(devices) > 1:
@@ -257,8 +201,6 @@ class Offload:
                 f"offload='cpu' needs every param on one device; {type(optimizer).__name__}'s params are on "
                 f"{', '.join(devices)} (one optimizer per device)"
             )
-        from leanopt.optim.sharding import is_dtensor
-
         if any(is_dtensor(p) for p in params):
             raise ValueError("offload='cpu' does not support DTensor (FSDP2) params")
         self.device = params[0].device if params else torch.device("cpu")
@@ -272,17 +214,11 @@ class Offload:
         self._uploads: dict[int, Any] = {}  # id(param) -> its last upload, not yet waited on
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._futures: list[concurrent.futures.Future] = []
-        # Release mode (leanopt.release_gradients): host gradients and the loop's shape.
-        self.released = False
+        # Released gradients (leanopt.release_gradients): in host buffers until step().
         self._grads: dict[int, torch.Tensor] = {}  # id(param) -> host gradient, accumulated
         self._arrived: dict[int, Any] = {}  # id(param) -> what its host gradient waits for
-        self._backwards = 0  # backward passes since the last step()/zero_grad()
-        self._clipped = False
-        self._eager: set[int] = set()  # params stepped inside this step's backward
-        self._shape: tuple[int, bool] | None = None  # (backward passes, clipped) of the last step
         if self.transport is not None:
             check_host_memory(self.host_bytes(), "offload='cpu'")
-        _ENGINES.add(self)
 
     # ---- bookkeeping ---------------------------------------------------------------------
     def check_group(self, group: Mapping[str, Any], gi: int | None = None) -> None:
@@ -310,19 +246,34 @@ class Offload:
         layouts) and gradient buffers -- released, one per param; else the ``IN_FLIGHT``
         largest params' (:func:`host_bytes`)."""
         opt = self.optimizer
-        released = self.released if released is None else released
+        released = self.release is not None if released is None else released
         params = [(p, g) for g in opt.param_groups for p in g["params"] if p.requires_grad]
         layouts = [(p, opt._param_layout(p, g)) for p, g in params]
-        return host_bytes([(p, layout, chunk_elements(opt, p, layout)) for p, layout in layouts], released=released)
+        return host_bytes([(p, layout, self._chunk(p, layout)) for p, layout in layouts], released=released)
+
+    def check_release_memory(self) -> None:
+        if self.transport is not None:
+            extra = self.host_bytes(released=True) - self.host_bytes(released=False)
+            check_host_memory(extra, "release_gradients with offload='cpu' (host gradient buffers)")
+
+    def _chunk(self, p: torch.Tensor, layout: list[Any]) -> int | None:
+        return chunk_elements(self.optimizer.chunkable, p, [getattr(s.quant, "block_size", 1) for s in layout if s.quant])
 
     def spans(self, p: torch.Tensor, gi: int) -> list[tuple[int, int]] | None:
         """The chunks ``p`` (of param group ``gi``) is stepped in, or None: whole (:func:`spans`)."""
-        group = self.optimizer.param_groups[gi]
-        return spans(p.numel(), chunk_elements(self.optimizer, p, self.optimizer._param_layout(p, group)))
+        return spans(p.numel(), self._chunk(p, self.optimizer._param_layout(p, self.optimizer.param_groups[gi])))
 
-    def twin(self, p: torch.Tensor) -> torch.Tensor:
+    def twin(self, p: torch.Tensor, gi: int, index: int) -> torch.Tensor:
         """``p``'s host copy, refreshed from ``p`` if it was written since our last upload."""
         t = self._twins.get(id(p))
+        if t is not None and t.dtype != master_dtype(p.dtype):
+            # On the device the kernels refuse the mismatch; here the fp32 copy would train the
+            # converted param in the old precision, silently.
+            raise RuntimeError(
+                f"offload='cpu': param {index} of group {gi} is {p.dtype}, but its host copy and states were made for "
+                f"a {t.dtype} param (the model was converted after the optimizer was built); build the optimizer "
+                "after converting the model"
+            )
         now = (p.data_ptr(), p._version)
         if t is None or t.shape != p.shape or self._synced.get(id(p)) != now:
             transport = self._moving()
@@ -334,7 +285,7 @@ class Offload:
             self._synced[id(p)] = now
         return t
 
-    def state_device(self) -> torch.device:
+    def state_device(self, p: torch.Tensor) -> torch.device:
         return torch.device("cpu") if self.transport is not None else torch.device("meta")
 
     def _moving(self) -> HostTransport:
@@ -384,45 +335,40 @@ class Offload:
         opt = self.optimizer
         group = opt.param_groups[gi]
         with torch.no_grad():
-            if span is None or span[0] == 0:
-                opt._advance(p, group)  # the state, created on the host, and its step count
+            state = opt._init_state(p, group)  # on the host
+            step = opt._advance(state) if span is None or span[0] == 0 else opt._step_count(state)
             if grad.dtype != twin.dtype:
                 grad = grad.to(twin.dtype)  # a bf16/fp16 gradient for the fp32 master (exact)
+            item = ParamStep(twin, grad, state, step, (gi, index))
+            src, dst, key = twin, p, f"group{gi}/param{index}"
             if span is not None:
                 start, stop = span
-                _step_chunk(opt, gi, group, p, twin, grad, start, stop, f"group{gi}/param{index}/chunk")
-                self._uploads[id(p)] = transport.to_device(twin.view(-1)[start:stop], p.view(-1)[start:stop], mark)
-                self._synced[id(p)] = (p.data_ptr(), p._version)
-                return
-            state = opt.state.get(p, {})  # {}: a stateless param (SGD without momentum)
-            twin.grad = grad
-            opt.state[twin] = state
-            try:
-                opt._update_group(gi, group, [twin], f"group{gi}/param{index}")
-            finally:
-                del opt.state[twin]
-                twin.grad = None
-            self._uploads[id(p)] = transport.to_device(twin, p, mark)
+                item = ParamStep(twin.view(-1)[start:stop], grad, {k: state_chunk(v, start, stop) for k, v in state.items()},
+                                 step, (gi, index), offset=start)  # fmt: skip
+                src, dst, key = item.param, p.view(-1)[start:stop], f"{key}/chunk"
+            opt._run(gi, group, [item], key)
+            self._uploads[id(p)] = transport.to_device(src, dst, mark)
             self._synced[id(p)] = (p.data_ptr(), p._version)
 
-    def step(self) -> None:
-        """``optimizer.step()``: step every param with a gradient (host or device) not stepped yet."""
+    def has_gradient(self, p: torch.Tensor) -> bool:
+        return p.grad is not None or id(p) in self._grads
+
+    def step_pending(self, skip: Iterable[int] = (), zeros: Iterable[int] = ()) -> list[Pending]:
+        """Step every param with a gradient (host or device) or in ``zeros``, but ``skip``; the
+        device gradients are copied down ``IN_FLIGHT`` buffers at a time (see the module)."""
+        pending = self.pending(skip, zeros)
         opt = self.optimizer
-        pending = [
-            (gi, i, p)
-            for gi, g in enumerate(opt.param_groups)
-            for i, p in enumerate(g["params"])
-            if id(p) not in self._eager and (p.grad is not None or id(p) in self._grads)
-        ]
         for gi, i, p in pending:  # every gradient checked before any param changes
             opt._check_grad(p, gi, i)
         transport = self._moving()
         try:
             for gi, i, p in pending:
-                twin = self.twin(p)
+                twin = self.twin(p, gi, i)
                 host = self._grads.pop(id(p), None)  # released: the host gradient
                 arrived = self._arrived.pop(id(p), None) if host is not None else None
                 device = p.grad  # without release; released: one set by hand (or None)
+                if host is None and device is None:  # a zero gradient the usual loop would hold
+                    host = transport.empty(p.shape, p.dtype).zero_()
                 parts: Sequence[tuple[int, int] | None] = self.spans(p, gi) or [None]
                 if device is not None and parts[0] is not None:
                     device = device.reshape(-1)  # a view (a copy for a non-contiguous gradient)
@@ -443,47 +389,34 @@ class Offload:
                         del part, src
                     self._submit(self._host_step, p, gi, i, twin, grad, waits, transport.mark(), span)
                     del grad, waits
-                if device is not None and self.released:
-                    p.grad = None
                 del device, host
             self.wait()
         finally:
             transport.finish()
-        if self._backwards:
-            self._shape = (self._backwards, self._clipped)
-        self._new_cycle()
+            self._held_changed()
+        return pending
 
-    def zero_grad(self) -> None:
-        """``optimizer.zero_grad()``: drop the host gradients (a step's worth is abandoned)."""
+    def discard(self, set_to_none: bool) -> None:
+        """``optimizer.zero_grad()``: the host gradients are dropped, or zeroed and kept (what
+        ``set_to_none=False`` does to a ``p.grad``: the next backward adds to 0, ``step()``
+        steps a param that got none with 0)."""
         self.wait()
-        self._moving().finish()
-        if self._eager:  # params stepped in backward: the loop's step() is only skipped this time
-            self._shape = (self._backwards, self._clipped)
-        self._grads.clear()
-        self._arrived.clear()
-        self._new_cycle()
+        if self.transport is not None:
+            self.transport.finish()
+        if set_to_none:
+            self._grads.clear()
+            self._arrived.clear()
+        else:
+            for key, buf in self._grads.items():
+                _wait_all(self.transport, [self._arrived.pop(key, None)])
+                buf.zero_()
+        self._held_changed()
 
-    def _new_cycle(self) -> None:
-        self._backwards = 0
-        self._clipped = False
-        self._eager.clear()
-
-    # ---- release ------------------------------------------------------------------------------
-    def backward_started(self) -> None:
-        """A released backward pass (outermost) delivered its first gradient."""
-        if self._eager:
-            k = self._backwards
-            raise RuntimeError(
-                f"leanopt offload: this step has more than {k} backward pass{'es' if k > 1 else ''}: the last step had "
-                f"{k}, so the params of backward pass {k} were already stepped as their gradients arrived, and "
-                "cannot take more gradient; call optimizer.step() once per "
-                f"{k} backward pass{'es' if k > 1 else ''}, or zero_grad() to start over"
-            )
-        self._backwards += 1
-
-    def receive(self, p: torch.Tensor, gi: int, index: int, *, outermost: bool) -> None:
+    # ---- release -------------------------------------------------------------------------------
+    def take(self, p: torch.Tensor, gi: int, index: int, *, apply: bool, outermost: bool = True) -> None:
         """A released gradient: to the host (accumulated onto what is there), device copy freed;
-        stepped at once when the loop's shape says this was its last gradient of the step."""
+        with ``apply``, its param is stepped at once on the worker thread (the whole gradient
+        has arrived: the backward the release declared)."""
         grad = p.grad
         if grad is None:  # the release hook calls this once the gradient is accumulated
             raise RuntimeError(f"leanopt offload: param {index} of group {gi} was released without a gradient")
@@ -493,14 +426,14 @@ class Offload:
         if buf is None:
             buf = self._grads[id(p)] = transport.empty(grad.shape, grad.dtype)
             self._arrived[id(p)] = transport.to_host(grad, buf, mark)
+            self._held_changed()
         else:
             part = transport.empty(grad.shape, grad.dtype)
             handle = transport.to_host(grad, part, mark)
             self._arrived[id(p)] = self._submit(_accumulate, transport, buf, part, [self._arrived.get(id(p)), handle])
         p.grad = None
-        if outermost and self._shape is not None and self._shape == (self._backwards, False):
-            self._eager.add(id(p))
-            twin = self.twin(p)
+        if apply:
+            twin = self.twin(p, gi, index)
             self._grads.pop(id(p))
             arrived = self._arrived.pop(id(p), None)
             chunks: Sequence[tuple[int, int] | None] = self.spans(p, gi) or [None]
@@ -508,56 +441,33 @@ class Offload:
                 chunk_grad = buf if span is None else buf.view(-1)[span[0]:span[1]]
                 self._submit(self._host_step, p, gi, index, twin, chunk_grad, [arrived], mark, span)
 
-    def holds_gradients(self, params: Iterable[torch.Tensor]) -> bool:
-        return any(id(p) in self._grads for p in params)
-
-    def stepped_in_backward(self, params: Iterable[torch.Tensor]) -> bool:
-        return any(id(p) in self._eager for p in params)
-
-    def clip_grad_norm_(self, params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0,
-                        error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:  # fmt: skip
-        """``torch.nn.utils.clip_grad_norm_`` over ``params``' gradients, wherever they are
-        (host buffers of released params, device gradients of the others)."""
-        if self._eager:
-            raise RuntimeError(
-                "leanopt offload: clip_grad_norm_ after params were stepped inside backward (the last step had no "
-                "clipping, so this one's params were stepped as their gradients arrived); clip in every step, "
-                "or in none"
-            )
+    def held_gradients(self, params: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+        """The host gradients of ``params`` (for clipping), each whole: a device gradient a param
+        got since (a backward after the release was removed) is added to it and freed."""
+        held = {id(p): p for p in params if id(p) in self._grads}
+        if not held:
+            return {}
         self.wait()
-        # A released param's gradient is a host buffer, not its .grad: a stand-in holds it there.
-        holders: list[torch.Tensor | SimpleNamespace] = []
-        grads: list[torch.Tensor] = []
-        for p in params:
-            if id(p) in self._grads:
-                holders.append(SimpleNamespace(grad=self._grads[id(p)]))
-                grads.append(self._grads[id(p)])
-            elif p.grad is not None:
-                holders.append(p)
-                grads.append(p.grad)
-        device = params[0].device if params else torch.device("cpu")
-        total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
-        # torch reads only each one's .grad; its annotation asks for Tensors, which the stand-ins are not.
-        torch.nn.utils.clip_grads_with_norm_(holders, max_norm, total, foreach)  # type: ignore[arg-type]
-        self._clipped = True
-        return total.to(device)
+        transport = self._moving()
+        for key, p in held.items():
+            _wait_all(transport, [self._arrived.pop(key, None)])
+            if p.grad is not None:
+                part = transport.empty(p.grad.shape, p.grad.dtype)
+                transport.wait(transport.to_host(p.grad, part, transport.mark()))
+                self._grads[key].add_(part)  # what autograd would have added: the same sum
+                p.grad = None
+        return {key: self._grads[key] for key in held}
 
-    def clip_grad_value_(self, params: list[torch.Tensor], clip_value: float, foreach: bool | None = None) -> None:
-        """``torch.nn.utils.clip_grad_value_`` over ``params``' gradients, wherever they are (as
-        :meth:`clip_grad_norm_`): each element clamped to ``[-clip_value, clip_value]``."""
-        if self._eager:
-            raise RuntimeError(
-                "leanopt offload: clip_grad_value_ after params were stepped inside backward (the last step had no "
-                "clipping, so this one's params were stepped as their gradients arrived); clip in every step, "
-                "or in none"
-            )
-        self.wait()
-        grads = [self._grads[id(p)] if id(p) in self._grads else p.grad for p in params]
-        # torch's own clamp of each gradient: the same bits as torch's function on device gradients.
-        holders = [SimpleNamespace(grad=g) for g in grads if g is not None]
-        # torch reads only each one's .grad; its annotation asks for Tensors, which the stand-ins are not.
-        _torch_clip_grad_value_(holders, clip_value, foreach)  # type: ignore[arg-type]
-        self._clipped = True
+    def applied(self, params: list[torch.Tensor]) -> list[str]:
+        return []
+
+    def _held_changed(self) -> None:
+        """Clipping asks this placement while it holds host gradients (also after its release
+        was removed, until they are stepped or dropped)."""
+        if self._grads:
+            clipping.engage(self)
+        else:
+            clipping.disengage(self)
 
     def close(self) -> None:
         if self._executor is not None:
@@ -601,110 +511,9 @@ def check_host_memory(needed: int, what: str) -> None:
         )
 
 
-# ---- torch.nn.utils.clip_grad_norm_ / clip_grad_value_ over released, offloaded params -------
-_torch_clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
-_torch_clip_grad_value_ = torch.nn.utils.clip_grad_value_
-
-
-def _engine_holding(params: list[Any]) -> Offload | None:
-    tensors = [p for p in params if isinstance(p, torch.Tensor)]
-    for engine in list(_ENGINES):
-        # Released, and holding these params' gradients or having stepped them inside this
-        # backward (its clip then refuses, naming why): torch's functions would see no gradient.
-        if engine.released and (engine.holds_gradients(tensors) or engine.stepped_in_backward(tensors)):
-            return engine
-    return None
-
-
-def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
-                    foreach: bool | None = None) -> torch.Tensor:  # fmt: skip
-    """``torch.nn.utils.clip_grad_norm_``, aware of gradient release (installed in
-    ``torch.nn.utils`` by the first :func:`leanopt.release_gradients`; leanopt's one patch of
-    torch): it clips the gradients a released, offloaded optimizer holds in host memory, and
-    raises ``RuntimeError`` for params whose gradients an on-device release has already applied
-    and freed (torch's would silently clip nothing) -- except a call with ``max_norm=inf``,
-    which clips nothing and returns NaN, the norm of gradients that are gone (Trainer makes it
-    to log ``grad_norm`` at ``max_grad_norm=0``). Every other call is torch's own."""
-    from leanopt.optim.release import CLIP_AFTER_RELEASE, freed_by_release
-
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    engine = _engine_holding(params)
-    if engine is None and freed_by_release(params) is not None:
-        if float(max_norm) != math.inf or error_if_nonfinite:
-            raise RuntimeError(CLIP_AFTER_RELEASE)
-        device = next(p.device for p in params if isinstance(p, torch.Tensor))
-        return torch.full((), math.nan, device=device)
-    if engine is None:
-        # torch's own, given what it was given (it warns about an empty generator)
-        given = (p for p in params) if isinstance(parameters, types.GeneratorType) else params
-        return _torch_clip_grad_norm_(given, max_norm, norm_type, error_if_nonfinite, foreach)
-    return engine.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
-
-
-setattr(clip_grad_norm_, "__wrapped__", _torch_clip_grad_norm_)  # what functools.wraps would set: inspect sees torch's
-
-
-def clip_grad_value_(parameters: Any, clip_value: float, foreach: bool | None = None) -> None:
-    """``torch.nn.utils.clip_grad_value_``, aware of gradient release (installed with
-    :func:`clip_grad_norm_`): it clamps the gradients a released, offloaded optimizer holds in
-    host memory, and raises ``RuntimeError`` for params whose gradients an on-device release
-    has already applied and freed (torch's would silently clamp nothing). Every other call is
-    torch's own."""
-    from leanopt.optim.release import CLIP_AFTER_RELEASE, freed_by_release
-
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    engine = _engine_holding(params)
-    if engine is None and freed_by_release(params) is not None:
-        raise RuntimeError(CLIP_AFTER_RELEASE.replace("clip_grad_norm_", "clip_grad_value_"))
-    if engine is None:
-        given = (p for p in params) if isinstance(parameters, types.GeneratorType) else params
-        return _torch_clip_grad_value_(given, clip_value, foreach)
-    return engine.clip_grad_value_(params, clip_value, foreach)
-
-
-clip_grad_value_.__wrapped__ = _torch_clip_grad_value_  # type: ignore[attr-defined]
-
-
-def route_torch_clipping() -> None:
-    """Make ``torch.nn.utils.clip_grad_norm_`` (what Trainer and Accelerate call) and
-    ``clip_grad_value_`` (Accelerate's ``clip_grad_value_``) see host gradients; for every other
-    param each is torch's own function, called as it was."""
-    import torch.nn.utils.clip_grad as clip_module
-
-    torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
-    clip_module.clip_grad_norm_ = clip_grad_norm_
-    torch.nn.utils.clip_grad_value_ = clip_grad_value_
-    clip_module.clip_grad_value_ = clip_grad_value_
-    route_accelerate_clipping()
-
-
-def route_accelerate_clipping() -> None:
-    """Make ``accelerate.Accelerator.clip_grad_norm_`` (what Trainer calls for ``max_grad_norm``)
-    see released gradients, when accelerate is imported (called at the release and again at the
-    first released gradient, by when a Trainer has imported it). Since accelerate 1.16 it clips
-    with ``get_total_norm`` and ``clip_grads_with_norm_`` over the params whose ``.grad`` is
-    set, not through ``torch.nn.utils.clip_grad_norm_``: released params have none (freed, or
-    waiting in host memory), so it would clip nothing, silently. Over params a release holds or
-    freed, the call is :func:`clip_grad_norm_`'s (host gradients clipped; freed ones refused);
-    every other call is accelerate's own."""
-    from leanopt.torch_patches import PEER_PATCHES
-
-    (module_name, class_name, attr, _), = PEER_PATCHES  # the one listed: accelerate's clip_grad_norm_
-    accelerator = getattr(sys.modules.get(module_name), class_name, None)
-    original = getattr(accelerator, attr, None)
-    if original is None or getattr(original, "_leanopt_routed", False):
-        return
-
-    @functools.wraps(original)
-    def routed(self: Any, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
-        from leanopt.optim.release import freed_by_release
-
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        if _engine_holding(params) is None and freed_by_release(params) is None:
-            return original(self, params, max_norm, norm_type)
-        self.unscale_gradients()
-        return clip_grad_norm_(params, max_norm, norm_type)
-
-    routed._leanopt_routed = True  # type: ignore[attr-defined]
-    setattr(accelerator, attr, routed)
-
+def _wait_all(transport: HostTransport | None, waits: list[Any]) -> None:
+    for handle in waits:
+        if isinstance(handle, concurrent.futures.Future):
+            handle.result()
+        elif transport is not None:
+            transport.wait(handle)

@@ -6,26 +6,31 @@ stalls. The two alternatives, for every leanopt optimizer:
 
 * ``"stochastic"``: round up or down at random, with the probability that makes the rounding
   unbiased (``E[round(x)] = x``), so small updates survive on average. No extra state. The
-  random bits come from a generator seeded with the param's position and step count, so a run
-  is reproducible and a resumed checkpoint continues identically.
+  random numbers are :func:`leanopt.quant.formats.dither` of each element's flat index, keyed
+  by the param's position and step count: a run is reproducible, a resumed checkpoint continues
+  identically, and a param rounded in chunks gets the numbers it gets whole.
 * ``"kahan"``: Kahan-compensated summation. A ``kahan_comp`` buffer of the param's dtype (2 B
   per param for bf16, part of the state layout: ``leanopt.estimate`` counts it) holds what the
   last rounding lost; the update is computed on ``param + kahan_comp`` in fp32 and the new
   value is split again into its nearest bf16 value and the remainder.
 
 Each rounded param is updated through an fp32 copy of itself (and of its gradient), one param
-at a time: a transient of 8 B per element of the largest param, not of the model. fp32 and fp64
-params ignore the option.
+at a time, and a param of an elementwise rule in chunks of at most
+:data:`leanopt.optim.param_step.CHUNK_ELEMENTS` elements: a transient of ~8 B per element of
+one chunk (32 MiB at most), not of the model nor of the largest param (Adafactor's factored
+statistics need a whole matrix: its largest param's). fp32 and fp64 params ignore the option.
 """
 
 from __future__ import annotations
 
 import torch
 
+from leanopt.quant.formats import dither
+
 ROUNDINGS = ("nearest", "stochastic", "kahan")
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
-__all__ = ["LOW_PRECISION", "ROUNDINGS", "check_rounding", "generator_for", "stochastic_round"]
+__all__ = ["LOW_PRECISION", "ROUNDINGS", "check_rounding", "rounding_dither", "stochastic_round"]
 
 
 def check_rounding(value: object) -> None:
@@ -33,16 +38,17 @@ def check_rounding(value: object) -> None:
         raise ValueError(f"Invalid rounding: {value!r} (choose from {', '.join(ROUNDINGS)})")
 
 
-def generator_for(device: torch.device, step: int, group: int, index: int) -> torch.Generator:
-    """The random bits of one param's stochastic rounding at ``step``: a function of where the
-    param is and how far it has trained, so runs and resumed checkpoints repeat them."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed((0x5EED_0F_1EA0 + step * 1_000_003 + group * 10_007 + index * 101) % (2**63 - 1))
-    return gen
+def rounding_dither(numel: int, offset: int, step: int, group: int, index: int, device: torch.device) -> torch.Tensor:
+    """The uniform numbers of the stochastic rounding of elements ``offset .. offset + numel - 1``
+    (flat indices) of param ``index`` of ``group`` at ``step``: a function of where the param is
+    and how far it has trained (a 32-bit key, so that params of one shape draw differently)."""
+    key = (0x5EED_0F_1EA0 + step * 1_000_003 + group * 10_007 + index * 101) % (1 << 32)
+    return dither(torch.arange(offset, offset + numel, dtype=torch.int64, device=device), key)
 
 
-def stochastic_round(x: torch.Tensor, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
-    """``x`` (fp32) rounded to ``dtype``, up or down with probabilities that keep the mean."""
+def stochastic_round(x: torch.Tensor, dtype: torch.dtype, u: torch.Tensor) -> torch.Tensor:
+    """``x`` (fp32) rounded to ``dtype``, up or down with probabilities that keep the mean;
+    ``u``: a uniform number in [0, 1) per element (flat, :func:`rounding_dither`)."""
     near = x.to(dtype)
     back = near.float()
     err = x - back
@@ -52,5 +58,4 @@ def stochastic_round(x: torch.Tensor, dtype: torch.dtype, generator: torch.Gener
     # err / gap is in [0, 0.5]: round away from `near` with that probability. gap is 0 or inf
     # only where x is not finite or at the end of the range; there `near` stands.
     prob = torch.where((gap > 0) & torch.isfinite(gap), err.abs() / gap, torch.zeros_like(err))
-    u = torch.rand(x.shape, generator=generator, device=x.device)
-    return torch.where(u < prob, other, near)
+    return torch.where(u.view(x.shape) < prob, other, near)

@@ -92,12 +92,14 @@ class SGD(ElementwiseOptimizer):
         fused: bool | None = None,
         rounding: str = "nearest",
         backend: str = "auto",
+        state_dtype: torch.dtype | str = torch.float32,
+        offload: str | None = None,
     ) -> None:
         backend = backend_for_torch_flags(type(self).__name__, backend, foreach=foreach, fused=fused,
                                           differentiable=differentiable)  # fmt: skip
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
                         maximize=maximize, rounding=rounding)  # fmt: skip
-        super().__init__(params, defaults, backend=backend)
+        super().__init__(params, defaults, backend=backend, state_dtype=state_dtype, offload=offload)
 
     def validate_group(self, group: Mapping[str, Any], *, loaded: bool = False) -> None:
         check_nonnegative("lr", group["lr"])

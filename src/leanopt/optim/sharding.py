@@ -348,8 +348,8 @@ def shardable(p: DTensor) -> bool:
     return True
 
 
-def update_whole(fn: Callable[..., Any], p: DTensor, state: Mapping[str, Any]) -> Any:
-    """Run ``fn(param, grad, state)`` on whole tensors, then keep this rank's shards.
+def update_whole(fn: Callable[..., Any], p: DTensor, grad: Any, state: Mapping[str, Any]) -> Any:
+    """Run ``fn(param, grad, state)`` on whole tensors (``grad``: ``p``'s), then keep this rank's shards.
 
     For the few DTensor params DTensor cannot run an update on (:func:`shardable`: fewer rows
     than ranks, so at most ``ranks - 1`` rows): ``p``, its grad and its DTensor state entries
@@ -358,7 +358,7 @@ def update_whole(fn: Callable[..., Any], p: DTensor, state: Mapping[str, Any]) -
     passed as they are. A collective: every rank calls it for the same params in the same order.
     """
     whole_p = p.full_tensor()
-    grad = p.grad.full_tensor() if is_dtensor(p.grad) else p.grad
+    grad = grad.full_tensor() if is_dtensor(grad) else grad
     whole = {k: (v.full_tensor() if is_dtensor(v) else v) for k, v in state.items()}
     out = fn(whole_p, grad, whole)
     local(p).copy_(_shard_of(whole_p, p, p.placements).to_local())
