@@ -27,6 +27,7 @@ from leanopt.kernels.multi_tensor import TableCache
 from leanopt.optim.identity import declared_optimizer, recognize_states
 from leanopt.optim.layout import StateSpec, convert_saved
 from leanopt.optim.offload import Offload, check_offload
+from leanopt.optim.peer_states import as_leanopt_state
 from leanopt.optim.rounding import LOW_PRECISION, check_rounding, generator_for, stochastic_round
 from leanopt.optim.sharding import allocate_state, checkpoint_value, is_dtensor, load_value
 from leanopt.quant import QuantizedState
@@ -500,6 +501,7 @@ class LeanOptimizer(torch.optim.Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        state_dict = as_leanopt_state(state_dict, type(self))  # a peer's file of this family: bitsandbytes', torchao's
         if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
             raise ValueError(
                 f"{type(self).__name__}.load_state_dict: expected a dict with 'state' and "
