@@ -150,6 +150,17 @@ def test_a_written_file_that_fails_its_check_does_not_replace_dst(tmp_path) -> N
     assert dst.read_bytes() == b"the old file" and sorted(p.name for p in tmp_path.iterdir()) == ["out.pt"]
 
 
+def test_a_param_id_that_cannot_be_a_key_is_one_line(tmp_path, capsys) -> None:
+    # It was "internal error: TypeError: unhashable type: 'list'" in both commands.
+    sd = torch_adamw_sd()
+    sd["param_groups"][0]["params"].append([1, 2])
+    refused(tmp_path, capsys, sd, "param group 0 lists a list as a param id")
+    torch.save(sd, tmp_path / "src.pt")
+    assert main(["inspect", str(tmp_path / "src.pt")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"leanopt: error: {tmp_path / 'src.pt'}: param group 0 lists a list as a param id (a param id is a number or a name)"]
+
+
 # ---- words and counts -------------------------------------------------------------------------------
 A_BEFORE_A_VOWEL = re.compile(r"\ba [aeiou]", re.IGNORECASE)
 

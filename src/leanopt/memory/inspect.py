@@ -38,6 +38,7 @@ from leanopt.optim.identity import (
     recognize_states,
     stacked_emas,
 )
+from leanopt.optim.peer_states import check_state_dict
 from leanopt.optim.registry import REGISTRY
 from leanopt.quant import QuantizedState
 
@@ -152,6 +153,10 @@ def _optimizer_state(obj: Any, file: Path) -> dict[str, Any]:
     ):
         what = f"a dict with keys {sorted(map(str, obj))[:6]}" if isinstance(obj, Mapping) else f"a {type(obj).__name__}"
         raise InspectError(f"{file}: not an optimizer state_dict (it holds {what}; expected 'state' and 'param_groups')")
+    try:
+        check_state_dict(obj)
+    except ValueError as err:
+        raise InspectError(f"{file}: {err}") from None
     return dict(obj)
 
 

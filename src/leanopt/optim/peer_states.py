@@ -312,7 +312,8 @@ def step_count(value: Any, name: str) -> torch.Tensor:
 
 
 def check_state_dict(state_dict: Any) -> None:
-    """``ValueError`` unless ``state_dict`` has the form of an optimizer's: ``state`` a dict, ``param_groups`` dicts with a ``params`` list."""
+    """``ValueError`` unless ``state_dict`` has the form of an optimizer's: ``state`` a dict,
+    ``param_groups`` dicts with a ``params`` list of param ids (anything a dict key can be)."""
     if (
         not isinstance(state_dict, Mapping)
         or not isinstance(state_dict.get("state"), Mapping)
@@ -320,6 +321,12 @@ def check_state_dict(state_dict: Any) -> None:
         or not all(isinstance(g, Mapping) and isinstance(g.get("params"), (list, tuple)) for g in state_dict["param_groups"])
     ):
         raise ValueError("expected an optimizer state_dict (a dict with 'state' and 'param_groups')")
+    for gi, group in enumerate(state_dict["param_groups"]):
+        for pid in group["params"]:
+            try:
+                hash(pid)
+            except TypeError:
+                raise ValueError(f"param group {gi} lists {a_(type(pid).__name__)} as a param id (a param id is a number or a name)") from None
 
 
 def a_(word: str) -> str:
