@@ -349,6 +349,9 @@ def test_a_bitsandbytes_one_state_file_needs_its_rule_said(tmp_path, capsys) -> 
     assert "RMSprop or Adagrad" in recognize_states(rms.state_dict()).layout
     with pytest.raises(ValueError, match="RMSprop's or Adagrad's"):
         convert_state_dict(rms.state_dict(), "lion", rule="lion")
+    with pytest.raises(ValueError, match=r"not a lion-rule state leanopt recognizes \(bitsandbytes 8-bit \(1 state: RMSprop") as err:
+        leanopt.Lion8bit(model.parameters()).load_state_dict(rms.state_dict())  # no convert command offered: not Lion's
+    assert "--rule lion" not in str(err.value)
     # A rule that is not the one the states show is refused, peer's or leanopt's.
     _, _, _, adam = trained_peer("bitsandbytes AdamW8bit")
     with pytest.raises(ValueError, match=r"rule='lion', but the states are bitsandbytes 8-bit \(Adam-family"):

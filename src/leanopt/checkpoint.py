@@ -233,7 +233,7 @@ def check_loads(state_dict: Mapping[str, Any], target: str, shapes: Mapping[Any,
     loaded = {pid for pid, st in states.items() if any(t.numel() for _, t in _state_tensors(st, ""))}
 
     def param(pid: Any) -> torch.nn.Parameter:
-        comp = states[pid].get("kahan_comp")
+        comp = states[pid].get("kahan_comp") if isinstance(states[pid], Mapping) else None
         dtype = comp.dtype if isinstance(comp, torch.Tensor) and comp.is_floating_point() else torch.float32
         return torch.nn.Parameter(torch.empty(shapes.get(pid, (1,)), dtype=dtype, device="meta"))
 
@@ -381,10 +381,12 @@ def _param_shapes(state_dict: Mapping[str, Any], name: str) -> dict[Any, tuple[i
             continue
         seen: dict[str, tuple[int, ...]] = {}
         for k, v in st.items():
+            if k == "step" or k in opt.ignored_state_keys or v is None:  # torch's SGD saves momentum_buffer None
+                continue
             shape = _entry_shape(v)
             if shape is not None:
                 seen[str(k)] = shape
-            elif not (k == "step" or k in opt.ignored_state_keys or v is None):  # torch's SGD saves momentum_buffer None
+            elif not (isinstance(v, Mapping) and QuantizedState.is_state_dict(v)):  # a bad quantized one is named where it is read
                 raise ValueError(f"{k!r} of param {pid!r} is {a_(type(v).__name__)}, expected a tensor or a quantized state")
         # A param's shape is one entry's (a moment), or, for factored states (Adafactor's row and
         # column statistics of a matrix: shape[:-1] and shape[:-2] + shape[-1:]), two entries' joined.
@@ -393,7 +395,7 @@ def _param_shapes(state_dict: Mapping[str, Any], name: str) -> dict[Any, tuple[i
         for shape in dict.fromkeys(candidates):
             laid_out = {spec.key: spec.shape for spec in opt.state_layout(shape, torch.float32, group)}
             laid_out["kahan_comp"] = shape
-            if all(laid_out.get(k) == held or k in opt.ignored_state_keys for k, held in seen.items()):
+            if all(laid_out.get(k) == held for k, held in seen.items()):
                 shapes[pid] = shape
                 break
         else:

@@ -103,7 +103,11 @@ def as_leanopt_state(state_dict: Any, cls: Any) -> Any:
         return state_dict
     where = f"{cls.__name__}.load_state_dict"
     if seen.family is None:
-        if seen.peer == "bitsandbytes" and cls.family == "lion" and "Lion" in seen.layout:
+        try:  # what `leanopt convert --rule lion` would take: bitsandbytes' one state, eps 0.0
+            lion = cls.family == "lion" and _peer_family(seen, state_dict, "lion") == "lion"
+        except ValueError:
+            lion = False
+        if lion:
             raise ValueError(
                 f"{where}: the state_dict is {seen.layout}, which does not say whether Lion or SGD momentum saved it; "
                 f"if Lion8bit or Lion did, convert the file saying so: `leanopt convert FILE NEW_FILE --to {cls.name} "
