@@ -282,9 +282,9 @@ def test_declared_names_are_checked() -> None:
     with pytest.raises(ValueError, match="different optimizers: lion, lion8bit"):
         state_dict_layout(mixed)
     # A name that does not match the states: an AdamW file must hold exp_avg_sq, a Lion one no more.
-    with pytest.raises(ValueError, match=r"not a adamw state \(missing 'exp_avg_sq'\)"):
+    with pytest.raises(ValueError, match=r"not adamw's state \(missing 'exp_avg_sq'\)"):
         state_dict_layout(relabeled(sd, "adamw"))
-    with pytest.raises(ValueError, match=r"not a lion state \('exp_avg_sq' is another rule's\)"):
+    with pytest.raises(ValueError, match=r"not lion's state \('exp_avg_sq' is another rule's\)"):
         state_dict_layout(relabeled(trained("adamw")[1], "lion"))
 
 
@@ -341,7 +341,7 @@ def test_convert_across_families_is_refused_naming_both() -> None:
             with pytest.raises(ValueError) as err:
                 convert_state_dict(sd, target.name)
             line = str(err.value)
-            assert "\n" not in line and f"a {source.name} state_dict to {target.name}" in line, line
+            assert "\n" not in line and f"cannot convert the {source.name} state_dict to {target.name}" in line, line
             assert f"{source.cls.__name__} runs the {source.cls.family} rule" in line, line
 
 

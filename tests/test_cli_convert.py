@@ -111,7 +111,7 @@ def test_convert_to_another_family_is_one_line_naming_both(tmp_path, capsys) -> 
     out = tmp_path / "adamw.pt"
     assert main(["convert", str(path), str(out), "--to", "adamw"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("leanopt: error: cannot convert a lion8bit state_dict to adamw"), err
+    assert len(err) == 1 and err[0].startswith(f"leanopt: error: {path}: cannot convert the lion8bit state_dict to adamw"), err
     assert "Lion8bit runs the lion rule, AdamW the adamw rule" in err[0] and "internal error" not in err[0]
     assert not out.exists()
 

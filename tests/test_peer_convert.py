@@ -20,6 +20,7 @@ import copy
 import io
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import time
@@ -178,6 +179,69 @@ def test_a_converted_peer_checkpoint_continues_in_every_member(name: str) -> Non
             assert far <= 3e-3 and mean <= {8: 6e-5, 4: 6e-4}[REGISTRY[member].state_bits], (member, far, mean)
 
 
+@peers
+def test_a_peer_file_loads_straight_into_every_member_of_its_family(name: str, tmp_path, capsys) -> None:
+    """``load_state_dict`` takes the peer's own file: the same states, and the same run, as the
+    file converted first. A bitsandbytes one-state file does not say it is Lion's: the refusal
+    names the convert command, which then makes a file that loads."""
+    peer, model, _, sd = trained_peer(name)
+    for member in family_members(peer.family):
+        direct_model, via_file_model = bench.clone(model), bench.clone(model)
+        direct = REGISTRY[member](direct_model.parameters(), backend="reference")
+        if peer.rule is not None:
+            with pytest.raises(ValueError) as err:
+                direct.load_state_dict(sd)
+            command = f"leanopt convert FILE NEW_FILE --to {member} --rule {peer.rule}"
+            assert f"`{command}`" in str(err.value) and "\n" not in str(err.value), str(err.value)
+            src, new = tmp_path / "peer.pt", tmp_path / f"{member}.pt"
+            torch.save(sd, src)
+            args = command.split()[1:]
+            args[1:3] = [str(src), str(new)]
+            assert main(args) == 0
+            sd_member = torch.load(new, weights_only=True)
+        else:
+            sd_member = sd
+        direct.load_state_dict(sd_member)
+        via_file = REGISTRY[member](via_file_model.parameters(), backend="reference")
+        via_file.load_state_dict(convert_state_dict(sd, member, rule=peer.rule))
+        with bench.quiet():
+            bench.train(direct_model, direct, 2, start=3)
+            bench.train(via_file_model, via_file, 2, start=3)
+        assert torch.equal(bench.flat(direct_model), bench.flat(via_file_model)), member
+    capsys.readouterr()
+
+
+def test_a_bitsandbytes_adamw8bit_file_loaded_straight_continues_as_the_peer_does() -> None:
+    """bitsandbytes' AdamW8bit trained 5 steps, its state_dict saved with torch.save and read
+    with weights_only=True, loaded into leanopt.AdamW8bit and continued 5 steps: within the
+    bounds the converted files are held to (against the fp32 continuation of the peer's own
+    values, and, as the peer's own resume is, against it)."""
+    peer = the_peer("bitsandbytes AdamW8bit")
+    with bench.quiet():
+        model = bench.make_model()
+        opt = peer.make(list(model.parameters()))
+        bench.train(model, opt, 5)
+        buf = io.BytesIO()
+        torch.save(opt.state_dict(), buf)
+        buf.seek(0)
+        saved = torch.load(buf, weights_only=True)
+        assert recognize_states(saved).layout == "bitsandbytes 8-bit (Adam-family, 2 states)"
+
+        def resume(make, sd) -> torch.Tensor:
+            resumed = bench.clone(model)
+            optimizer = make(list(resumed.parameters()))
+            optimizer.load_state_dict(sd)
+            bench.train(resumed, optimizer, 5, start=5)
+            return bench.flat(resumed)
+
+        direct = resume(lambda ps: leanopt.AdamW8bit(ps, backend="reference"), saved)
+        own = resume(peer.make, saved)
+        reference = resume(lambda ps: torch.optim.AdamW(ps, foreach=False), convert_state_dict(saved, TORCH_ADAMW))
+    far, mean = bench.distance(direct, reference)
+    assert far <= 3e-3 and mean <= 6e-5, (far, mean)  # measured 1.6e-4 / 2.7e-5
+    assert 0 < bench.distance(direct, own)[0] < 1e-2  # measured 3.4e-4
+
+
 def test_converting_a_peer_file_leaves_it_as_it_was() -> None:
     # bitsandbytes keeps fp32 states for params under 4096 elements; the converted state must not
     # share them: torch's AdamW steps the tensors it loads in place.
@@ -224,6 +288,45 @@ def test_trainer_adamw_bnb_8bit_checkpoint_converts_and_trainer_resumes(tmp_path
     assert isinstance(opt, leanopt.AdamW4bit) and trainer_tests.state_steps(opt) == {5}
 
 
+def test_trainer_resumes_a_bitsandbytes_checkpoint_straight_into_adamw8bit(tmp_path, capsys) -> None:
+    """Trainer(optim="adamw_bnb_8bit") saves checkpoint-3; Trainer with leanopt.AdamW8bit resumes
+    from it as it is (the raw bitsandbytes optimizer.pt) to step 6: the same weights as from the
+    file converted first, and within the bound of the peer's own resume of the same checkpoint."""
+    the_peer("bitsandbytes AdamW8bit")
+    trainer_tests = pytest.importorskip("test_trainer")  # transformers + accelerate; its tiny model and data
+    transformers = trainer_tests.transformers
+
+    def run(out, steps: int, checkpoint=None, **kw):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            args = trainer_tests.training_args(out, max_steps=steps, **({"optim": "adamw_bnb_8bit"} if not kw else {}),
+                                               **({"save_strategy": "steps", "save_steps": steps} if checkpoint is None else {}))  # fmt: skip
+            trainer = transformers.Trainer(model=trainer_tests.tiny_distilbert(seed=0 if checkpoint is None else 1), args=args,
+                                           train_dataset=trainer_tests.TokenDataset(), **kw)  # fmt: skip
+            trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
+        return trainer
+
+    run(tmp_path / "bnb", 3)
+    checkpoint = tmp_path / "bnb" / "checkpoint-3"
+    converted = tmp_path / "converted"
+    shutil.copytree(checkpoint, converted)
+    assert main(["convert", str(converted), str(converted / "optimizer.pt"), "--to", "adamw8bit", "--force"]) == 0
+    capsys.readouterr()
+    lean = {"optimizer_cls_and_kwargs": (leanopt.AdamW8bit, {"lr": 1e-3})}
+    straight = run(tmp_path / "straight", 6, checkpoint, **lean)
+    via_file = run(tmp_path / "via_file", 6, converted, **lean)
+    own = run(tmp_path / "own", 6, checkpoint)
+    opt = trainer_tests.unwrap_optimizer(straight.optimizer)
+    assert isinstance(opt, leanopt.AdamW8bit) and trainer_tests.state_steps(opt) == {6}
+
+    def flat(trainer) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1).double() for p in trainer.model.parameters()])
+
+    assert torch.equal(flat(straight), flat(via_file))
+    far, mean = bench.distance(flat(straight), flat(own))
+    assert far < 1e-2, (far, mean)
+
+
 # ---- bitsandbytes' one-state files: the rule is said --------------------------------------------
 def test_a_bitsandbytes_one_state_file_needs_its_rule_said(tmp_path, capsys) -> None:
     peer, _, _, sd = trained_peer("bitsandbytes Lion8bit")
@@ -246,6 +349,9 @@ def test_a_bitsandbytes_one_state_file_needs_its_rule_said(tmp_path, capsys) -> 
     assert "RMSprop or Adagrad" in recognize_states(rms.state_dict()).layout
     with pytest.raises(ValueError, match="RMSprop's or Adagrad's"):
         convert_state_dict(rms.state_dict(), "lion", rule="lion")
+    with pytest.raises(ValueError, match=r"not a lion-rule state leanopt recognizes \(bitsandbytes 8-bit \(1 state: RMSprop") as err:
+        leanopt.Lion8bit(model.parameters()).load_state_dict(rms.state_dict())  # no convert command offered: not Lion's
+    assert "--rule lion" not in str(err.value)
     # A rule that is not the one the states show is refused, peer's or leanopt's.
     _, _, _, adam = trained_peer("bitsandbytes AdamW8bit")
     with pytest.raises(ValueError, match=r"rule='lion', but the states are bitsandbytes 8-bit \(Adam-family"):
@@ -254,7 +360,7 @@ def test_a_bitsandbytes_one_state_file_needs_its_rule_said(tmp_path, capsys) -> 
     ours = leanopt.AdamW([w])
     w.grad = torch.randn(64)
     ours.step()
-    with pytest.raises(ValueError, match="rule='lion', but the state_dict is a adamw state"):
+    with pytest.raises(ValueError, match="rule='lion', but the state_dict holds adamw states"):
         convert_state_dict(ours.state_dict(), "adamw8bit", rule="lion")
 
 
@@ -361,7 +467,7 @@ def test_torch_adamw_takes_only_adamw_family_states() -> None:
         params = make_params()
         opt = case.cls(params, **{**case.kwargs, "backend": "reference"})
         feed(opt, params, 1)
-        with pytest.raises(ValueError, match=rf"cannot convert a {case.name} state_dict to torch-adamw: .* the {case.cls.family} rule, "
+        with pytest.raises(ValueError, match=rf"cannot convert the {case.name} state_dict to torch-adamw: .* the {case.cls.family} rule, "
                            "torch.optim.AdamW the adamw rule"):  # fmt: skip
             convert_state_dict(opt.state_dict(), TORCH_ADAMW)
 
@@ -462,6 +568,16 @@ BNB_DAMAGE = {
     "int16 codes": (lambda sd, _: nested(sd).update(state1=nested(sd)["state1"].to(torch.int16)), "'state1' of param 0"),
     "a step that is a word": (lambda sd, _: sd["state"][0].update(step="three"), "'step' of param 0"),
     "non-blockwise max1": (lambda sd, _: nested(sd).update(max1=torch.zeros(1)), "state of param 0", "max1"),
+    # Param 5 (the 2,048-element head) keeps fp32 states, which bitsandbytes saves without scales:
+    # 10^6 of them were ignored, and the file converted.
+    "10^6 block scales beside fp32 states": (lambda sd, _: nested(sd, 5).update(absmax1=torch.rand(10**6)), "'absmax1' of param 5",
+                                             "without block scales"),
+    "state2 of another size": (lambda sd, _: nested(sd).update(state2=nested(sd)["state2"].reshape(-1)[:1000].clone(),
+                                                               absmax2=nested(sd)["absmax2"][:4].clone()), "'state1' of param 0", "[1000]"),
+    "state1 of another shape": (lambda sd, _: nested(sd).update(state1=nested(sd)["state1"].reshape(-1, 64)), "'state1' of param 0",
+                                "not the states of one param"),
+    "8-bit state1 beside fp32 state2": (lambda sd, _: nested(sd).update(state2=torch.rand(nested(sd)["state2"].shape)), "'state1' of param 0",
+                                        "one width"),
     "code run on load": (lambda sd, tmp: sd["state"][0].update(evil=RunsCode(tmp)), "refuses", "system"),
 }
 
@@ -594,8 +710,31 @@ def _gap(meta) -> None:
     first_tensor(meta).size = torch.Size([2 * first_tensor(meta).size[0]])
 
 
+def _alias(meta) -> None:
+    """Every chunk of a tensor 16 times its size reads the bytes of the one chunk saved: each
+    chunk lies in the file and holds its elements, so the tensor grew 16 times with no byte
+    more of file (128 chunks of 512 KiB: 1,080,360 bytes of files converted into a
+    67,635,489-byte file, and the factor grows with the chunks)."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    fqn = "optim.state.p0.exp_avg.codes"
+    entry, info = first_tensor(meta, fqn), storage_of(meta, fqn)
+    n = entry.size[0]
+    entry.size = torch.Size([16 * n])
+    entry.chunks = [ChunkStorageMetadata(offsets=torch.Size([i * n]), sizes=torch.Size([n])) for i in range(16)]
+    meta.storage_data.update({MetadataIndex(fqn, torch.Size([i * n])): info for i in range(16)})
+
+
+def _borrow(meta) -> None:
+    """One entry's chunk reads another entry's bytes (each range lies in the file)."""
+    mine, theirs = storage_of(meta, "optim.state.p0.exp_avg.codes"), storage_of(meta, "optim.state.p0.exp_avg_sq.codes")
+    mine.offset, mine.length = theirs.offset, theirs.length
+
+
 DCP_DAMAGE = {
     "a tensor of 10^12 elements": (_huge, "'optim.state.p0.exp_avg.codes'", "has only"),
+    "chunks that read one byte range": (_alias, "'optim.state.p0.exp_avg.codes'", "reads the same bytes"),
+    "an entry that reads another's bytes": (_borrow, "'optim.state.p0.exp_avg", "reads bytes of entry 'optim.state.p0.exp_avg"),
     "a chunk outside its file": (_outside, "'optim.state.p0.exp_avg.codes'", "lie outside"),
     "a data file outside the folder": (_escape, "'optim.state.p0.exp_avg.codes'", "not a file of the checkpoint folder"),
     "chunks that do not cover the tensor": (_gap, "'optim.state.p0.exp_avg.codes'", "do not tile"),

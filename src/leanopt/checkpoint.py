@@ -48,14 +48,13 @@ one rule cannot continue another (``lion8bit`` -> ``adamw`` is a ``ValueError`` 
 >>> convert_state_dict(opt.state_dict(), to="adamw")
 Traceback (most recent call last):
 ...
-ValueError: cannot convert a lion8bit state_dict to adamw: Lion8bit runs the lion rule, AdamW the adamw rule (a state of one rule cannot continue another; convert within a family: lion, lion8bit, lion4bit)
+ValueError: cannot convert the lion8bit state_dict to adamw: Lion8bit runs the lion rule, AdamW the adamw rule (a state of one rule cannot continue another; convert within a family: lion, lion8bit, lion4bit)
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,14 +62,15 @@ from typing import Any
 import torch
 
 from leanopt.optim.base import LeanOptimizer
-from leanopt.optim.identity import BNB_KEY, IDENTITY_KEY, TORCHAO_STATES, Recognized, declared_optimizer, recognize_states, tensor_subclass
+from leanopt.optim.identity import IDENTITY_KEY, declared_optimizer, recognize_states, tensor_subclass
 from leanopt.optim.lowbit import STORAGE_OPTIONS, LowBit, check_block_size, check_min_quant_size
+from leanopt.optim.peer_states import a_, check_state_dict, from_peer, step_count
 from leanopt.optim.registry import REGISTRY, optimizer_class
 from leanopt.optim.sharding import is_dtensor
 from leanopt.quant import QuantizedState, format_by_name
 from leanopt.quant.bf16 import check_state_dtype, state_dtype_name
 
-__all__ = ["IDENTITY_KEY", "TORCH_ADAMW", "Conversion", "convert_checkpoint", "convert_state_dict", "declared_optimizer",
+__all__ = ["IDENTITY_KEY", "TORCH_ADAMW", "Conversion", "check_loads", "convert_checkpoint", "convert_state_dict", "declared_optimizer",
            "family_members", "from_peer", "state_dict_layout"]  # fmt: skip
 
 # The target name of torch.optim.AdamW (as `leanopt estimate` names torch's optimizers).
@@ -98,7 +98,7 @@ def state_dict_layout(state_dict: Mapping[str, Any], *, rule: str | None = None)
     that are not the declared optimizer's, undeclared states it does not recognize, a malformed
     dict).
     """
-    _check_shape_of_sd(state_dict)
+    check_state_dict(state_dict)
     declared = declared_optimizer(state_dict)
     if declared is None:
         seen = recognize_states(state_dict)
@@ -122,7 +122,9 @@ class Conversion:
     (:func:`state_dict_layout`); ``read_as``: what the input was (``"bitsandbytes 8-bit
     (Adam-family, 2 states)"``, or ``source`` for leanopt's and torch's files); ``target``: the
     optimizer it is for (a registry name or ``"torch-adamw"``); ``notes``: what the target has
-    no place for and was left out, one sentence each.
+    no place for and was left out, one sentence each; ``shapes``: each param's shape, as its
+    states agree on it (by param id; a param without state has none), what
+    :func:`check_loads` builds the target over.
     """
 
     state_dict: dict[str, Any]
@@ -130,6 +132,7 @@ class Conversion:
     read_as: str
     target: str
     notes: list[str] = field(default_factory=list)
+    shapes: dict[Any, tuple[int, ...]] = field(default_factory=dict)
 
 
 def convert_state_dict(
@@ -187,7 +190,8 @@ def convert_checkpoint(
     """
     to_torch = isinstance(to, str) and to.lower() == TORCH_ADAMW
     target_cls = optimizer_class("adamw" if to_torch else to)
-    _check_shape_of_sd(state_dict)
+    check_state_dict(state_dict)
+    _check_backed(state_dict)  # before anything is dequantized or copied
     read_as = None
     if declared_optimizer(state_dict) is None:
         seen = recognize_states(state_dict)
@@ -196,10 +200,10 @@ def convert_checkpoint(
             state_dict = from_peer(state_dict, rule=rule)
     source = state_dict_layout(state_dict)  # validates the structure
     if rule is not None and read_as is None and REGISTRY[source].family != rule:
-        raise ValueError(f"rule={rule!r}, but the state_dict is a {source} state (the {REGISTRY[source].family} rule)")
+        raise ValueError(f"rule={rule!r}, but the state_dict holds {source} states (the {REGISTRY[source].family} rule)")
     if to_torch and REGISTRY[source].family != target_cls.family:
         raise ValueError(
-            f"cannot convert a {source} state_dict to {TORCH_ADAMW}: {REGISTRY[source].__name__} runs the "
+            f"cannot convert the {source} state_dict to {TORCH_ADAMW}: {REGISTRY[source].__name__} runs the "
             f"{REGISTRY[source].family} rule, torch.optim.AdamW the adamw rule (a state of one rule cannot continue another)"
         )
     stored = check_state_dtype(state_dtype)
@@ -207,11 +211,43 @@ def convert_checkpoint(
         whose = (f"{TORCH_ADAMW} keeps its states in each param's dtype (torch.optim.AdamW has no state_dtype)" if to_torch
                  else f"{target_cls.__name__} has no state_dtype option (its states are not the elementwise moments)")
         raise ValueError(f"state_dtype={state_dtype_name(stored)} cannot be written for {to}: {whose}")
+    shapes = _param_shapes(state_dict, source)
     converted = _convert(state_dict, source, target_cls, block_size, min_quant_size, stored)
     notes: list[str] = []
     if to_torch:
         converted = _as_torch_adamw(converted, state_dict, notes)
-    return Conversion(converted, source, read_as or source, TORCH_ADAMW if to_torch else target_cls.name, notes)
+    target = TORCH_ADAMW if to_torch else target_cls.name
+    check_loads(converted, target, shapes)
+    return Conversion(converted, source, read_as or source, target, notes, shapes)
+
+
+def check_loads(state_dict: Mapping[str, Any], target: str, shapes: Mapping[Any, tuple[int, ...]]) -> None:
+    """``ValueError`` unless ``state_dict`` loads into optimizer ``target`` (a registry name or
+    ``"torch-adamw"``): ``target`` is built over a param of each shape in ``shapes`` (by param
+    id, as :attr:`Conversion.shapes`; fp32, or the dtype of a param's ``kahan_comp``), in the
+    groups the state_dict lists, with their options, and its own ``load_state_dict`` runs every
+    check it runs on a real model. The params are on the meta device: nothing of their size is
+    allocated. Params whose state holds no tensor data (none yet) are left out: there is
+    nothing of theirs to load, and a file could list millions of them for a few bytes each."""
+    states = state_dict["state"]
+    loaded = {pid for pid, st in states.items() if any(t.numel() for _, t in _state_tensors(st, ""))}
+
+    def param(pid: Any) -> torch.nn.Parameter:
+        comp = states[pid].get("kahan_comp") if isinstance(states[pid], Mapping) else None
+        dtype = comp.dtype if isinstance(comp, torch.Tensor) and comp.is_floating_point() else torch.float32
+        return torch.nn.Parameter(torch.empty(shapes.get(pid, (1,)), dtype=dtype, device="meta"))
+
+    groups = [{**g, "params": [pid for pid in g["params"] if pid in loaded]} for g in state_dict["param_groups"]]
+    if not any(g["params"] for g in groups):
+        return  # no state to load (torch refuses to build an optimizer over no param)
+    listed = {pid for g in state_dict["param_groups"] for pid in g["params"]}
+    kept = {pid: st for pid, st in states.items() if pid in loaded or pid not in listed}  # an unlisted id is refused on load
+    cls: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW if target == TORCH_ADAMW else optimizer_class(target)
+    built = [{**{k: v for k, v in g.items() if k != IDENTITY_KEY}, "params": [param(pid) for pid in g["params"]]} for g in groups]
+    try:
+        cls(built).load_state_dict({**state_dict, "state": kept, "param_groups": groups})
+    except ValueError as err:
+        raise ValueError(f"the result would not load into {target}: {err}") from None
 
 
 def _convert(state_dict: Mapping[str, Any], source: str, target_cls: type[LeanOptimizer], block_size: int | None,
@@ -221,7 +257,7 @@ def _convert(state_dict: Mapping[str, Any], source: str, target_cls: type[LeanOp
     source_cls = REGISTRY[source]
     if source_cls.family != target_cls.family:
         raise ValueError(
-            f"cannot convert a {source} state_dict to {to}: {source_cls.__name__} runs the {source_cls.family} rule, "
+            f"cannot convert the {source} state_dict to {to}: {source_cls.__name__} runs the {source_cls.family} rule, "
             f"{target_cls.__name__} the {target_cls.family} rule (a state of one rule cannot continue another; "
             f"convert within a family: {', '.join(family_members(source))})"
         )
@@ -280,230 +316,106 @@ def _convert(state_dict: Mapping[str, Any], source: str, target_cls: type[LeanOp
     return {**state_dict, "state": state_out, "param_groups": groups_out}
 
 
-# ---- the peers' formats -------------------------------------------------------------------------
-# Group options bitsandbytes saves for every optimizer of a kind, which the rule converted to has
-# no use for: AdEMAMix's alpha and schedules in an Adam group, the eps Lion saves as 0.0.
-_BNB_BOOKKEEPING = {"adamw": ("alpha", "t_alpha", "t_beta3"), "lion": ("eps",), "ademamix": ()}
-# bitsandbytes' block size: fixed in its 8-bit optimizers (init_state's blocksize = 256).
-_BNB_BLOCK = 256
-_BNB_NESTED = {"state1", "state2", "qmap1", "qmap2", "absmax1", "absmax2"}
+# ---- what a file's entries must hold before anything is converted ------------------------------------
+# Code books: one small table a peer may share between every param's state (bitsandbytes does),
+# read only through a check of its exact size.
+_CODE_BOOKS = frozenset({"qmap", "qmap1", "qmap2"})
 
 
-def from_peer(state_dict: Mapping[str, Any], *, rule: str | None = None) -> dict[str, Any]:
-    """A bitsandbytes or torchao ``state_dict`` in leanopt's layout for the rule it runs.
-
-    Each param's states become the rule's state keys (bitsandbytes' ``state1``/``state2`` ->
-    ``exp_avg``/``exp_avg_sq``; AdEMAMix's stacked ``state1`` -> ``exp_avg_fast`` and
-    ``exp_avg_slow``; torchao's keys are already Adam's) as fp32 tensors: quantized states are
-    dequantized with the code book (``qmap``) and per-block scales (``absmax``, ``scale``) the
-    file holds, block by block as the peer decodes them (bitsandbytes: blocks of 256 in flat
-    order; torchao: ``codes.numel() // scale.numel()``, its 4-bit codes two to a byte, the first
-    in the high nibble), so the values are exactly the peer's; fp32 states (small params) are
-    kept. ``step`` becomes a fp32 tensor. Each group declares the member of the family the
-    states' bits say (8-bit: ``adamw8bit``, ``lion8bit``, ``ademamix8bit``; torchao 4-bit:
-    ``adamw4bit``; 32-bit: the fp32 member), keeps its hyper-parameters (a tensor ``lr``, as
-    torchao keeps it, becomes a number) and drops bitsandbytes' options that rule has none of.
-
-    bitsandbytes' one-state files do not say their rule: ``rule="lion"`` reads one as Lion's
-    (refused where its ``eps`` is not 0.0, which Lion saves: RMSprop's or Adagrad's). A state
-    that is no rule leanopt runs (LAMB's norm clipping), malformed, or not finite, is a
-    ``ValueError`` naming the entry.
-    """
-    _check_shape_of_sd(state_dict)
-    seen = recognize_states(state_dict)
-    family = _peer_family(seen, state_dict, rule)
-    bits = 32 if seen.bits in (None, 32) else seen.bits
-    if seen.peer == "torchao" and seen.bits is None:
-        raise ValueError(f"the states are {seen.layout}: torchao states of several widths, or of a class leanopt does not "
-                         f"read (it reads {', '.join(n.rsplit('.', 1)[-1] for n in TORCHAO_STATES)})")  # fmt: skip
-    members = [n for n, cls in REGISTRY.items() if cls.family == family and getattr(cls, "state_bits", 32) == bits]
-    if not members:
-        members = [n for n, cls in REGISTRY.items() if cls.family == family and not issubclass(cls, LowBit)]
-    groups = []
-    for group in state_dict["param_groups"]:
-        g = {k: v for k, v in group.items() if not (seen.peer == "bitsandbytes" and k in _BNB_BOOKKEEPING[family])}
-        if isinstance(g.get("lr"), torch.Tensor) and g["lr"].numel() == 1:
-            g["lr"] = g["lr"].item()  # torchao keeps lr as a tensor for its compiled step only
-        g[IDENTITY_KEY] = members[0]
-        groups.append(g)
-    state: dict[Any, Any] = {}
+def _check_backed(state_dict: Mapping[str, Any]) -> None:
+    """Each state tensor of ``state_dict`` holds bytes of its own: none shares bytes with another
+    entry or repeats its own (a stride of 0), so what conversion makes of the states is bounded
+    by the bytes the file holds. A torch file may point many entries at one storage, or give a
+    tensor of 10^12 elements a storage of one: each would pass every other check, and a file of
+    kilobytes would be converted into gigabytes."""
+    spans: dict[tuple[str, int], list[tuple[int, int, str]]] = {}
     for pid, st in state_dict["state"].items():
-        if not isinstance(st, Mapping):
-            raise ValueError(f"state of param {pid!r} is not a dict")
-        read = _from_bnb if seen.peer == "bitsandbytes" else _from_torchao
-        state[pid] = read(st, family, f"param {pid!r}")
-    return {**state_dict, "state": state, "param_groups": groups}
+        for where, t in _state_tensors(st, f"param {pid!r}"):
+            nbytes = t.numel() * t.element_size()
+            if nbytes == 0 or t.device.type == "meta":
+                continue
+            start = int(t.storage_offset()) * t.element_size()
+            end = start + (1 + sum((int(n) - 1) * stride for n, stride in zip(t.shape, t.stride()))) * t.element_size()
+            if end - start < nbytes:
+                raise ValueError(f"{where} has {t.numel():,} elements held in {end - start:,} bytes: a tensor whose "
+                                 "elements share their bytes (a stride of 0), not a saved state")  # fmt: skip
+            storage = t.untyped_storage()
+            spans.setdefault((str(t.device), storage.data_ptr()), []).append((start, end, where))
+    for ranges in spans.values():
+        ranges.sort()
+        for (_, end, first), (start, _, second) in zip(ranges, ranges[1:]):
+            if start < end:
+                raise ValueError(f"{second} and {first} share their bytes in the file: each state holds bytes of its own")
 
 
-def _states(state_dict: Mapping[str, Any]) -> list[Mapping[str, Any]]:
-    return [st for st in state_dict["state"].values() if isinstance(st, Mapping)]
+def _state_tensors(value: Any, where: str, key: str | None = None) -> list[tuple[str, torch.Tensor]]:
+    """The tensors holding the data of one param's state (``value``), each with the entry it is
+    (``"'absmax1' of param 0"``): nested dicts (bitsandbytes', leanopt's quantized entries) and
+    tensor subclasses' fields (torchao's) opened, code books left out."""
+    name = where if key is None else f"{key!r} of {where}"
+    if key in _CODE_BOOKS or is_dtensor(value):
+        return []
+    if isinstance(value, QuantizedState):
+        return [(name, t) for t in value.tensors()]
+    if isinstance(value, torch.Tensor):
+        if tensor_subclass(value) is None:
+            return [(name, value)]
+        return [(f"{name} ({field})", t) for field, t in value.__dict__.items()
+                if field not in _CODE_BOOKS and isinstance(t, torch.Tensor)]  # fmt: skip
+    if isinstance(value, Mapping):
+        inner = where if key is None else (name if QuantizedState.is_state_dict(value) else where)
+        return [found for k, v in value.items() for found in _state_tensors(v, inner, str(k))]
+    return []
 
 
-def _peer_family(seen: Recognized, state_dict: Mapping[str, Any], rule: str | None) -> str:
-    """The rule a peer's states run: what they show, or (bitsandbytes' one-state files) ``rule``."""
-    if seen.peer is None:
-        raise ValueError(f"not a bitsandbytes or torchao state_dict ({seen.layout})")
-    if rule is not None and rule not in {cls.family for cls in REGISTRY.values()}:
-        raise ValueError(f"unknown rule {rule!r} (leanopt runs: {', '.join(sorted({c.family for c in REGISTRY.values()}))})")
-    nested = [st.get(BNB_KEY) for st in _states(state_dict)]
-    one_state = seen.peer == "bitsandbytes" and not any(isinstance(n, Mapping) and "state2" in n for n in nested)
-    if seen.family is None and one_state and rule == "lion":
-        eps = [g.get("eps") for g in state_dict["param_groups"]]
-        if any(e != 0.0 for e in eps):
-            raise ValueError(f"rule='lion', but the state_dict's groups have eps {eps}: bitsandbytes' Lion saves "
-                             "eps 0.0, so these are RMSprop's or Adagrad's states (a rule leanopt does not run)")  # fmt: skip
-        return "lion"
-    if seen.family is None:
-        hint = (" (bitsandbytes' one-state optimizers save the same keys: if Lion8bit or Lion saved it, say so with "
-                "rule='lion', `leanopt convert --rule lion`)") if one_state else ""  # fmt: skip
-        raise ValueError(f"the states are {seen.layout}: not a rule leanopt runs{hint}")
-    if rule is not None and rule != seen.family:
-        raise ValueError(f"rule={rule!r}, but the states are {seen.layout} (the {seen.family} rule)")
-    return seen.family
-
-
-def _from_bnb(st: Mapping[str, Any], family: str, where: str) -> dict[str, Any]:
-    """One param's bitsandbytes state in the rule's keys (see from_peer)."""
-    extra = [k for k in st if k not in ("step", BNB_KEY)]
-    nested = st.get(BNB_KEY)
-    if extra or not isinstance(nested, Mapping):
-        raise ValueError(f"state of {where} holds {sorted(map(str, st))}, not a bitsandbytes state (step, {BNB_KEY})")
-    unknown = sorted(str(k) for k in nested if k not in _BNB_NESTED)
-    if unknown:
-        raise ValueError(f"state of {where} holds {unknown}: not bitsandbytes' block-wise states (absmax, qmap), "
-                         "which leanopt reads")  # fmt: skip
-    out: dict[str, Any] = {"step": _step(st.get("step"), f"'step' of {where}")}
-    if family == "ademamix":
-        out["exp_avg_fast"], out["exp_avg_slow"] = _bnb_dense(nested, 1, where, stacked=True).unbind(0)
-        out["exp_avg_sq"] = _bnb_dense(nested, 2, where)
-    else:
-        out["exp_avg"] = _bnb_dense(nested, 1, where)
-        if family == "adamw":
-            out["exp_avg_sq"] = _bnb_dense(nested, 2, where)
-    return out
-
-
-def _bnb_dense(nested: Mapping[str, Any], n: int, where: str, stacked: bool = False) -> torch.Tensor:
-    """bitsandbytes' ``state<n>`` as fp32: ``qmap<n>[code] * absmax<n>[block]`` (blocks of 256 in
-    flat order; AdEMAMix's two stacked EMAs each on its own row of blocks), or as saved if fp32."""
-    key = f"state{n}"
-    name = f"{key!r} of {where}"
-    state = nested.get(key)
-    if not isinstance(state, torch.Tensor) or is_dtensor(state):
-        raise ValueError(f"{name} is {type(state).__name__}, expected a tensor")
-    if stacked and (state.dim() < 1 or state.shape[0] != 2):
-        raise ValueError(f"{name} has shape {list(state.shape)}, expected AdEMAMix's two stacked EMAs [2, ...]")
-    if state.is_floating_point():
-        dense = state.to(torch.float32, copy=True)  # the result's own: an optimizer that loads it steps it in place
-    elif state.dtype == torch.uint8:
-        rows = state.reshape(2 if stacked else 1, -1)
-        blocks = math.ceil(rows.shape[1] / _BNB_BLOCK)
-        book = _code_book(nested.get(f"qmap{n}"), 256, f"'qmap{n}' of {where}")
-        scales = _scales(nested.get(f"absmax{n}"), (2, blocks) if stacked else (blocks,), f"'absmax{n}' of {where}")
-        dense = _scaled_blocks(book[rows.long()], scales.reshape(rows.shape[0], blocks), _BNB_BLOCK).view(state.shape)
-    else:
-        raise ValueError(f"{name} is {state.dtype}, expected uint8 codes or fp32 values")
-    _check_finite(dense, name)
-    return dense
-
-
-def _from_torchao(st: Mapping[str, Any], family: str, where: str) -> dict[str, Any]:
-    """One param's torchao state: its subclass states dequantized, the rest as saved."""
-    out: dict[str, Any] = {}
-    for key, value in st.items():
-        name = f"{key!r} of {where}"
-        if key == "step":
-            out[key] = _step(value, name)
-        elif is_dtensor(value):
-            raise ValueError(f"{name} is a DTensor (a sharded torchao state): gather it into a full state_dict first")
-        elif tensor_subclass(value) is not None:
-            out[key] = _torchao_dense(value, name)
-        elif isinstance(value, torch.Tensor):
-            out[key] = value.clone()  # a small param's state, in the param's dtype (torchao quantizes >= 4096)
+def _param_shapes(state_dict: Mapping[str, Any], name: str) -> dict[Any, tuple[int, ...]]:
+    """The shape of each param of a ``name`` state_dict: the one every entry of its state is
+    laid out for (``name``'s ``state_layout``); ``ValueError`` naming the entries when its
+    states agree on none (an ``exp_avg`` of 4 x 300 beside an ``exp_avg_sq`` of 7 x 7)."""
+    # ignore: a class is hashable, but mypy does not see type[X] as Hashable for functools.cache (python/mypy#11470)
+    opt = _blank(REGISTRY[name])  # type: ignore[arg-type]
+    group_of = {pid: g for g in state_dict["param_groups"] for pid in g["params"]}
+    shapes: dict[Any, tuple[int, ...]] = {}
+    for pid, st in state_dict["state"].items():
+        if pid not in group_of or not isinstance(st, Mapping):
+            continue
+        seen: dict[str, tuple[int, ...]] = {}
+        for k, v in st.items():
+            if k == "step" or k in opt.ignored_state_keys or v is None:  # torch's SGD saves momentum_buffer None
+                continue
+            shape = _entry_shape(v)
+            if shape is not None:
+                seen[str(k)] = shape
+            elif not (isinstance(v, Mapping) and QuantizedState.is_state_dict(v)):  # a bad quantized one is named where it is read
+                raise ValueError(f"{k!r} of param {pid!r} is {a_(type(v).__name__)}, expected a tensor or a quantized state")
+        # A param's shape is one entry's (a moment), or, for factored states (Adafactor's row and
+        # column statistics of a matrix: shape[:-1] and shape[:-2] + shape[-1:]), two entries' joined.
+        candidates = [*seen.values(), *(a + b[-1:] for a in seen.values() for b in seen.values() if a and len(a) == len(b))]
+        group = {**opt.defaults, **group_of[pid]}
+        for shape in dict.fromkeys(candidates):
+            laid_out = {spec.key: spec.shape for spec in opt.state_layout(shape, torch.float32, group)}
+            laid_out["kahan_comp"] = shape
+            if all(laid_out.get(k) == held for k, held in seen.items()):
+                shapes[pid] = shape
+                break
         else:
-            raise ValueError(f"{name} is a {type(value).__name__}, expected a tensor")
-    return out
+            if seen:
+                shown = ", ".join(f"{k!r} {list(held)}" for k, held in seen.items())
+                raise ValueError(f"the states of param {pid!r} agree on no param shape ({shown}): not one param's {name} state")
+    return shapes
 
 
-def _torchao_dense(value: torch.Tensor, name: str) -> torch.Tensor:
-    """A torchao ``OptimState8bit``/``OptimState4bit``/``OptimStateFp8`` (torchao's own, or read
-    without it) as fp32: ``qmap[code] * scale[block]`` (fp8: ``code * scale``), blocks of
-    ``codes.numel() // scale.numel()`` elements in flat order."""
-    cls = tensor_subclass(value)
-    if cls is None:
-        raise ValueError(f"{name} is a {type(value).__name__}, not a torchao optimizer state")
-    fields = value.__dict__
-    codes, shape = fields.get("codes"), tuple(value.shape)
-    numel = math.prod(shape)
-    kind = cls.rsplit(".", 1)[-1]
-    want = torch.float8_e4m3fn if kind == "OptimStateFp8" else torch.uint8
-    if not isinstance(codes, torch.Tensor) or codes.dtype != want:
-        raise ValueError(f"{name}: a {kind} whose codes are {getattr(codes, 'dtype', type(codes).__name__)}, not {want}")
-    packed = kind == "OptimState4bit"
-    if codes.numel() != ((numel + 1) // 2 if packed else numel):
-        raise ValueError(f"{name}: a {kind} of shape {list(shape)} with {codes.numel()} codes")
-    scale = fields.get("scale")
-    count = scale.numel() if isinstance(scale, torch.Tensor) else 0
-    if count == 0 or numel % count:
-        raise ValueError(f"{name}: a {kind} of {numel} elements with {count} block scales (not whole blocks)")
-    scales = _scales(scale, (count,), f"{name} (scale)")
-    if kind == "OptimStateFp8":
-        values = codes.reshape(1, -1).float()
-    else:
-        flat = codes.reshape(-1)
-        if packed:  # two codes a byte, the first in the high nibble
-            flat = torch.stack([flat >> 4, flat & 0x0F], dim=-1).reshape(-1)[:numel]
-        book = _code_book(fields.get("qmap"), 16 if packed else 256, f"{name} (qmap)")
-        values = book[flat.long()].reshape(1, -1)
-    dense = _scaled_blocks(values, scales.reshape(1, count), numel // count).view(shape)
-    _check_finite(dense, name)
-    return dense
-
-
-def _code_book(qmap: Any, size: int, name: str) -> torch.Tensor:
-    """A peer's code book from the file: ``size`` finite values in [-1, 1]."""
-    if not isinstance(qmap, torch.Tensor) or not qmap.is_floating_point() or qmap.numel() != size:
-        shown = f"{qmap.dtype} x {qmap.numel()}" if isinstance(qmap, torch.Tensor) else type(qmap).__name__
-        raise ValueError(f"{name} is {shown}, expected a code book of {size} floats")
-    book = qmap.reshape(-1).float()
-    if not bool(torch.isfinite(book).all()) or float(book.abs().max()) > 1.0:
-        raise ValueError(f"{name}: a code book must hold finite values in [-1, 1]")
-    return book
-
-
-def _scales(scale: Any, shape: tuple[int, ...], name: str) -> torch.Tensor:
-    if not isinstance(scale, torch.Tensor) or not scale.is_floating_point() or scale.numel() != math.prod(shape):
-        shown = f"{scale.dtype} x {scale.numel()}" if isinstance(scale, torch.Tensor) else type(scale).__name__
-        raise ValueError(f"{name} is {shown}, expected {math.prod(shape)} floating-point block scales")
-    if scale.dim() > 1 and tuple(scale.shape) != shape:
-        raise ValueError(f"{name} has shape {list(scale.shape)}, expected {list(shape)}")
-    _check_finite(scale, name)
-    return scale.float()
-
-
-def _scaled_blocks(values: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
-    """``values`` (rows of flat elements) times the scale of each one's block of ``block``."""
-    rows, n = values.shape
-    blocks = scales.shape[1]
-    padded = torch.nn.functional.pad(values, (0, blocks * block - n)).view(rows, blocks, block)
-    return (padded * scales.unsqueeze(-1)).reshape(rows, -1)[:, :n].contiguous()
-
-
-def _check_finite(t: torch.Tensor, name: str) -> None:
-    if not bool(torch.isfinite(t).all()):
-        raise ValueError(f"{name} holds non-finite values")
-
-
-def _step(value: Any, name: str) -> torch.Tensor:
-    """A saved step count (bitsandbytes keeps an int) as the fp32 scalar tensor leanopt and torch keep."""
-    number = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
-    try:
-        step = float(number) if isinstance(number, (int, float)) and not isinstance(number, bool) else math.nan
-    except OverflowError:  # an int of hundreds of digits
-        step = math.nan
-    if not (math.isfinite(step) and step >= 0 and step == int(step)):
-        raise ValueError(f"{name} is {value!r}, expected a step count (a whole number >= 0)")
-    return torch.tensor(step)
+def _entry_shape(value: Any) -> tuple[int, ...] | None:
+    """The (logical) shape of a state entry: a tensor's, a quantized entry's declared one."""
+    if isinstance(value, QuantizedState):
+        return tuple(value.shape)
+    if isinstance(value, Mapping) and QuantizedState.is_state_dict(value):
+        shape = value["shape"]
+        ints = isinstance(shape, (list, tuple)) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)
+        return tuple(shape) if ints and len(shape) <= 64 else None  # anything else is refused where the entry is read
+    if isinstance(value, torch.Tensor) and (tensor_subclass(value) is None or is_dtensor(value)):
+        return tuple(value.shape)  # a DTensor's: the whole state's
+    return None
 
 
 # ---- leaving leanopt: torch.optim.AdamW -----------------------------------------------------------
@@ -533,7 +445,7 @@ def _as_torch_adamw(converted: dict[str, Any], source: Mapping[str, Any], notes:
             continue
         compensated += "kahan_comp" in st
         # Tensors of their own: torch's load_state_dict keeps the tensors it is given, and steps them in place.
-        state[pid] = {"step": _step(st["step"], f"'step' of param {pid!r}"),
+        state[pid] = {"step": step_count(st["step"], f"'step' of param {pid!r}"),
                       **{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items() if k not in ("step", "kahan_comp")}}  # fmt: skip
     if compensated:
         notes.append(f"kahan_comp of {compensated} param{'s' if compensated != 1 else ''} left out: torch's AdamW keeps "
@@ -584,10 +496,10 @@ def _check_states(state_dict: Mapping[str, Any], name: str) -> None:
         missing = [k for k in required if k not in st and not _fills_on_load(opt, group, k, st)]
         extra = [] if allowed is None else [k for k in st if k not in allowed]
         if missing:
-            raise refuse(f"state of param {pid!r} has keys {sorted(map(str, st))}, not a {name} state (missing {', '.join(map(repr, missing))})")
+            raise refuse(f"state of param {pid!r} has keys {sorted(map(str, st))}, not {name}'s state (missing {', '.join(map(repr, missing))})")
         if extra:
             verb = "is" if len(extra) == 1 else "are"
-            raise refuse(f"state of param {pid!r} has keys {sorted(map(str, st))}, not a {name} state ({', '.join(map(repr, extra))} {verb} another rule's)")
+            raise refuse(f"state of param {pid!r} has keys {sorted(map(str, st))}, not {name}'s state ({', '.join(map(repr, extra))} {verb} another rule's)")
 
 
 def _fills_on_load(opt: Any, group: Mapping[str, Any] | None, key: str, saved: Mapping[str, Any]) -> bool:
@@ -641,16 +553,6 @@ def _recognized_member(state_dict: Mapping[str, Any]) -> str:
     return members[0]
 
 
-def _check_shape_of_sd(state_dict: Any) -> None:
-    if (
-        not isinstance(state_dict, Mapping)
-        or not isinstance(state_dict.get("state"), Mapping)
-        or not isinstance(state_dict.get("param_groups"), (list, tuple))
-        or not all(isinstance(g, Mapping) and isinstance(g.get("params"), (list, tuple)) for g in state_dict["param_groups"])
-    ):
-        raise ValueError("expected an optimizer state_dict (a dict with 'state' and 'param_groups')")
-
-
 def _as_quantized(value: Any, where: str) -> QuantizedState | None:
     if isinstance(value, QuantizedState):
         return value
@@ -668,7 +570,7 @@ def _shape_of(value: Any, where: str) -> tuple[int, ...]:
         return q.shape
     if isinstance(value, torch.Tensor):
         return tuple(value.shape)
-    raise ValueError(f"{where} is a {type(value).__name__}, expected a tensor or a quantized state")
+    raise ValueError(f"{where} is {a_(type(value).__name__)}, expected a tensor or a quantized state")
 
 
 def _to_dense(value: Any, where: str) -> torch.Tensor:
@@ -677,7 +579,7 @@ def _to_dense(value: Any, where: str) -> torch.Tensor:
         return q.dequantize()
     if isinstance(value, torch.Tensor):
         return value
-    raise ValueError(f"{where} is a {type(value).__name__}, expected a tensor or a quantized state")
+    raise ValueError(f"{where} is {a_(type(value).__name__)}, expected a tensor or a quantized state")
 
 
 def _stored(dense: torch.Tensor, state_dtype: torch.dtype) -> torch.Tensor:

@@ -32,6 +32,7 @@ import math
 import os
 import pickle
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, TypeGuard
 
@@ -167,15 +168,25 @@ def read_dcp(folder: str | os.PathLike[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     try:
         where = {(getattr(k, "fqn", None), _offsets(getattr(k, "offset", None))): v for k, v in storage.items()}
+        # Every entry's byte ranges are checked, against their files and one another, before
+        # any entry is allocated or read.
+        plans: list[tuple[str, Any]] = []
         for fqn, entry in entries.items():
             if not isinstance(fqn, str):
                 raise ValueError(f"entry {fqn!r}: not a key")
             if isinstance(entry, TensorStorageMetadata):
-                value = _read_tensor(reader, fqn, entry, where)
+                plans.append((fqn, _plan_tensor(reader, fqn, entry, where)))
             elif isinstance(entry, BytesStorageMetadata):
-                value = _read_bytes(reader, fqn, where)
+                info = where.get((fqn, None))
+                if info is None:
+                    raise ValueError(f"entry {fqn!r}: no data")
+                reader.claim(info, fqn)
+                plans.append((fqn, info))
             else:
                 raise ValueError(f"entry {fqn!r}: unknown kind {type(entry).__name__}")
+        reader.check_disjoint()
+        for fqn, plan in plans:
+            value = _read_tensor(reader, fqn, plan) if isinstance(plan, _TensorPlan) else _load(reader.read(plan, fqn), fqn)
             _put(out, paths.get(fqn, (fqn,)), value, fqn, len(entries))
     except ValueError as err:
         raise InspectError(f"{folder}: {err}") from None
@@ -187,11 +198,12 @@ def read_dcp(folder: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 class _Reader:
-    """Byte ranges of a DCP folder's data files, checked to lie inside them."""
+    """Byte ranges of a DCP folder's data files, checked to lie inside them and to be disjoint."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self.files: dict[str, Any] = {}
+        self.ranges: dict[str, list[tuple[int, int, str]]] = {}
 
     def read(self, info: Any, fqn: str) -> bytes:
         f, offset, length = self.check(info, fqn)
@@ -218,6 +230,25 @@ class _Reader:
             raise ValueError(f"entry {fqn!r}: bytes {offset:,}..{offset + length:,} lie outside {rel} ({size:,} bytes)")
         return f, offset, length
 
+    def claim(self, info: Any, fqn: str) -> int:
+        """Check ``info``'s byte range (:meth:`check`) and note it as ``fqn``'s, for
+        :meth:`check_disjoint`; its length."""
+        _, offset, length = self.check(info, fqn)
+        self.ranges.setdefault(info.relative_path, []).append((offset, offset + length, fqn))
+        return length
+
+    def check_disjoint(self) -> None:
+        """No two claimed ranges share a byte. DCP writes each chunk's bytes once; a metadata that
+        points many chunks at one range would make a folder of kilobytes a tensor of gigabytes
+        (each chunk passes its own checks), so the chunks' total could exceed the files' bytes."""
+        for rel, ranges in self.ranges.items():
+            ranges.sort()
+            for (_, end, first), (start, _, second) in zip(ranges, ranges[1:]):
+                if start < end:
+                    same = "the same bytes" if first == second else f"bytes of entry {first!r}"
+                    raise ValueError(f"entry {second!r}: a chunk at bytes {start:,}.. of {rel} reads {same}: "
+                                     "each chunk's bytes are its own")  # fmt: skip
+
     def close(self) -> None:
         for f in self.files.values():
             f.close()
@@ -227,7 +258,18 @@ def _offsets(value: Any) -> tuple[int, ...] | None:
     return None if value is None else tuple(value)
 
 
-def _read_tensor(reader: _Reader, fqn: str, entry: Any, where: Mapping[Any, Any]) -> torch.Tensor:
+@dataclass(frozen=True)
+class _TensorPlan:
+    """A tensor entry's dtype, shape and chunks (offsets, sizes, storage info), checked."""
+
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    chunks: list[tuple[tuple[int, ...], tuple[int, ...], Any]]
+
+
+def _plan_tensor(reader: _Reader, fqn: str, entry: Any, where: Mapping[Any, Any]) -> _TensorPlan:
+    """A tensor entry's chunks, each checked to lie in its shape and in its data file with at
+    least its elements' bytes, and all to tile the shape: nothing is read or allocated."""
     dtype = getattr(getattr(entry, "properties", None), "dtype", None)
     size = _shape(getattr(entry, "size", None), fqn, "size")
     if not isinstance(dtype, torch.dtype):
@@ -235,7 +277,7 @@ def _read_tensor(reader: _Reader, fqn: str, entry: Any, where: Mapping[Any, Any]
     chunks = getattr(entry, "chunks", None)
     if not isinstance(chunks, list) or not chunks:
         raise ValueError(f"entry {fqn!r}: no chunks")
-    boxes, infos = [], []
+    planned = []
     for chunk in chunks:
         offsets = _shape(getattr(chunk, "offsets", None), fqn, "chunk offsets")
         sizes = _shape(getattr(chunk, "sizes", None), fqn, "chunk sizes")
@@ -244,30 +286,27 @@ def _read_tensor(reader: _Reader, fqn: str, entry: Any, where: Mapping[Any, Any]
         info = where.get((fqn, offsets))
         if info is None:
             raise ValueError(f"entry {fqn!r}: no data for its chunk at {list(offsets)}")
-        # A chunk's bytes (inside its file) hold at least its elements: a size the files cannot
-        # back is refused before the whole tensor is allocated.
-        _, _, length = reader.check(info, fqn)
+        # A chunk's bytes (inside its file, its own) hold at least its elements: a size the
+        # files cannot back is refused before the whole tensor is allocated.
+        length = reader.claim(info, fqn)
         if length < math.prod(sizes) * dtype.itemsize:
             raise ValueError(f"entry {fqn!r}: its chunk at {list(offsets)} of {list(sizes)} has only {length:,} bytes")
-        boxes.append((offsets, sizes))
-        infos.append(info)
+        planned.append((offsets, sizes, info))
+    boxes = [(o, s) for o, s, _ in planned]
     if sum(math.prod(s) for _, s in boxes) != math.prod(size) or _overlap(boxes):
         raise ValueError(f"entry {fqn!r}: its chunks do not tile its shape {list(size)}")
-    whole = torch.empty(size, dtype=dtype)
-    for (offsets, sizes), info in zip(boxes, infos):
+    return _TensorPlan(dtype, size, planned)
+
+
+def _read_tensor(reader: _Reader, fqn: str, plan: _TensorPlan) -> torch.Tensor:
+    whole = torch.empty(plan.size, dtype=plan.dtype)
+    for offsets, sizes, info in plan.chunks:
         part = _load(reader.read(info, fqn), fqn)
-        if not isinstance(part, torch.Tensor) or tuple(part.shape) != sizes or part.dtype != dtype:
+        if not isinstance(part, torch.Tensor) or tuple(part.shape) != sizes or part.dtype != plan.dtype:
             shown = f"{part.dtype} {list(part.shape)}" if isinstance(part, torch.Tensor) else type(part).__name__
-            raise ValueError(f"entry {fqn!r}: its chunk at {list(offsets)} holds {shown}, not {dtype} {list(sizes)}")
+            raise ValueError(f"entry {fqn!r}: its chunk at {list(offsets)} holds {shown}, not {plan.dtype} {list(sizes)}")
         whole[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] = part
     return whole
-
-
-def _read_bytes(reader: _Reader, fqn: str, where: Mapping[Any, Any]) -> Any:
-    info = where.get((fqn, None))
-    if info is None:
-        raise ValueError(f"entry {fqn!r}: no data")
-    return _load(reader.read(info, fqn), fqn)
 
 
 def _load(data: bytes, fqn: str) -> Any:

@@ -668,7 +668,9 @@ def _family_note(name: str) -> str:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from leanopt.checkpoint import convert_checkpoint
+    import torch
+
+    from leanopt.checkpoint import check_loads, convert_checkpoint
     from leanopt.checkpoint_files import read_checkpoint
 
     dst = os.fspath(args.dst)
@@ -683,10 +685,15 @@ def cmd_convert(args: argparse.Namespace) -> int:
     # One-line errors for missing / non-optimizer / hostile files; torchao and DCP read without their code.
     state_dict = read_checkpoint(args.src)
     before_bytes = inspect_state_dict(state_dict).bytes
-    # A state of another family (lion8bit -> adamw) is a one-line ValueError naming both.
-    done = convert_checkpoint(state_dict, args.to, block_size=args.block_size, min_quant_size=args.min_quant_size,
-                              rule=args.rule, state_dtype=args.state_dtype)  # fmt: skip
-    _save_atomically(done.state_dict, dst)
+    # A state of another family (lion8bit -> adamw), an entry that is not its param's: one line
+    # naming the file and the entry. The written file must load into --to before it becomes DST.
+    try:
+        done = convert_checkpoint(state_dict, args.to, block_size=args.block_size, min_quant_size=args.min_quant_size,
+                                  rule=args.rule, state_dtype=args.state_dtype)  # fmt: skip
+        write_atomically(dst, lambda f: torch.save(done.state_dict, f),
+                         check=lambda tmp: check_loads(torch.load(tmp, weights_only=True, mmap=True), done.target, done.shapes))  # fmt: skip
+    except ValueError as err:
+        raise CliError(f"{args.src}: {err}") from None
     after = inspect_file(dst)
     before = done.source if done.read_as == done.source else f"{done.read_as}, as {done.source}"
     print(f"{args.src} ({before}, {_mb(before_bytes)} MB of state) -> {dst} ({after.optimizer or done.target}, "
@@ -694,15 +701,6 @@ def cmd_convert(args: argparse.Namespace) -> int:
     for note in done.notes:
         print(f"note: {note}")
     return 0
-
-
-def _save_atomically(obj: Any, dst: str) -> None:
-    """``torch.save`` into a new temporary file in DST's folder, then rename it to DST: DST is
-    either left as it was or is the whole new file, and no other file is touched or left. A
-    failed write is one line naming DST and its cause (a full disk, the file size limit)."""
-    import torch
-
-    write_atomically(dst, lambda f: torch.save(obj, f))
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -746,7 +744,7 @@ def _print_report(console: Console, file: str, r: StateDictReport) -> None:
     if not r.complete:
         console.print(f"tensor data: {r.bytes:,} bytes ({_mb(r.bytes)} MB); no per-key breakdown without loading its classes")
         return
-    elements = f", {r.param_elements:,} elements" if r.param_elements else ""
+    elements = f", {r.param_elements:,} param elements" if r.param_elements else ""
     per_param = f", {_per_param(r.bytes_per_param)} B/param" if r.bytes_per_param else ""
     console.print(
         f"{r.params:,} param tensors in {len(r.groups)} group{'s' if len(r.groups) != 1 else ''} ({r.params_with_state:,} with state{elements}): "
@@ -760,6 +758,9 @@ def _print_report(console: Console, file: str, r: StateDictReport) -> None:
     for key, nbytes in r.by_key.items():
         keys.add_row(key, ", ".join(r.dtypes_by_key.get(key, [])), f"{r.elements_by_key.get(key, 0):,}", f"{nbytes:,}", f"{nbytes / MiB:,.2f}")
     print_table(console, keys)
+    if r.formats:
+        console.print("elements: each state's own; a quantized state has one per param element (its codes and block "
+                      "scales are in bytes)", style="dim", highlight=False)  # fmt: skip
     groups = new_table()
     for title in ("group", "params", "MB (MiB)", "options"):  # options: free text, may wrap at its spaces
         groups.add_column(title, justify="left" if title == "options" else "right",

@@ -61,13 +61,16 @@ class _Recording:
         return self._file.tell()
 
 
-def write_atomically(dst: str | os.PathLike[str], write: Callable[[Any], None]) -> None:
+def write_atomically(dst: str | os.PathLike[str], write: Callable[[Any], None],
+                     check: Callable[[str], None] | None = None) -> None:  # fmt: skip
     """``write(f)`` (a binary file-like with ``write``, ``flush`` and ``tell``), then the result
-    replaces ``dst`` whole; ``dst`` keeps its old content if anything fails.
+    replaces ``dst`` whole; ``dst`` keeps its old content if anything fails. ``check(path)``,
+    if given, reads the written file before it replaces ``dst``: what it raises leaves ``dst``
+    as it was.
 
     A failed write raises :class:`WriteError` (an ``OSError``) with a one-line message, e.g.
     ``cannot write out/optimizer.pt: no space left on /mnt/small (tmpfs, 64.0 KiB, 0 B free)``.
-    Anything else ``write`` raises (a ``ValueError``, a bug) is raised as it is.
+    Anything else ``write`` or ``check`` raises (a ``ValueError``, a bug) is raised as it is.
     """
     dst = os.fspath(dst)
     folder = os.path.dirname(dst) or "."
@@ -80,6 +83,8 @@ def write_atomically(dst: str | os.PathLike[str], write: Callable[[Any], None]) 
             write(recording)
             f.flush()
             os.fsync(f.fileno())  # a full disk may only say so here (and the rename is then safe)
+        if check is not None:
+            check(tmp)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # the mode open(dst, "w") would give (mkstemp's is 0600)

@@ -38,6 +38,7 @@ from leanopt.optim.identity import (
     recognize_states,
     stacked_emas,
 )
+from leanopt.optim.peer_states import check_state_dict
 from leanopt.optim.registry import REGISTRY
 from leanopt.quant import QuantizedState
 
@@ -53,8 +54,13 @@ class StateDictReport:
     """Breakdown of one optimizer ``state_dict``.
 
     ``params`` is the number of parameter tensors the param groups list and
-    ``params_with_state`` those that have state; ``param_elements`` is inferred from the state
-    shapes (None when a layout does not reveal them). ``complete`` is False when only the
+    ``params_with_state`` those that have state; ``param_elements`` is the number of elements
+    of those params, inferred from the state shapes (None when a layout does not reveal them).
+    ``elements`` and ``elements_by_key`` count the states' own elements: a tensor's, and a
+    quantized state's (leanopt's, torchao's) as the tensor it stands for -- one per element of
+    its shape, so an AdamW moment counts ``param_elements`` whatever its precision; its codes
+    and block scales are in ``bytes``. bitsandbytes' keys are its own tensors (``state1``,
+    ``absmax1``, ...). ``complete`` is False when only the
     total could be read (torchao's tensor-subclass states do not load with weights_only).
     ``optimizer`` is the registry name the param groups declare (None for a file that declares
     none: ``layout`` was then recognized from its state keys).
@@ -147,6 +153,10 @@ def _optimizer_state(obj: Any, file: Path) -> dict[str, Any]:
     ):
         what = f"a dict with keys {sorted(map(str, obj))[:6]}" if isinstance(obj, Mapping) else f"a {type(obj).__name__}"
         raise InspectError(f"{file}: not an optimizer state_dict (it holds {what}; expected 'state' and 'param_groups')")
+    try:
+        check_state_dict(obj)
+    except ValueError as err:
+        raise InspectError(f"{file}: {err}") from None
     return dict(obj)
 
 
@@ -207,6 +217,7 @@ def inspect_state_dict(state_dict: Mapping[str, Any]) -> StateDictReport:
     counter = StateCounter()
     dtypes: dict[str, set[str]] = {}
     formats: set[str] = set()
+    elements: dict[str, int] = {}
     param_elements: int | None = 0
     for pid, state in sd["state"].items():
         gi = group_of.get(pid, -1)
@@ -214,7 +225,10 @@ def inspect_state_dict(state_dict: Mapping[str, Any]) -> StateDictReport:
             counter.add(state, "<state>", gi)
             continue
         for key, value in _entries(state):
+            before = counter.result.elements
             counter.add(value, key, gi)
+            own = _quantized_elements(value)
+            elements[key] = elements.get(key, 0) + (counter.result.elements - before if own is None else own)
             dtypes.setdefault(key, set()).update(_dtype_names(value))
             if isinstance(value, Mapping) and QuantizedState.is_state_dict(value):
                 formats.add(str(value["format"]))
@@ -226,12 +240,12 @@ def inspect_state_dict(state_dict: Mapping[str, Any]) -> StateDictReport:
         layout=recognize_layout(sd),
         optimizer=_declared(sd),
         bytes=m.bytes,
-        elements=m.elements,
+        elements=sum(elements.values()),
         params=sum(len(g["params"]) for g in groups),
         params_with_state=len(sd["state"]),
         param_elements=param_elements if sd["state"] else None,
         by_key=dict(m.by_key),
-        elements_by_key=dict(m.elements_by_key),
+        elements_by_key=elements,
         dtypes_by_key={k: sorted(v) for k, v in dtypes.items()},
         formats=sorted(formats),
     )
@@ -250,6 +264,21 @@ def _entries(state: Mapping[str, Any]) -> list[tuple[str, Any]]:
         else:
             out.append((str(key), value))
     return out
+
+
+def _quantized_elements(value: Any) -> int | None:
+    """The elements a quantized state stands for (its shape's), or None for anything else
+    (counted as its tensors' elements). A leanopt entry's shape comes from the file: only a
+    list of non-negative ints is one (the rest count their tensors)."""
+    if isinstance(value, Mapping) and QuantizedState.is_state_dict(value):
+        shape = value["shape"]
+        ints = isinstance(shape, (list, tuple)) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)
+        return math.prod(shape) if ints else None
+    if isinstance(value, QuantizedState):
+        return math.prod(value.shape)
+    if isinstance(value, torch.Tensor) and type(value) not in (torch.Tensor, torch.nn.Parameter) and hasattr(value, "__tensor_flatten__"):
+        return value.numel()  # torchao's states: a wrapper of the state's shape over codes and scales
+    return None
 
 
 def _dtype_names(value: Any) -> set[str]:

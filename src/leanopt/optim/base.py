@@ -32,6 +32,7 @@ from leanopt.optim.identity import declared_optimizer, recognize_states
 from leanopt.optim.layout import StateSpec, convert_saved
 from leanopt.optim.offload import Offloaded, check_offload
 from leanopt.optim.param_step import ParamStep, chunk_elements, chunks
+from leanopt.optim.peer_states import as_leanopt_state
 from leanopt.optim.placement import OnDevice, Placement
 from leanopt.optim.rounding import LOW_PRECISION, check_rounding, rounding_dither, stochastic_round
 from leanopt.optim.sharding import allocate_state, checkpoint_value, is_dtensor, load_value
@@ -439,6 +440,7 @@ class LeanOptimizer(torch.optim.Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        state_dict = as_leanopt_state(state_dict, type(self))  # a peer's file of this family: bitsandbytes', torchao's
         if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
             raise ValueError(
                 f"{type(self).__name__}.load_state_dict: expected a dict with 'state' and "
