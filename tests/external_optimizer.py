@@ -5,11 +5,10 @@ tests/test_external_optimizer.py holds it to torch's RMSprop on every backend.""
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 import leanopt
+from leanopt.optim.validation import check_beta, check_flag, check_nonnegative
 
 
 def _schedule(hp, step, safe):
@@ -48,17 +47,11 @@ class RMSprop(leanopt.ElementwiseOptimizer):
         super().__init__(params, defaults, backend=backend, state_dtype=state_dtype, offload=offload)
 
     def validate_group(self, group, *, loaded=False):
-        for key, high in (("lr", math.inf), ("eps", math.inf), ("weight_decay", math.inf), ("alpha", 1.0)):
-            value = group[key]
-            # lr may be a one-element floating tensor, as in torch (schedulers write into it).
-            if key == "lr" and isinstance(value, torch.Tensor):
-                if value.numel() != 1 or not value.is_floating_point():
-                    raise ValueError(f"Invalid lr: a tensor lr must have one floating element, got {tuple(value.shape)}")
-                value = 0.0 if value.device.type == "meta" else value.item()
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < high:
-                raise ValueError(f"Invalid {key}: {value!r}")
-        if not isinstance(group["maximize"], bool):
-            raise ValueError(f"maximize must be True or False, got {group['maximize']!r}")
+        # leanopt's own checks: lr may be a one-element tensor (as in torch), NaN is refused.
+        for key in ("lr", "eps", "weight_decay"):
+            check_nonnegative(key, group[key])
+        check_beta("alpha", group["alpha"])
+        check_flag("maximize", group["maximize"])
 
 
 class RMSprop8bit(leanopt.LowBit, RMSprop):

@@ -17,22 +17,8 @@ if importlib.util.find_spec("numpy") is None:
 from leanopt.kernels.rules import Rule, StateKind
 from leanopt.memory import OPTIMIZER_NAMES, compute_optimizer_size, estimate, measure, training_memory
 from leanopt.memory.resident import pin_allocator
-from leanopt.optim import (
-    SGD,
-    Adafactor,
-    AdamW,
-    AdamW4bit,
-    AdamW8bit,
-    AdEMAMix,
-    AdEMAMix8bit,
-    ElementwiseOptimizer,
-    Lion,
-    Lion4bit,
-    Lion8bit,
-    LowBit,
-    SGD8bit,
-    register,
-)
+from leanopt.optim import *  # noqa: F403  (every class the registry holds, under its own name)
+from leanopt.optim import OPTIMIZERS, ElementwiseOptimizer, LowBit, register
 from leanopt.optim.release import release_gradients
 
 if TYPE_CHECKING:
@@ -40,9 +26,8 @@ if TYPE_CHECKING:
     from leanopt.memory.plan import plan
 
 __version__ = "0.1.0"
-__all__ = ["OPTIMIZER_NAMES", "AdEMAMix", "AdEMAMix8bit", "Adafactor", "AdamW", "AdamW4bit", "AdamW8bit", "ElementwiseOptimizer",
-           "Lion", "Lion4bit", "Lion8bit", "LowBit", "Rule", "SGD", "SGD8bit", "StateKind", "compute_optimizer_size", "doctor", "estimate",
-           "measure", "pin_allocator", "plan", "register", "release_gradients", "training_memory"]  # fmt: skip
+__all__ = ["OPTIMIZER_NAMES", "ElementwiseOptimizer", "LowBit", "Rule", "StateKind", "compute_optimizer_size", "doctor", "estimate",
+           "measure", "pin_allocator", "plan", "register", "release_gradients", "training_memory", *OPTIMIZERS]  # fmt: skip
 
 # The planner (memory/plan*.py: a FakeTensorMode tracer and its CUDA emulation) and the doctor
 # are imported on first use, so that `import leanopt` for an optimizer does not pay for them

@@ -63,10 +63,11 @@ import torch
 
 from leanopt.optim.base import LeanOptimizer
 from leanopt.optim.identity import IDENTITY_KEY, declared_optimizer, recognize_states, tensor_subclass
-from leanopt.optim.lowbit import STORAGE_OPTIONS, LowBit, check_block_size, check_min_quant_size
+from leanopt.optim.lowbit import STORAGE_OPTIONS, LowBit
 from leanopt.optim.peer_states import a_, check_state_dict, from_peer, step_count
 from leanopt.optim.registry import REGISTRY, optimizer_class
 from leanopt.optim.sharding import is_dtensor
+from leanopt.optim.validation import check_block_size, check_min_quant_size
 from leanopt.quant import QuantizedState, format_by_name
 from leanopt.quant.bf16 import check_state_dtype, state_dtype_name
 

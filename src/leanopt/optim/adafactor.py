@@ -10,15 +10,18 @@ import torch
 
 from leanopt import kernels
 from leanopt.kernels.reference import adafactor_schedule
-from leanopt.optim.base import LeanOptimizer, as_float, check_beta, check_flag, check_nonnegative
+from leanopt.optim.base import LeanOptimizer, as_float
+from leanopt.optim.docs import document
 from leanopt.optim.elementwise import state_dtype
 from leanopt.optim.layout import StateSpec
 from leanopt.optim.param_step import ParamStep
 from leanopt.optim.registry import register
 from leanopt.optim.sharding import is_dtensor, shardable, update_whole
+from leanopt.optim.validation import check_beta, check_flag, check_nonnegative
 
 
 @register
+@document
 class Adafactor(LeanOptimizer):
     r"""Adafactor (Shazeer & Stern, 2018), exactly ``transformers.Adafactor``'s rule, defaults and keys.
 
@@ -85,12 +88,7 @@ class Adafactor(LeanOptimizer):
         relative_step: use the time-dependent step size instead of ``lr`` (default True).
         warmup_init: with ``relative_step``, warm the step size up as :math:`10^{-6}t`
             (default False).
-        rounding: how the fp32 update is written into a bf16/fp16 param: ``"nearest"``
-            (default), ``"stochastic"`` or ``"kahan"`` (a compensation buffer, 2 B/param for
-            bf16); fp32/fp64 params ignore it. See :mod:`leanopt.optim.rounding`.
-        backend: ``"auto"`` (Triton on CUDA, the fast CPU path on CPU), ``"reference"``
-            (plain tensor maths, for debugging), ``"cpu"`` or ``"triton"`` (keyword-only; not
-            in transformers' signature). The fast paths agree with the reference to rounding.
+        .. args:: rounding backend offload
 
     Example:
         >>> import torch, leanopt

@@ -9,13 +9,16 @@ from typing import Any, ClassVar
 import torch
 
 from leanopt.kernels import rules
-from leanopt.optim.base import backend_for_torch_flags, check_beta, check_flag, check_nonnegative
+from leanopt.optim.base import backend_for_torch_flags
+from leanopt.optim.docs import document
 from leanopt.optim.elementwise import ElementwiseOptimizer
 from leanopt.optim.layout import StateSpec
 from leanopt.optim.registry import register
+from leanopt.optim.validation import check_betas, check_flag, check_nonnegative
 
 
 @register
+@document
 class AdamW(ElementwiseOptimizer):
     r"""AdamW (Loshchilov & Hutter), exactly ``torch.optim.AdamW``'s rule and state keys.
 
@@ -44,19 +47,7 @@ class AdamW(ElementwiseOptimizer):
         weight_decay: decoupled weight decay (default 1e-2).
         amsgrad: use the maximum of past second moments (default False).
         maximize: maximize the objective instead of minimizing it (default False).
-        rounding: how the fp32 update is written into a bf16/fp16 param: ``"nearest"``
-            (default), ``"stochastic"`` or ``"kahan"`` (a compensation buffer, 2 B/param for
-            bf16); fp32/fp64 params ignore it. See :mod:`leanopt.optim.rounding`.
-        foreach, fused: torch's implementation choice, accepted so that torch's calls run:
-            ``fused=True``/``foreach=True`` is leanopt's fast path (what ``"auto"`` picks
-            anyway), ``foreach=False`` the ``"reference"`` backend; see
-            :func:`leanopt.optim.base.backend_for_torch_flags`.
-        capturable, differentiable: accepted as False; True is a ``ValueError`` (not supported).
-        backend: ``"auto"`` (Triton on CUDA, the fast CPU path on CPU), ``"reference"``
-            (plain tensor maths, for debugging), ``"cpu"`` or ``"triton"``.
-        state_dtype: how dense states are stored: ``torch.float32`` (default) or
-            ``torch.bfloat16`` (half the bytes, written with stochastic rounding; see
-            :mod:`leanopt.quant.bf16`). Taken by every elementwise optimizer.
+        .. args:: rounding foreach capturable backend state_dtype offload
 
     Example:
         >>> import torch, leanopt
@@ -116,15 +107,8 @@ class AdamW(ElementwiseOptimizer):
         return None
 
 
-def validate_betas(betas: Any) -> None:
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-    check_beta("beta1 (betas[0])", betas[0])
-    check_beta("beta2 (betas[1])", betas[1])
-
-
 def validate_adam_hparams(lr: float | torch.Tensor, betas: Any, eps: float, weight_decay: float) -> None:
     check_nonnegative("lr", lr)
     check_nonnegative("eps", eps)
     check_nonnegative("weight_decay", weight_decay)
-    validate_betas(betas)
+    check_betas(betas)

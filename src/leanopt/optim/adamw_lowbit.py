@@ -6,16 +6,45 @@ Each is AdamW's rule (:data:`leanopt.kernels.rules.ADAMW`) in safe mode on quant
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
+import torch
+
 from leanopt.optim.adamw import AdamW
+from leanopt.optim.docs import document
 from leanopt.optim.lowbit import LowBit
 from leanopt.optim.registry import register
 
 
 class LowBitAdamW(LowBit, AdamW):
     """AdamW whose moments are stored block-quantized; amsgrad is refused."""
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        block_size: int | None = None,
+        min_quant_size: int = 4096,
+        rounding: str = "nearest",
+        backend: str = "auto",
+        state_dtype: torch.dtype | str = torch.float32,
+        offload: str | None = None,
+    ) -> None:
+        self._set_storage(block_size, min_quant_size)
+        super(LowBit, self).__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, foreach=foreach,
+                                     capturable=capturable, differentiable=differentiable, fused=fused, rounding=rounding,
+                                     backend=backend, state_dtype=state_dtype, offload=offload)  # fmt: skip
 
     def validate_group(self, group: Mapping[str, Any], *, loaded: bool = False) -> None:
         cls = type(self).__name__
@@ -90,14 +119,7 @@ _DOC = r"""AdamW (Loshchilov & Hutter) with {bits}-bit block-quantized moments.
         weight_decay: decoupled weight decay (default 1e-2).
         amsgrad: must be False (see above).
         maximize: maximize the objective instead of minimizing it (default False).
-        block_size: elements per fp32 scale (default {block}; the peers' choice, and the
-            largest power of two keeping {bits}-bit states within {bpp} B/param).
-        min_quant_size: params with fewer elements keep fp32 states (default 4096).
-        rounding: how the fp32 update is written into a bf16/fp16 param: ``"nearest"``
-            (default), ``"stochastic"`` or ``"kahan"`` (a compensation buffer, 2 B/param for
-            bf16); fp32/fp64 params ignore it. See :mod:`leanopt.optim.rounding`.
-        backend: ``"auto"`` (fused Triton kernel on CUDA, the compiled CPU path on CPU),
-            ``"reference"`` (plain tensor maths, for debugging), ``"cpu"`` or ``"triton"``.
+        .. args:: foreach capturable block_size min_quant_size rounding backend state_dtype offload
 
     Example:
         >>> import torch, leanopt
@@ -136,3 +158,5 @@ AdamW8bit.__doc__ = _DOC.format(
 AdamW4bit.__doc__ = _DOC.format(
     bits=4, m_code="pow2-s4", v_code="pow3-u4", code_bytes="0.5", bpp="1.063", block=128, cls="AdamW4bit"
 )
+document(AdamW8bit)
+document(AdamW4bit)

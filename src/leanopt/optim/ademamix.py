@@ -9,10 +9,11 @@ from typing import Any, ClassVar
 import torch
 
 from leanopt.kernels import rules
-from leanopt.optim.base import check_beta, check_flag, check_nonnegative
+from leanopt.optim.docs import document
 from leanopt.optim.elementwise import ElementwiseOptimizer
 from leanopt.optim.lowbit import LowBit
 from leanopt.optim.registry import register
+from leanopt.optim.validation import check_beta, check_flag, check_nonnegative
 
 
 def _check_steps(name: str, value: Any) -> None:
@@ -21,6 +22,7 @@ def _check_steps(name: str, value: Any) -> None:
 
 
 @register
+@document
 class AdEMAMix(ElementwiseOptimizer):
     r"""AdEMAMix (Pagliardini, Ablin & Grangier 2024, "The AdEMAMix Optimizer: Better, Faster, Older").
 
@@ -49,11 +51,7 @@ class AdEMAMix(ElementwiseOptimizer):
         eps: added to the denominator (default 1e-8).
         weight_decay: decoupled weight decay (default 1e-2).
         maximize: maximize the objective instead of minimizing it (default False).
-        rounding: how the update is written into a bf16/fp16 param (see :mod:`leanopt.optim.rounding`).
-        backend: ``"auto"``, ``"reference"``, ``"cpu"`` or ``"triton"``.
-        state_dtype: how dense states are stored: ``torch.float32`` (default) or
-            ``torch.bfloat16`` (half the bytes, written with stochastic rounding; see
-            :mod:`leanopt.quant.bf16`). Taken by every elementwise optimizer.
+        .. args:: rounding backend state_dtype offload
 
     Example:
         >>> import torch, leanopt
@@ -109,6 +107,7 @@ class AdEMAMix(ElementwiseOptimizer):
 
 
 @register
+@document
 class AdEMAMix8bit(LowBit, AdEMAMix):
     """AdEMAMix with 8-bit block-quantized states.
 
@@ -124,7 +123,10 @@ class AdEMAMix8bit(LowBit, AdEMAMix):
     the fp32 decay; the slow one, decaying by 0.01 % per step, rounds to nearest). Params with fewer than ``min_quant_size`` elements (default 4096)
     keep fp32 states.
 
-    Args: as :class:`leanopt.AdEMAMix`, plus ``block_size`` and ``min_quant_size``.
+    Args:
+        params, lr, betas, alpha, t_alpha, t_beta3, eps, weight_decay, maximize: as
+            :class:`leanopt.AdEMAMix`.
+        .. args:: block_size min_quant_size rounding backend state_dtype offload
     """
 
     name = "ademamix8bit"
@@ -134,3 +136,26 @@ class AdEMAMix8bit(LowBit, AdEMAMix):
     exp_avg_slow_code = "pow3-s8"
     exp_avg_sq_code = "pow6-u8"
     default_block_size = 256
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float, float] = (0.9, 0.999, 0.9999),
+        alpha: float = 5.0,
+        t_alpha: int | None = None,
+        t_beta3: int | None = None,
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        maximize: bool = False,
+        block_size: int | None = None,
+        min_quant_size: int = 4096,
+        rounding: str = "nearest",
+        backend: str = "auto",
+        state_dtype: torch.dtype | str = torch.float32,
+        offload: str | None = None,
+    ) -> None:
+        self._set_storage(block_size, min_quant_size)
+        super(LowBit, self).__init__(params, lr, betas, alpha, t_alpha, t_beta3, eps, weight_decay, maximize=maximize,
+                                     rounding=rounding, backend=backend, state_dtype=state_dtype, offload=offload)  # fmt: skip

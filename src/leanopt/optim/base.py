@@ -36,41 +36,8 @@ from leanopt.optim.peer_states import as_leanopt_state
 from leanopt.optim.placement import OnDevice, Placement
 from leanopt.optim.rounding import LOW_PRECISION, check_rounding, rounding_dither, stochastic_round
 from leanopt.optim.sharding import allocate_state, checkpoint_value, is_dtensor, load_value
+from leanopt.optim.validation import check_flag
 from leanopt.quant import QuantizedState
-
-
-def _number(name: str, value: Any) -> float:
-    """``value`` as a float if it is a real number (or a one-element real floating tensor)."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or not value.is_floating_point():
-            raise ValueError(f"Tensor {name} must be a one-element floating tensor, got shape {tuple(value.shape)} {value.dtype}")
-        if value.device.type == "meta":
-            return 0.0  # no value to check: a model being estimated, nothing will step
-        return float(value.item())
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    return float(value)
-
-
-def check_nonnegative(name: str, value: Any) -> None:
-    """A finite number >= 0; ``lr`` may also be a one-element tensor (as in torch)."""
-    if isinstance(value, torch.Tensor) and name != "lr":
-        raise ValueError(f"{name} must be a number, got a tensor")
-    number = _number(name, value)
-    if not (number >= 0.0 and math.isfinite(number)):  # also rejects NaN
-        raise ValueError(f"Invalid {name}: {value!r} (must be a finite number >= 0)")
-
-
-def check_beta(name: str, value: Any) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    if not 0.0 <= value < 1.0:
-        raise ValueError(f"Invalid {name}: {value!r} (must be in [0, 1))")
-
-
-def check_flag(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 def backend_for_torch_flags(

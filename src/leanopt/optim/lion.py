@@ -9,14 +9,15 @@ from typing import Any, ClassVar
 import torch
 
 from leanopt.kernels import rules
-from leanopt.optim.adamw import validate_betas
-from leanopt.optim.base import check_flag, check_nonnegative
+from leanopt.optim.docs import document
 from leanopt.optim.elementwise import ElementwiseOptimizer
 from leanopt.optim.lowbit import LowBit
 from leanopt.optim.registry import register
+from leanopt.optim.validation import check_betas, check_flag, check_nonnegative
 
 
 @register
+@document
 class Lion(ElementwiseOptimizer):
     r"""Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms").
 
@@ -39,12 +40,7 @@ class Lion(ElementwiseOptimizer):
             (default (0.9, 0.99)).
         weight_decay: decoupled weight decay (default 0).
         maximize: maximize the objective instead of minimizing it (default False).
-        rounding: how the update is written into a bf16/fp16 param: ``"nearest"`` (default),
-            ``"stochastic"`` or ``"kahan"``; see :mod:`leanopt.optim.rounding`.
-        backend: ``"auto"``, ``"reference"``, ``"cpu"`` or ``"triton"``.
-        state_dtype: how dense states are stored: ``torch.float32`` (default) or
-            ``torch.bfloat16`` (half the bytes, written with stochastic rounding; see
-            :mod:`leanopt.quant.bf16`). Taken by every elementwise optimizer.
+        .. args:: rounding backend state_dtype offload
 
     Example:
         >>> import torch, leanopt
@@ -80,7 +76,7 @@ class Lion(ElementwiseOptimizer):
     def validate_group(self, group: Mapping[str, Any], *, loaded: bool = False) -> None:
         check_nonnegative("lr", group["lr"])
         check_nonnegative("weight_decay", group["weight_decay"])
-        validate_betas(group["betas"])
+        check_betas(group["betas"])
         check_flag("maximize", group["maximize"])
 
 
@@ -96,12 +92,37 @@ _LOWBIT_DOC = r"""Lion with {bits}-bit block-quantized momentum.
     ``min_quant_size`` elements (default 4096), and groups with ``"quantize": False``, keep an
     fp32 momentum. Checkpoints convert between Lion, Lion8bit and Lion4bit on load.
 
-    Args: as :class:`leanopt.Lion`, plus ``block_size`` and ``min_quant_size``.
+    Args:
+        params, lr, betas, weight_decay, maximize: as :class:`leanopt.Lion`.
+        .. args:: block_size min_quant_size rounding backend state_dtype offload
 """
 
 
+class LowBitLion(LowBit, Lion):
+    """Lion whose momentum is stored block-quantized."""
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | torch.Tensor = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.99),
+        weight_decay: float = 0.0,
+        *,
+        maximize: bool = False,
+        block_size: int | None = None,
+        min_quant_size: int = 4096,
+        rounding: str = "nearest",
+        backend: str = "auto",
+        state_dtype: torch.dtype | str = torch.float32,
+        offload: str | None = None,
+    ) -> None:
+        self._set_storage(block_size, min_quant_size)
+        super(LowBit, self).__init__(params, lr, betas, weight_decay, maximize=maximize, rounding=rounding, backend=backend,
+                                     state_dtype=state_dtype, offload=offload)  # fmt: skip
+
+
 @register
-class Lion8bit(LowBit, Lion):
+class Lion8bit(LowBitLion):
     name = "lion8bit"
     references = Lion.references + ("bitsandbytes.optim.Lion8bit",)
     state_bits = 8
@@ -110,7 +131,7 @@ class Lion8bit(LowBit, Lion):
 
 
 @register
-class Lion4bit(LowBit, Lion):
+class Lion4bit(LowBitLion):
     name = "lion4bit"
     state_bits = 4
     exp_avg_code = "pow2-s4"
@@ -119,3 +140,5 @@ class Lion4bit(LowBit, Lion):
 
 Lion8bit.__doc__ = _LOWBIT_DOC.format(bits=8, code="pow3-s8", block=256, bpp="1.016")
 Lion4bit.__doc__ = _LOWBIT_DOC.format(bits=4, code="pow2-s4", block=128, bpp="0.531")
+document(Lion8bit)
+document(Lion4bit)

@@ -16,17 +16,25 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
-if TYPE_CHECKING:  # the annotations only: release imports this module
-    from leanopt.optim.release import GradientRelease
-
-__all__ = ["OnDevice", "Placement", "Pending"]
+__all__ = ["OnDevice", "Pending", "Placement", "Release"]
 
 # (group index, index in the group, param): a param with a gradient waiting to be stepped.
 Pending = tuple[int, int, torch.Tensor]
+
+
+class Release(Protocol):
+    """What a placement asks of the gradient release attached to it
+    (:class:`leanopt.optim.release.GradientRelease`): the loop's calls go through its cycle."""
+
+    def step(self) -> None: ...
+
+    def zero_grad(self, set_to_none: bool) -> None: ...
+
+    def hook_params(self) -> None: ...
 
 
 class Placement:
@@ -39,7 +47,7 @@ class Placement:
         # A proxy: the optimizer owns its placement, and a worker thread of the placement must
         # not keep the optimizer alive.
         self.optimizer = optimizer if isinstance(optimizer, weakref.ProxyTypes) else weakref.proxy(optimizer)
-        self.release: GradientRelease | None = None
+        self.release: Release | None = None
 
     # ---- bookkeeping ---------------------------------------------------------------------
     def state_device(self, p: torch.Tensor) -> torch.device:

@@ -8,20 +8,23 @@ optimizer's declared identity).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
-if TYPE_CHECKING:  # base imports this module (inside a function); the annotation only needs the name
-    from leanopt.optim.base import LeanOptimizer
+import torch
 
-# Every registered class is a LeanOptimizer subclass (leanopt's own and the external ones of the
-# contract suite): typed so, its ``name``, ``family`` and constructor are visible to mypy.
-REGISTRY: dict[str, type[LeanOptimizer]] = {}
+# Every registered class is a LeanOptimizer subclass (leanopt's own and those defined outside
+# it). This module sits below the base class (which looks names up here), so the values are
+# typed as any class: callers get LeanOptimizer's attributes without the base importing back.
+REGISTRY: dict[str, Any] = {}
 
-_Optimizer = TypeVar("_Optimizer", bound="type[LeanOptimizer]")
+_Optimizer = TypeVar("_Optimizer", bound=type)
 
 
 def register(cls: _Optimizer) -> _Optimizer:
-    """Class decorator: add ``cls`` under its ``name`` (lower case, unique)."""
+    """Class decorator: add ``cls`` (a ``torch.optim.Optimizer`` subclass that declares its own
+    ``name`` and a ``family``) under its ``name`` (lower case, unique)."""
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or not isinstance(getattr(cls, "family", None), str):
+        raise ValueError(f"{getattr(cls, '__name__', cls)!r} must be a torch.optim.Optimizer subclass with a `family` to be registered")
     name = cls.__dict__.get("name")
     if not isinstance(name, str) or name != name.lower() or not name:
         raise ValueError(f"{cls.__name__} must declare its own lower-case `name` to be registered")
@@ -31,7 +34,7 @@ def register(cls: _Optimizer) -> _Optimizer:
     return cls
 
 
-def optimizer_class(name: Any) -> type[LeanOptimizer]:
+def optimizer_class(name: Any) -> Any:
     """The registered class of ``name`` (case-insensitive); ``ValueError`` naming the known ones."""
     cls = REGISTRY.get(name.lower()) if isinstance(name, str) else None
     if cls is None:

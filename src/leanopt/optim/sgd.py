@@ -10,15 +10,18 @@ from typing import Any, ClassVar
 import torch
 
 from leanopt.kernels import rules
-from leanopt.optim.base import _number, backend_for_torch_flags, check_flag, check_nonnegative
+from leanopt.optim.base import backend_for_torch_flags
+from leanopt.optim.docs import document
 from leanopt.optim.elementwise import ElementwiseOptimizer
 from leanopt.optim.layout import StateSpec
 from leanopt.optim.lowbit import LowBit
 from leanopt.optim.registry import register
 from leanopt.optim.rounding import LOW_PRECISION
+from leanopt.optim.validation import check_flag, check_nonnegative, number
 
 
 @register
+@document
 class SGD(ElementwiseOptimizer):
     r"""Stochastic gradient descent with momentum: ``torch.optim.SGD``'s rule, defaults and state.
 
@@ -45,17 +48,7 @@ class SGD(ElementwiseOptimizer):
         weight_decay: L2 penalty added to the gradient (default 0).
         nesterov: Nesterov momentum (needs a momentum and zero dampening; default False).
         maximize: maximize the objective instead of minimizing it (default False).
-        rounding: how the update is written into a bf16/fp16 param: ``"nearest"`` (default),
-            ``"stochastic"`` or ``"kahan"``; see :mod:`leanopt.optim.rounding`.
-        foreach, fused: torch's implementation choice, accepted so that torch's calls run:
-            ``fused=True``/``foreach=True`` is leanopt's fast path (what ``"auto"`` picks
-            anyway), ``foreach=False`` the ``"reference"`` backend; see
-            :func:`leanopt.optim.base.backend_for_torch_flags`.
-        differentiable: accepted as False; True is a ``ValueError`` (not supported).
-        backend: ``"auto"``, ``"reference"``, ``"cpu"`` or ``"triton"``.
-        state_dtype: how dense states are stored: ``torch.float32`` (default) or
-            ``torch.bfloat16`` (half the bytes, written with stochastic rounding; see
-            :mod:`leanopt.quant.bf16`). Taken by every elementwise optimizer.
+        .. args:: rounding foreach differentiable backend state_dtype offload
 
     Example:
         >>> import torch, leanopt
@@ -105,7 +98,7 @@ class SGD(ElementwiseOptimizer):
         check_nonnegative("lr", group["lr"])
         check_nonnegative("momentum", group["momentum"])
         check_nonnegative("weight_decay", group["weight_decay"])
-        if isinstance(group["dampening"], torch.Tensor) or not math.isfinite(_number("dampening", group["dampening"])):
+        if isinstance(group["dampening"], torch.Tensor) or not math.isfinite(number("dampening", group["dampening"])):
             raise ValueError(f"Invalid dampening: {group['dampening']!r} (must be a finite number)")
         check_flag("nesterov", group["nesterov"])
         check_flag("maximize", group["maximize"])
@@ -125,6 +118,7 @@ class SGD(ElementwiseOptimizer):
 
 
 @register
+@document
 class SGD8bit(LowBit, SGD):
     """SGD with an 8-bit block-quantized momentum.
 
@@ -139,7 +133,9 @@ class SGD8bit(LowBit, SGD):
     ``"quantize": False``, keep an fp32 buffer. Checkpoints convert between SGD and SGD8bit on
     load.
 
-    Args: as :class:`leanopt.SGD`, plus ``block_size`` and ``min_quant_size``.
+    Args:
+        params, lr, momentum, dampening, weight_decay, nesterov, maximize: as :class:`leanopt.SGD`.
+        .. args:: foreach differentiable block_size min_quant_size rounding backend state_dtype offload
     """
 
     name = "sgd8bit"
@@ -147,3 +143,28 @@ class SGD8bit(LowBit, SGD):
     state_bits = 8
     momentum_buffer_code = "pow3-s8"
     default_block_size = 256
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | torch.Tensor = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        block_size: int | None = None,
+        min_quant_size: int = 4096,
+        rounding: str = "nearest",
+        backend: str = "auto",
+        state_dtype: torch.dtype | str = torch.float32,
+        offload: str | None = None,
+    ) -> None:
+        self._set_storage(block_size, min_quant_size)
+        super(LowBit, self).__init__(params, lr, momentum, dampening, weight_decay, nesterov, maximize=maximize, foreach=foreach,
+                                     differentiable=differentiable, fused=fused, rounding=rounding, backend=backend,
+                                     state_dtype=state_dtype, offload=offload)  # fmt: skip
