@@ -28,6 +28,7 @@ import torch
 from leanopt import kernels
 from leanopt.kernels.multi_tensor import TableCache
 from leanopt.optim import clipping
+from leanopt.optim import rounding as rounding_module
 from leanopt.optim.identity import declared_optimizer, recognize_states
 from leanopt.optim.layout import StateSpec, convert_saved
 from leanopt.optim.offload import Offloaded, check_offload
@@ -343,7 +344,8 @@ class LeanOptimizer(torch.optim.Optimizer):
             raise ValueError(f"rounding={rounding!r} is not supported for DTensor (FSDP2) params (param {item.index[1]} "
                              f"of group {gi})")  # fmt: skip
         blocks = [v.format.block_size for v in item.state.values() if isinstance(v, QuantizedState)]
-        for part in chunks(item, chunk_elements(self.chunkable and item.grad.is_contiguous(), p, blocks)):
+        chunk = chunk_elements(self.chunkable and item.grad.is_contiguous(), p, blocks, rounding_module.ROUNDING_CHUNK)
+        for part in chunks(item, chunk):
             master = part.param.float()
             comp = part.state.get("kahan_comp") if rounding == "kahan" else None
             if comp is not None:
