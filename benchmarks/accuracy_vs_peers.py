@@ -14,7 +14,7 @@ optimizer fed the same gradients:
 
 Columns are max and mean ``|p - p_fp32|`` and state bytes per param.
 
-A second table, **sparse** (issue #11), runs longer on gradients that are zero most of the
+A second table, **sparse**, runs longer on gradients that are zero most of the
 time, over several seeds (:class:`SparseGradients`): one 256x1024 weight of a layer whose
 1024 input features are each active on 2 % of the steps (independently); an active feature's
 column gets ``0.01 * (mu + 3 * eps)`` -- ``mu`` a fixed per-element direction, ``eps`` fresh

@@ -1,4 +1,4 @@
-"""The host step's first moments, each in a fresh process (issue 23).
+"""The host step's first moments, each in a fresh process: the first step never waits for a kernel build.
 
     python benchmarks/first_step.py            # all three, ~1 minute on 2 idle cores
     python benchmarks/first_step.py --json out.json

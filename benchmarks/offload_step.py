@@ -1,4 +1,4 @@
-"""A training step with ``offload="cpu"`` beside the same step on the device (issue 21).
+"""A training step with ``offload="cpu"`` beside the same step on the device.
 
     python benchmarks/offload_step.py                      # CPU: TinyLlama shapes scaled to ~8M params
     python benchmarks/offload_step.py --device cuda        # GPU: TinyLlama-1.1B shapes, bf16 params

@@ -238,7 +238,7 @@ def _sig(x: float, digits: int = 4) -> float:
 
 
 # Other sets of shapes: "wide16" is 16 tensors of 512 x 1000 (8,192,000 params), the set the
-# issue that found Adafactor 2x slower than before measured; its row stays here (issue 23).
+# issue that found Adafactor 2x slower than before measured; its row stays here.
 # "toy" is scripts/gpu_check.py's dry-run set (28,000 params).
 SETS = {"wide16": [(512, 1000)] * 16, "toy": llama_shapes(TOY)}
 

@@ -122,7 +122,7 @@ def test_compare_subcommand_forwards_its_arguments(capsys) -> None:
     assert main(["compare", "--optimizers", "no-such-optimizer"]) == 2
 
 
-# ---- hostile checkpoints and dense results that own their memory (issue #9, item 7) -------------
+# ---- hostile checkpoints and dense results that own their memory ----------------------------
 def _quantized_sd(shape, fmt_name="pow3-s8/b256"):
     from leanopt.quant import format_by_name
 
@@ -163,7 +163,7 @@ def test_converted_dense_state_holds_exactly_its_elements(tmp_path, capsys) -> N
     assert data["bytes_per_param"] < 8.001  # 8.21 when the padded buffer was kept
 
 
-# ---- the write of DST (issue #9, item 13) --------------------------------------------------------
+# ---- the write of DST -------------------------------------------------------------------------
 def _leftovers(folder, *expected):
     return sorted(p.name for p in folder.iterdir() if p.name not in expected)
 
@@ -215,7 +215,7 @@ def test_convert_failed_write_removes_its_temporary(tmp_path, capsys, monkeypatc
     assert _leftovers(tmp_path, "optimizer.pt", "out.pt") == []
 
 
-# ---- a disk that fills during the write: torch's writer raises RuntimeError (issue 20, item 18) ----
+# ---- a disk that fills during the write: torch's writer raises RuntimeError ----------------------
 # Tests of this block: D's. Torch's zip writer turns the failed write() into "[enforce fail at
 # inline_container.cc:672] unexpected pos ..."; the cause must still be named, from the errno.
 @pytest.fixture

@@ -1,5 +1,5 @@
 """The CPU quantized path's encoder (one gather from a packed 2^16-entry table) against the code
-book's binary search, and its decay-rounding shortcut (issue #11)."""
+book's binary search, and its decay-rounding shortcut."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The decay rounding of a quantized first moment where the gradient is exactly 0 (issue #11).
+"""The decay rounding of a quantized first moment where the gradient is exactly 0.
 
 What it promises (``leanopt.quant.formats.BlockFormat.code_indices``): the dither is a fixed
 32-bit hash of (global index, step), the same bits on every backend and however a tensor is
@@ -226,7 +226,7 @@ def _moved_ratio(cls: type, backend: str, lead_g: float, burst_scale: float, war
 
 # (optimizer, lead gradient, burst scale, warm-up steps, lowest ratio allowed). Measured with
 # the reference (the CPU and Triton paths give the same ratios to 3 digits), rounding toward
-# zero before issue #11 in brackets: AdamW8bit 0.97 [0.74] and 0.95 [0.71], seeds 0-3;
+# zero before the decay rounding in brackets: AdamW8bit 0.97 [0.74] and 0.95 [0.71], seeds 0-3;
 # AdamW4bit 0.54-0.60 [0.16-0.17], seeds 0-7, and 0.43-0.70 (median 0.57, 1 % below 0.47)
 # over 231 seeds: its floor of 0.5 failed on about one seed in twenty (CI draws a fresh seed
 # per run), so it is 0.35, still twice the old rounding's. A 4-bit momentum that lands at the bottom of its
@@ -245,7 +245,7 @@ MOVING = [
 def test_decaying_momentum_keeps_moving_the_weight_like_fp32(case: tuple, backend: str) -> None:
     # After one gradient, fp32 AdamW's momentum decays by b1 per step and keeps moving the
     # weight; in a block whose scale another element holds up, rounding toward zero made a
-    # quantized momentum die within a few steps (issue #11).
+    # quantized momentum die within a few steps.
     cls, lead_g, burst_scale, warm, lowest = case
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     ratio = _moved_ratio(cls, backend, lead_g, burst_scale, warm, seed)

@@ -1,4 +1,4 @@
-"""Odd blocks of 4-bit states (issue 20, item 12).
+"""Odd blocks of 4-bit states.
 
 4-bit codes are packed two to a byte in flat order, so an odd block would start mid-byte every
 other block: the compiled CPU path (rows of ``block / 2`` bytes), the native kernel and a

@@ -176,7 +176,7 @@ def test_peak_memory_drops_by_most_of_the_gradient_bytes() -> None:
           f"{peaks['release'] / 2**20:.1f} MiB; gradients {grad_bytes / 2**20:.1f} MiB, drop {drop / grad_bytes:.0%}")
 
 
-# ---- gradients that reach a param by a path without a release hook (issue 20) ----------------
+# ---- gradients that reach a param by a path without a release hook -----------------------
 # Each trains as in the usual loop: stepped at the end of the backward, or by optimizer.step().
 HOOKLESS = ["unfrozen_after_release", "group_added_after_release", "grad_set_by_hand", "torch_autograd_grad"]
 
@@ -223,7 +223,7 @@ def test_params_no_hook_sees_are_trained_as_in_the_usual_loop(case: OptimizerCas
     handle.remove()
 
 
-# ---- AMP GradScaler (issue 20): its scaled, possibly inf gradients must never be stepped -------
+# ---- AMP GradScaler: its scaled, possibly inf gradients must never be stepped -------
 @pytest.mark.parametrize("case", MECHANISMS, ids=str)
 def test_a_grad_scaler_is_refused_before_the_first_released_step(case: OptimizerCase) -> None:
     m = model()
@@ -271,7 +271,7 @@ def test_a_disabled_grad_scaler_trains_as_without_one() -> None:
     handle.remove()
 
 
-# ---- reentrant activation checkpointing (issue 20) ----------------------------------------------
+# ---- reentrant activation checkpointing -----------------------------------------------------
 class Segments(torch.nn.Module):
     """Three segments under ``checkpoint(use_reentrant=True)``: each segment's backward is a
     backward of its own, run inside the outer one. ``separate``: a Linear each; ``shared``: one
@@ -330,7 +330,7 @@ def test_reentrant_checkpointing_steps_each_param_once_on_its_whole_gradient(cas
     handle.remove()
 
 
-# ---- DDP over a model released unwrapped (issue 20) ---------------------------------------------
+# ---- DDP over a model released unwrapped ----------------------------------------------------
 def test_ddp_over_a_released_model_is_refused_on_every_rank(tmp_path) -> None:
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed is not available in this build")

@@ -1,4 +1,4 @@
-"""torchrun worker: ``leanopt.release_gradients`` and DDP given the unwrapped model (issue 20).
+"""torchrun worker: ``leanopt.release_gradients`` and DDP given the unwrapped model.
 
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 tests/dist_scripts/release_ddp.py OUT_DIR
 

@@ -46,7 +46,7 @@ def backend_for_torch_flags(
     capturable: bool = False, differentiable: bool = False,
 ) -> str:  # fmt: skip
     """The backend that torch's implementation flags ask for, so that a call written for
-    ``torch.optim.AdamW``/``SGD`` runs unchanged (issue 25).
+    ``torch.optim.AdamW``/``SGD`` runs unchanged.
 
     ``fused=True`` or ``foreach=True``: leanopt's fast path, which ``backend="auto"`` already
     picks (Triton on CUDA, the compiled or native CPU kernel on CPU; each a multi-tensor,

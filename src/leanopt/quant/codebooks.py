@@ -30,7 +30,7 @@ torchao 4-bit (dynamic | linear)        1.1e-2 / 9.1e-4    1.7e-2 / 3.3e-3    2.
 
 (The dynamic tree's lower hazard mean is the second-moment floor standing in for the ``v`` it
 rounds to 0 -- in this scenario the floor happens to equal fp32's step. leanopt's rows are with
-the decay rounding of issue #11; before it the hazard column read 1.1e-2 / 1.7e-3 for pow3 |
+the decay rounding of zero-gradient elements; before it the hazard column read 1.1e-2 / 1.7e-3 for pow3 |
 pow6 and 5.6e-3 / 1.3e-3 for the dynamic tree.)
 
 The first moment's error dominates the update's; the dynamic tree spends half its codes on
@@ -42,7 +42,7 @@ zero, so a stored ``v`` is never 0 while its block is not (see the hazard note i
 :func:`leanopt.kernels.reference.rule_step_` for the guarantee that does not depend on
 the code at all).
 
-Sparse gradients (issue #11). On the ``sparse`` workload of ``benchmarks/accuracy_vs_peers.py``
+Sparse gradients. On the ``sparse`` workload of ``benchmarks/accuracy_vs_peers.py``
 (features active on 2 % of 300 steps; 128x512, seed 0; mean distance from fp32 AdamW / elements
 further than 0.01), measured before the decay rounding, no other 4-bit book or block size
 closed AdamW4bit's gap to torchao 4-bit (5.04e-3 / 8,034): as shipped then 6.13e-3 / 12,513; first moment on torchao's dynamic 4-bit code

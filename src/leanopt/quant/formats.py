@@ -51,13 +51,13 @@ DECAY_PROGRESS = 1 - 1e-5
 # code: 0 to its smallest value, and the next one or two) it rounds toward zero instead, so that
 # a block scale rising for many steps (the first steps of training) cannot carry a decaying
 # momentum upward. math.inf: unbiased dither everywhere (more accurate on average, a heavier
-# tail on the hazard scenario: benchmarks/accuracy_vs_peers.py, issue #11).
+# tail on the hazard scenario: benchmarks/accuracy_vs_peers.py).
 DECAY_GROWTH_RATIO = 2.0
 
 
 @dataclass(frozen=True)
 class Decay:
-    """What :meth:`BlockFormat.encode_` needs to round decaying elements (issue #11).
+    """What :meth:`BlockFormat.encode_` needs to round decaying elements (zero gradients).
 
     ``mask``: bool, one per element, set where the state only decays this step (its gradient
     is exactly 0); ``previous``: the values the state held before the step (dequantized, the
