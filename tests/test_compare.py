@@ -788,17 +788,17 @@ def test_a_disk_that_fills_after_training_is_one_line_and_keeps_the_runs(
 ) -> None:
     """A real full filesystem (a tmpfs, filled once training is over): results.json cannot be
     written, which is said in one line naming the disk; runs.jsonl holds the measured runs."""
-    import leanopt.compare.command as command
+    import leanopt.compare.runner as runner
     from tmpfs import fill, mounted
 
-    real = command.compare
+    real = runner.compare
 
     def train_then_fill(*args: Any, **kwargs: Any) -> Any:
         result = real(*args, **kwargs)
         fill(out)
         return result
 
-    monkeypatch.setattr(command, "compare", train_then_fill)
+    monkeypatch.setattr(runner, "compare", train_then_fill)
     with mounted(tmp_path / "small", "256k") as out:
         assert _compare(out, "--no-isolate") == 2
         err = capsys.readouterr().err.strip().splitlines()
@@ -991,9 +991,9 @@ def test_command_sizes_threads_to_the_free_cores(load: float, cores: int, expect
 
 # ---- issue 25: each notice once, and the report ends with what to use ----------------------------------
 def test_skipped_optimizers_are_named_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import leanopt.compare.command as command
+    import leanopt.compare.contenders as contenders
 
-    monkeypatch.setattr(command, "DEFAULT_CONTENDERS", ("adamw", "lion", "lion8bit", "torchao-adamw8bit"))
+    monkeypatch.setattr(contenders, "DEFAULT_CONTENDERS", ("adamw", "lion", "lion8bit", "torchao-adamw8bit"))
     argv = ["--task", "digits", "--quick", "--steps", "2", "--device", "cpu", "--lr-grid", "1", "--seeds", "1",
             "--threads", "1", "--no-isolate", "--out", str(tmp_path)]
     threads = torch.get_num_threads()

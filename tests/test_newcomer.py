@@ -1,7 +1,14 @@
-"""What a newcomer meets first (issue 25): a mistyped model name is answered with the nearest
-presets at once, before any network; a value that starts with '-' reaches its own check."""
+"""What a newcomer meets first: a mistyped model name is answered with the nearest presets at
+once, before any network; a value that starts with '-' reaches its own check; a mistake on the
+command line is answered before torch is imported, and `import leanopt` imports neither torch
+nor, once an optimizer is used, torch's compiler."""
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -55,7 +62,7 @@ def test_every_preset_alias_still_resolves_to_itself() -> None:
     ("argv", "says"),
     [
         (["plan", "gpt2", "--batch", "1", "--seq", "8", "--budget", "-1GiB"], "budget '-1GiB': expected a size"),
-        (["plan", "gpt2", "--batch", "-1", "--seq", "8"], "batch must be a whole number >= 1, got -1"),
+        (["plan", "gpt2", "--batch", "-1", "--seq", "8"], "--batch: must be a whole number >= 1, got -1"),
     ],
 )
 def test_a_value_starting_with_a_dash_reaches_its_own_check(capsys: pytest.CaptureFixture[str], argv: list[str], says: str) -> None:
@@ -71,3 +78,91 @@ def test_an_option_after_an_option_is_still_an_option(capsys: pytest.CaptureFixt
 
     assert main(["plan", "gpt2", "--batch", "--json"]) == 2
     assert "argument --batch: expected one argument" in capsys.readouterr().err
+
+
+# Runs the command as `python -m leanopt ARGS` does, then says whether torch was imported.
+_COMMAND = """
+import json, runpy, sys
+sys.argv = ["leanopt", *json.loads(sys.argv[1])]
+try:
+    runpy.run_module("leanopt", run_name="__main__", alter_sys=True)
+except SystemExit as done:
+    code = done.code
+print(json.dumps({"code": code, "torch": sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))[:3]}))
+"""
+
+
+def _command(argv: list[str], cwd: Path) -> tuple[dict, str]:
+    out = subprocess.run([sys.executable, "-c", _COMMAND, json.dumps(argv)], capture_output=True, text=True, cwd=cwd,
+                         timeout=300, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["inspect", "missing.pt"], "missing.pt: no such file"),
+        (["inspect", "empty"], "empty: a folder without optimizer.pt"),
+        (["convert", "missing.pt", "out.pt", "--to", "adamw8bit"], "missing.pt: no such file"),
+        (["convert", "{file}", "no/such/folder/out.pt", "--to", "adamw8bit"], "no such folder"),
+        (["convert", "{file}", "{file}", "--to", "adamw8bit"], "exists (use --force to overwrite)"),
+        (["convert", "{file}", "out.pt", "--to", "adamw9bit"], "invalid choice: 'adamw9bit'"),
+        (["estimate", "distilbert-base-cassed"], "did you mean distilbert-base-cased"),
+        (["estimate", "./no-such-config.json"], "no such file or folder"),
+        (["estimate", "empty"], "empty: no config.json there"),
+        (["estimate", "1,2,3"], "not a parameter count"),
+        (["estimate", "gpt2", "--optimizers", "adamw,adamx"], "unknown optimizer 'adamx'"),
+        (["estimate"], "the following arguments are required: model"),
+        (["plan", "gpt2", "--batch", "0", "--seq", "8"], "--batch: must be a whole number >= 1, got 0"),
+        (["plan", "7b", "--batch", "1", "--seq", "8"], "a bare parameter count"),
+        (["plan", "gpt2", "--seq", "8"], "required: --batch"),
+        (["doctor", "gpt2", "--batch", "1", "--seq", "8", "--optimizer", "adam"], "unknown optimizer 'adam'"),
+        (["doctor", "gpt2", "--batch", "1", "--seq", "8", "--rounding", "up"], "invalid choice: 'up'"),
+        (["compare", "--lr", "-1"], "the learning rate must be a finite number > 0"),
+        (["compare", "--steps", "0"], "--steps 0: must be at least 1"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+    ],
+)
+def test_a_mistake_is_answered_before_torch_is_imported(tmp_path: Path, argv: list[str], says: str) -> None:
+    file = tmp_path / "optimizer.pt"
+    file.write_bytes(b"not read: the mistake is elsewhere")
+    (tmp_path / "empty").mkdir()
+    got, err = _command([a.replace("{file}", str(file)) for a in argv], tmp_path)
+    lines = err.strip().splitlines()
+    assert got["code"] == 2 and len(lines) == 1 and says in lines[0], (got, err)
+    assert got["torch"] == [], f"{argv}: torch was imported before the mistake was answered: {got['torch']}"
+
+
+def test_help_names_the_planners_defaults_and_the_version_needs_no_torch(tmp_path: Path) -> None:
+    from leanopt.memory.plan import DEFAULT_OPTIMIZERS
+
+    got, _ = _command(["--version"], tmp_path)
+    assert got == {"code": 0, "torch": []}
+    out = subprocess.run([sys.executable, "-m", "leanopt", "plan", "--help"], capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "COLUMNS": "400"})  # fmt: skip
+    assert f"(default: {','.join(DEFAULT_OPTIMIZERS)})" in out.stdout, out.stdout
+
+
+_IMPORTS = """
+import json, sys
+import leanopt
+bare = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))[:3]
+leanopt.AdamW, leanopt.estimate
+print(json.dumps({"bare": bare, "dynamo": "torch._dynamo" in sys.modules, "inductor": "torch._inductor" in sys.modules}))
+"""
+
+
+def test_import_leanopt_imports_no_torch_and_its_optimizers_no_compiler() -> None:
+    out = subprocess.run([sys.executable, "-c", _IMPORTS], capture_output=True, text=True, timeout=300, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"bare": [], "dynamo": False, "inductor": False}, got
+
+
+def test_the_names_checked_before_torch_are_the_registry() -> None:
+    from leanopt.catalog import BUILTIN_OPTIMIZERS, ROUNDINGS
+    from leanopt.memory.plan import ROUNDINGS as PLAN_ROUNDINGS
+    from leanopt.optim.registry import REGISTRY
+
+    builtin = {name: cls.family for name, cls in REGISTRY.items() if cls.__module__.startswith("leanopt.optim.")}
+    assert list(BUILTIN_OPTIMIZERS.items()) == list(builtin.items())
+    assert sorted(ROUNDINGS) == sorted(PLAN_ROUNDINGS)

@@ -9,44 +9,29 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import NoReturn
-
-import torch
 
 from leanopt import tables
-from leanopt.compare.contenders import DEFAULT_CONTENDERS, MODES, PRECISIONS, contender
-from leanopt.compare.output import RunLog, claim, logged_plan, read_runs, settings, write_results
+from leanopt.arguments import Parser, UsageError
 from leanopt.compare.progress import LoadMonitor, RemainingTime, RunBars, RunLines, eta_check, load_summary, threads_for, threads_note
-from leanopt.compare.report import command_line, print_recommendation, print_table, to_json
-from leanopt.compare.runner import compare, runs_left
-from leanopt.compare.tasks import BUILTIN_TASKS, DEFAULT_TASK, LR_MULTIPLIERS, SEEDS, TaskUnavailable, get_task
-from leanopt.kernels.cpu import compile_disabled
+from leanopt.compare.protocol import DEFAULT_TASK, LR_MULTIPLIERS, MODES, PRECISIONS, SEEDS
 
+# The arguments are checked before torch and the tasks are imported (seconds): _run imports them.
 PROG = "leanopt compare"
 
 
-class UsageError(Exception):
-    """A one-line error for the user."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{message} (see {self.prog} --help)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = Parser(
         prog=PROG,
         description="Train the same model on the same data with each optimizer, its learning rate tuned "
         "on a small grid and the best repeated over seeds; report state memory, peak memory, step time, "
         "validation loss (mean ± std) and a verdict against AdamW (results.json, report.md, PNGs).",
     )
     parser.add_argument("--task", default=DEFAULT_TASK,
-                        help=f"{', '.join(BUILTIN_TASKS)}, or hf:<model>:<dataset> (needs the network) "
+                        help="%(leanopt.compare.tasks:BUILTIN_TASKS|, )s, or hf:<model>:<dataset> (needs the network) "
                         f"(default {DEFAULT_TASK})")
     parser.add_argument("--optimizers", default=None,
                         help="comma-separated names; unavailable ones are skipped with the reason "
-                        f"(default: {','.join(DEFAULT_CONTENDERS)}; with --quick on the CPU only leanopt's AdamW and Adafactor "
+                        "(default: %(leanopt.compare.contenders:DEFAULT_CONTENDERS)s; with --quick on the CPU only leanopt's AdamW and Adafactor "
                         "families and the peers but the torchao ones (their compile time) and torch-adafactor run, "
                         "unless named). A name may add "
                         f"training modes after '+': {', '.join(MODES)}; e.g. adamw+bf16-kahan, adamw8bit+release")
@@ -154,6 +139,15 @@ def _argument_problem(args: argparse.Namespace) -> str | None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    import torch
+
+    from leanopt.compare.contenders import DEFAULT_CONTENDERS, contender
+    from leanopt.compare.output import RunLog, claim, logged_plan, read_runs, settings, write_results
+    from leanopt.compare.report import command_line, print_recommendation, print_table, to_json
+    from leanopt.compare.runner import compare, runs_left
+    from leanopt.compare.tasks import TaskUnavailable, get_task
+    from leanopt.kernels.cpu import compile_disabled
+
     given = [n.strip().lower() for n in (args.optimizers or ",".join(DEFAULT_CONTENDERS)).split(",") if n.strip()]
     if not given:
         return fail("--optimizers is empty")

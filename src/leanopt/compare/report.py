@@ -12,8 +12,8 @@ from rich.markup import escape
 
 from leanopt import tables
 from leanopt.compare import stats
-from leanopt.compare.contenders import MODES
 from leanopt.compare.progress import duration, lr_text
+from leanopt.compare.protocol import MODES
 from leanopt.compare.runner import REFERENCES, Comparison, _finite
 from leanopt.writing import write_text_atomically
 

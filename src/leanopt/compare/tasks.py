@@ -52,13 +52,7 @@ from leanopt.compare import stats
 from leanopt.compare.contenders import LR, Contender, decay_groups
 from leanopt.compare.gpt import ByteGPT, GPTConfig
 from leanopt.compare.meter import Recorder
-
-DEFAULT_TASK = "bytes-gpt"
-
-# The tuning protocol, by --quick: lr multipliers of each optimizer's centre, and seed count.
-# The full one is sized to run every default optimizer in about half an hour on 2 loaded cores.
-LR_MULTIPLIERS = {True: [1 / 3, 1.0, 3.0], False: [0.25, 0.5, 1.0, 2.0, 4.0]}
-SEEDS = {True: 2, False: 3}
+from leanopt.compare.protocol import LR_MULTIPLIERS, SEEDS
 
 
 class TaskUnavailable(Exception):

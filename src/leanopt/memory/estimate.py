@@ -16,19 +16,13 @@ from typing import Any
 
 import torch
 
+from leanopt.catalog import PEER_NAMES
 from leanopt.optim.base import LeanOptimizer
 from leanopt.optim.layout import StateSpec
 from leanopt.optim.registry import REGISTRY
 
 MiB = 1024**2
 
-# Peers, by hand: name -> "module:attribute", resolved lazily so that an optional peer is
-# imported only when asked for.
-PEER_NAMES: dict[str, str] = {
-    "torch-adamw": "torch.optim:AdamW",
-    "torch-adafactor": "torch.optim:Adafactor",
-    "hf-adafactor": "transformers.optimization:Adafactor",
-}
 
 
 class _OptimizerNames(Mapping[str, str]):

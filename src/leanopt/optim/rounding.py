@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-ROUNDINGS = ("nearest", "stochastic", "kahan")
+from leanopt.catalog import ROUNDINGS
+
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 __all__ = ["LOW_PRECISION", "ROUNDINGS", "check_rounding", "generator_for", "stochastic_round"]
