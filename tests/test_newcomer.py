@@ -166,3 +166,52 @@ def test_the_names_checked_before_torch_are_the_registry() -> None:
     builtin = {name: cls.family for name, cls in REGISTRY.items() if cls.__module__.startswith("leanopt.optim.")}
     assert list(BUILTIN_OPTIMIZERS.items()) == list(builtin.items())
     assert sorted(ROUNDINGS) == sorted(PLAN_ROUNDINGS)
+
+
+def test_adafactor_with_an_lr_names_the_fix() -> None:
+    """transformers' message said what is wrong, not what to write instead."""
+    import torch
+
+    import leanopt
+
+    p = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match=r"Cannot combine manual `lr` and `relative_step=True` options: pass relative_step=False"):
+        leanopt.Adafactor([p], lr=1e-3)
+    leanopt.Adafactor([p], lr=1e-3, relative_step=False)  # the fix it names
+
+
+def test_measure_prints_a_unit_that_shows_the_size() -> None:
+    """`measure` printed "42,064 bytes (0 MB)"."""
+    import torch
+
+    import leanopt
+
+    model = torch.nn.Linear(64, 80)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 64)).sum().backward()
+    optimizer.step()
+    text = str(leanopt.measure(optimizer))
+    assert text.startswith("41,608 bytes (40.6 KiB), 10,402 elements [step: 8 B, exp_avg: 20.3 KiB"), text
+    assert str(leanopt.estimate(model, "adamw")).startswith("adamw: 41,608 bytes (40.6 KiB) for 5,200 params")
+    big = leanopt.estimate([torch.empty(2**22, device="meta")], "adamw")
+    assert "(32 MB)" in str(big)  # MB = MiB from 1 MiB on, as the lesson writes 502 MB
+
+
+def test_estimate_says_what_a_stateless_default_assumes(capsys: pytest.CaptureFixture[str]) -> None:
+    """`sgd8bit` showed 0.00 B/param in `estimate` (momentum=0, unsaid) and 1.02 in the README."""
+    import json
+
+    import leanopt
+    from leanopt.cli import main
+
+    assert main(["estimate", "125m", "--optimizers", "sgd8bit,adamw", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["optimizers"]}
+    assert rows["sgd8bit"]["state_bytes"] == 0 and rows["adamw"]["with_momentum"] is None
+    import torch
+
+    expected = leanopt.estimate([torch.empty(125_000_000, device="meta")], "sgd8bit", momentum=0.9)
+    assert rows["sgd8bit"]["with_momentum"] == {"momentum": 0.9, "state_bytes": expected.bytes,
+                                                "bytes_per_param": round(expected.bytes_per_param, 6)}
+    assert main(["estimate", "125m", "--optimizers", "sgd8bit,adamw"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert " sgd8bit (m=0) │" in out and "(m=0): momentum=0, SGD's default as torch's, keeps no state; with momentum=0.9: sgd8bit 1.02 B/param" in out

@@ -456,9 +456,31 @@ def estimate_rows(source: ModelSource, names: list[str]) -> list[dict[str, Any]]
                 training=training,
                 training_grad_release=released,
                 training_offload=_offload_modes(source, name) if lean and source.exact_shapes else None,
+                with_momentum=_with_momentum(source, name) if state.bytes == 0 else None,
             )
         rows.append(row)
     return rows
+
+
+WITH_MOMENTUM = 0.9  # what the note under estimate's table shows for an optimizer whose default keeps no state
+
+
+def _label(row: dict[str, Any]) -> str:
+    """The optimizer's name, with the default its row assumes where that default keeps no state."""
+    return f"{row['name']} (m=0)" if row.get("with_momentum") else row["name"]
+
+
+def _with_momentum(source: ModelSource, name: str) -> dict[str, Any] | None:
+    """The state of an optimizer whose defaults keep none (SGD's ``momentum=0``, torch's default)
+    with ``momentum=0.9``: what it keeps as usually run. None for one without a ``momentum``."""
+    import inspect
+
+    from leanopt.memory.estimate import estimate, resolve_optimizer
+
+    if "momentum" not in inspect.signature(resolve_optimizer(name)).parameters:
+        return None
+    state = estimate(source.params, name, momentum=WITH_MOMENTUM)
+    return {"momentum": WITH_MOMENTUM, "state_bytes": state.bytes, "bytes_per_param": round(state.bytes_per_param, 6)}
 
 
 OFFLOAD_MODES = (("fp32", False), ("bf16", False), ("fp32", True), ("bf16", True))
@@ -519,7 +541,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     for row in rows:
         training = row["training"] or {}
         table.add_row(
-            row["name"],
+            _label(row),
             row["class"],
             _mb(row["state_bytes"]),
             _per_param(row["bytes_per_param"]),
@@ -527,6 +549,11 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         )
     print_table(console, table)
     note = NOTES
+    stateless = [row for row in rows if row.get("with_momentum")]
+    if stateless:
+        figures = ", ".join(f"{row['name']} {_per_param(row['with_momentum']['bytes_per_param'])} B/param "
+                            f"({_mb(row['with_momentum']['state_bytes'])} MB)" for row in stateless)  # fmt: skip
+        note += f" (m=0): momentum=0, SGD's default as torch's, keeps no state; with momentum={WITH_MOMENTUM:g}: {figures}."
     if not source.exact_shapes:
         note += " A bare count has no shapes: one 1-D tensor is assumed. n/a: the state depends on matrix shapes (Adafactor)."
     console.print(note, style="dim", highlight=False)
@@ -548,7 +575,7 @@ def _print_modes(console: Console, rows: list[dict[str, Any]], exact_shapes: boo
             modes.add_column(key, justify="right")
         for row in rows:
             table = row.get("training_grad_release" if released else "training") or {}
-            modes.add_row(row["name"], *(_mb(table[k]["total"]) if table.get(k) else "n/a" for k in keys))
+            modes.add_row(_label(row), *(_mb(table[k]["total"]) if table.get(k) else "n/a" for k in keys))
         console.print()
         print_table(console, modes)
     if any(row.get("training_offload") for row in rows):
@@ -562,7 +589,7 @@ def _print_modes(console: Console, rows: list[dict[str, Any]], exact_shapes: boo
             for precision, release in OFFLOAD_MODES:
                 value = table.get(precision + ("-grad-release" if release else ""))
                 cells.append(f"{_mb(value['total'])} / {_mb(value['host_bytes'])}" if value else "n/a")
-            modes.add_row(row["name"], *cells)
+            modes.add_row(_label(row), *cells)
         console.print()
         print_table(console, modes)
         console.print("offload: device = weights and gradients (released: the largest param's); host = host copies "

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from leanopt.catalog import PEER_NAMES
+from leanopt.memory.measure import size_text
 from leanopt.optim.base import LeanOptimizer
 from leanopt.optim.layout import StateSpec
 from leanopt.optim.registry import REGISTRY
@@ -105,7 +106,7 @@ class StateEstimate:
 
     def __str__(self) -> str:
         return (
-            f"{self.optimizer}: {self.bytes:,} bytes ({self.megabytes:.0f} MB) for {self.params:,} params, "
+            f"{self.optimizer}: {self.bytes:,} bytes ({size_text(self.bytes)}) for {self.params:,} params, "
             f"{self.bytes_per_param:.3f} B/param"
         )
 
