@@ -120,6 +120,9 @@ def _command(argv: list[str], cwd: Path) -> tuple[dict, str]:
         (["doctor", "gpt2", "--batch", "1", "--seq", "8", "--rounding", "up"], "invalid choice: 'up'"),
         (["compare", "--lr", "-1"], "the learning rate must be a finite number > 0"),
         (["compare", "--steps", "0"], "--steps 0: must be at least 1"),
+        (["compare", "--task", "minlm"], "unknown task 'minlm'"),
+        (["compare", "--optimizers", "adamw,adamx"], "unknown optimizer 'adamx'"),
+        (["compare", "--optimizers", "adamw+bf16-kahn"], "unknown training mode 'bf16-kahn' in 'adamw+bf16-kahn'"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
     ],
 )
@@ -166,6 +169,13 @@ def test_the_names_checked_before_torch_are_the_registry() -> None:
     builtin = {name: cls.family for name, cls in REGISTRY.items() if cls.__module__.startswith("leanopt.optim.")}
     assert list(BUILTIN_OPTIMIZERS.items()) == list(builtin.items())
     assert sorted(ROUNDINGS) == sorted(PLAN_ROUNDINGS)
+    from leanopt.catalog import PEER_NAMES
+    from leanopt.compare.contenders import CONTENDERS
+    from leanopt.compare.protocol import PEER_CONTENDERS, TASK_NAMES
+    from leanopt.compare.tasks import BUILTIN_TASKS, TASK_ALIASES
+
+    assert TASK_NAMES == (*BUILTIN_TASKS, *TASK_ALIASES)
+    assert set(PEER_CONTENDERS) == {n for n, c in CONTENDERS.items() if c.origin != "leanopt"} - set(PEER_NAMES)
 
 
 def test_adafactor_with_an_lr_names_the_fix() -> None:

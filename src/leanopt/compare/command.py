@@ -13,7 +13,7 @@ from pathlib import Path
 from leanopt import tables
 from leanopt.arguments import Parser, UsageError
 from leanopt.compare.progress import LoadMonitor, RemainingTime, RunBars, RunLines, eta_check, load_summary, threads_for, threads_note
-from leanopt.compare.protocol import DEFAULT_TASK, LR_MULTIPLIERS, MODES, PRECISIONS, SEEDS
+from leanopt.compare.protocol import DEFAULT_TASK, LR_MULTIPLIERS, MODES, PRECISIONS, SEEDS, check_names
 
 # The arguments are checked before torch and the tasks are imported (seconds): _run imports them.
 PROG = "leanopt compare"
@@ -97,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     problem = _argument_problem(args)
     if problem:
         return fail(problem)
+    try:
+        check_names(args.task, args.optimizers)
+    except ValueError as err:
+        return fail(str(err))
     try:
         return _run(args)
     except OSError as err:  # the output directory cannot be written

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from leanopt.compare.protocol import MODES
+from leanopt.compare.protocol import MODES, unknown_mode, unknown_optimizer
 from leanopt.memory import OPTIMIZER_NAMES, resolve_optimizer
 from leanopt.optim.base import LeanOptimizer
 from leanopt.optim.lowbit import LowBit
@@ -298,9 +298,7 @@ def _optimizer(key: str) -> Contender:
         origin = "leanopt" if module == "leanopt" else module.split(".")[0]
         default_lr = _class_default_lr(resolve_optimizer(key)) if origin == "leanopt" else ADAMW_DEFAULT_LR
         return Contender(key, "plain", origin, default_lr=default_lr)
-    known = ", ".join(sorted(set(CONTENDERS) | set(OPTIMIZER_NAMES)))
-    raise ValueError(f"unknown optimizer {key!r}; known: {known} (each may take modes after '+': "
-                     f"{', '.join(MODES)})")
+    raise ValueError(unknown_optimizer(key, set(CONTENDERS) | set(OPTIMIZER_NAMES)))
 
 
 def _with_modes(base: Contender, modes: list[str], given: str) -> Contender:
@@ -308,8 +306,7 @@ def _with_modes(base: Contender, modes: list[str], given: str) -> Contender:
     release = bf16_states = False
     for mode in modes:
         if mode not in MODES:
-            raise ValueError(f"unknown training mode {mode!r} in {given!r}; modes: {', '.join(MODES)} "
-                             f"(e.g. {base.name}+bf16-kahan)")
+            raise ValueError(unknown_mode(mode, given, base.name))
         if mode == "bf16-states":
             if bf16_states:
                 raise ValueError(f"{given!r}: 'bf16-states' is given twice")

@@ -52,7 +52,7 @@ from leanopt.compare import stats
 from leanopt.compare.contenders import LR, Contender, decay_groups
 from leanopt.compare.gpt import ByteGPT, GPTConfig
 from leanopt.compare.meter import Recorder
-from leanopt.compare.protocol import LR_MULTIPLIERS, SEEDS
+from leanopt.compare.protocol import LR_MULTIPLIERS, SEEDS, unknown_task
 
 
 class TaskUnavailable(Exception):
@@ -998,6 +998,5 @@ def get_task(name: str) -> Task:
     if name in TASK_ALIASES:
         return TASK_ALIASES[name]()
     if name not in BUILTIN_TASKS:
-        raise ValueError(f"unknown task {name!r}; built-in: {', '.join([*BUILTIN_TASKS, *TASK_ALIASES])}, "
-                         "or hf:<model>:<dataset>")
+        raise ValueError(unknown_task(name))
     return BUILTIN_TASKS[name]()
