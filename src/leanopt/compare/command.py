@@ -50,17 +50,21 @@ def build_parser() -> argparse.ArgumentParser:
                         help="keep the runs that --out's runs.jsonl holds from an interrupted or failed comparison "
                         "with the same settings, and train only the others")
     parser.add_argument("--quick", action="store_true",
-                        help=f"small sizes, a {len(LR_MULTIPLIERS[True])}-point lr grid and {SEEDS[True]} seeds: "
-                        "the default task and optimizers (on the CPU: leanopt's AdamW and Adafactor families and the peers, "
-                        "less the torchao pair and torch-adafactor) in under "
-                        "4 minutes on 2 CPU cores")
+                        help=f"small sizes, a {len(LR_MULTIPLIERS[True])}-point lr grid (the MiniLM tasks on the CPU: each "
+                        f"optimizer at its usual lr) and {SEEDS[True]} seeds, the default optimizers less the slow ones on the "
+                        "CPU (there: leanopt's AdamW and Adafactor families and the peers, less the torchao pair and "
+                        "torch-adafactor; for the MiniLM tasks adamw, adamw8bit, adamw4bit, adafactor). Measured on 2 CPU "
+                        "cores at load 11-14 (2026-12-03): the default task 12 min 26 s, 4 min 6 s of CPU time; --task "
+                        "minilm 11 min 7 s, 3 min 20 s of CPU time. Idle, a run takes about its CPU time (minilm's "
+                        "earlier 16-run --quick: 6 min 16 s of CPU time at that load, 6 min 19 s idle on 2026-12-02).")
     parser.add_argument("--seed", type=int, default=0,
                         help="the first seed (initial weights and data order); the lr is tuned on it (default: 0)")
     parser.add_argument("--seeds", type=int, default=None,
                         help=f"seeds at each optimizer's best lr (default {SEEDS[False]}, {SEEDS[True]} with --quick)")
     parser.add_argument("--lr-grid", default=None, metavar="M1,M2,...",
                         help="multipliers of each optimizer's usual lr to try (default "
-                        f"{_multipliers(LR_MULTIPLIERS[False])}; {_multipliers(LR_MULTIPLIERS[True])} with --quick)")
+                        f"{_multipliers(LR_MULTIPLIERS[False])}; {_multipliers(LR_MULTIPLIERS[True])} with --quick, 1 for the MiniLM "
+                        "tasks on the CPU)")
     parser.add_argument("--lr", type=float, default=None,
                         help="one peak learning rate for all, no tuning (default: tune each optimizer's)")
     parser.add_argument("--jobs", type=int, default=1,
