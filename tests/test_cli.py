@@ -462,7 +462,7 @@ def test_bad_counts_are_one_line_errors_and_never_hub_ids(
     def no_hub(repo_id: str):
         raise AssertionError(f"{repo_id!r} was sent to the Hub")
 
-    monkeypatch.setattr(presets, "_from_hub", no_hub)
+    monkeypatch.setattr(presets, "_hub_config", no_hub)
     with pytest.raises(ValueError):
         parse_param_count(text)
     code, out, err = run(capsys, "estimate", text, "--optimizers", "adamw")
@@ -507,12 +507,12 @@ def test_inspect_json_is_valid_json_with_non_finite_options(tmp_path: Path, caps
 def test_compare_arguments_are_checked_before_training(
     argv: list[str], words: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import leanopt.compare.command as command
+    import leanopt.compare.runner as runner
 
     def no_training(*args, **kwargs):
         raise AssertionError("training started")
 
-    monkeypatch.setattr(command, "compare", no_training)
+    monkeypatch.setattr(runner, "compare", no_training)
     file = tmp_path / "a-file"
     file.write_text("x")
     argv = [a.replace("{file}", str(file)) for a in argv]

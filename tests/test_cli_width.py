@@ -112,6 +112,26 @@ def test_compare_table(width: int, report: Path, monkeypatch: pytest.MonkeyPatch
     check(out, width, [r["optimizer"] for r in data["results"] if r["status"] == "ok"])
 
 
+@pytest.mark.parametrize("width", (80, 120, 130))
+@pytest.mark.parametrize("report", REPORTS, ids=lambda p: p.parent.name)
+def test_compare_rows_take_two_lines_at_most(width: int, report: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row of the compare table is one line, or two where a cell of words wraps: stacked tables
+    rather than a row over five lines (what 130 columns gave)."""
+    data = json.loads(report.read_text())
+    monkeypatch.setenv("COLUMNS", str(width))
+    console = tables.console(highlight=False, pipe_width=150, record=True)
+    print_compare_table(data, console)
+    rows = []  # lines per row: a row starts where the first cell (the rank) is not blank
+    for line in console.export_text().splitlines():
+        if "│" not in line:
+            continue
+        if line.split("│")[0].strip():
+            rows.append(1)
+        elif rows:
+            rows[-1] += 1
+    assert rows and max(rows) <= 2, f"a row over {max(rows)} lines at {width} columns"
+
+
 def test_whole_where_it_fits(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """At 200 columns the tables are as wide as their cells: one header per table, no stacking."""
     pytest.importorskip("transformers")

@@ -61,35 +61,121 @@ def test_pick_at_grid_edge() -> None:
     assert not stats.at_edge([1e-3], 1e-3)
 
 
+def _two_sided_p_df2(t: float) -> float:
+    """Student's t with 2 degrees of freedom in closed form: F(t) = 1/2 + t / (2 sqrt(2 + t^2))."""
+    return 1.0 - abs(t) / math.sqrt(2.0 + t * t)
+
+
+def test_welch_by_hand() -> None:
+    # Two seeds each, equal spread: se = sqrt(0.01^2·2/2 + same) = 0.01414, df = 2 exactly.
+    test = stats.welch([3.06, 3.08], [3.00, 3.02])
+    assert test.test == "welch" and test.delta == pytest.approx(0.06) and test.se == pytest.approx(math.sqrt(2e-4))
+    assert test.df == pytest.approx(2.0) and test.t == pytest.approx(0.06 / math.sqrt(2e-4))
+    assert test.p == pytest.approx(_two_sided_p_df2(test.t), rel=1e-9) == pytest.approx(0.05132, abs=1e-5)
+    half = 4.302653 * math.sqrt(2e-4)  # t(0.975, 2) = sqrt(2 * 0.9025 / 0.0975)
+    assert (test.low, test.high) == (pytest.approx(0.06 - half, abs=1e-6), pytest.approx(0.06 + half, abs=1e-6))
+    # One side without spread: df = 1 (the Cauchy distribution, p = 1 - 2 atan(|t|) / pi).
+    cauchy = stats.welch([1.0, 3.0], [0.0, 0.0])
+    assert (cauchy.se, cauchy.df, cauchy.t) == (pytest.approx(1.0), pytest.approx(1.0), pytest.approx(2.0))
+    assert cauchy.p == pytest.approx(1 - 2 * math.atan(2.0) / math.pi, rel=1e-9)
+    # Three seeds each, s = 0.02: df = 4, t = 0.5 / 0.01633 = 30.6.
+    far = stats.welch([3.50, 3.52, 3.48], [3.00, 3.02, 2.98])
+    assert far.df == pytest.approx(4.0) and far.se == pytest.approx(math.sqrt(2 * 0.02**2 / 3)) and far.p < 1e-5
+    # One seed: no spread to test against.
+    single = stats.welch([3.2], [3.0, 3.1])
+    assert single.delta == pytest.approx(0.15) and single.p is None and single.low is None
+
+
+def test_paired_by_hand() -> None:
+    # Differences 0.1, 0.1, 0.3: mean 1/6, std 0.11547, se 0.066667, t = 2.5, df = 2.
+    test = stats.paired([2.0, 2.1, 2.3], [1.9, 2.0, 2.0])
+    assert test.test == "paired" and test.delta == pytest.approx(1 / 6) and test.se == pytest.approx(0.2 / 3)
+    assert (test.t, test.df) == (pytest.approx(2.5), 2.0) and test.p == pytest.approx(_two_sided_p_df2(2.5), rel=1e-9)
+    with pytest.raises(ValueError, match="pairs"):
+        stats.paired([1.0, 2.0], [1.0])
+
+
+def test_t_distribution_by_hand_and_against_scipy() -> None:
+    assert stats.t_quantile(2) == pytest.approx(math.sqrt(2 * 0.9025 / 0.0975), rel=1e-9)  # 4.3027
+    assert stats.t_quantile(1) == pytest.approx(math.tan(0.475 * math.pi), rel=1e-9)  # 12.706
+    assert stats.t_quantile(math.inf) == pytest.approx(1.959964, abs=1e-6)
+    assert stats.t_cdf(0.0, 3.3) == 0.5 and stats.t_cdf(1.0, 1.0) == pytest.approx(0.75)
+    assert stats.t_quantile(4.9) < stats.t_quantile(4)  # fractional degrees of freedom, not rounded down
+    scipy_stats = pytest.importorskip("scipy.stats")
+    for df in (1.0, 1.2, 2.0, 3.7, 9.0, 40.0):
+        for t in (-8.0, -1.3, 0.2, 2.0, 7.0):
+            assert stats.t_cdf(t, df) == pytest.approx(scipy_stats.t.cdf(t, df), abs=1e-12)
+        assert stats.t_quantile(df) == pytest.approx(scipy_stats.t.ppf(0.975, df), rel=1e-9)
+    a, b = [0.9424, 0.9495, 0.9388], [0.9731, 0.9754]
+    assert stats.welch(a, b).p == pytest.approx(scipy_stats.ttest_ind(a, b, equal_var=False).pvalue, rel=1e-9)
+    c = [0.9731, 0.9754, 0.9722]
+    assert stats.paired(a, c).p == pytest.approx(scipy_stats.ttest_rel(a, c).pvalue, rel=1e-9)
+
+
 def test_verdict_rule_on_synthetic_numbers() -> None:
-    ref = [3.00, 3.02, 2.98]  # mean 3.00, std 0.02
-    # Far apart: worse by the difference of means ± its standard error sqrt(s1²/n1 + s2²/n2).
+    ref = [3.00, 3.02, 2.98]  # mean 3.00, std 0.02; margin: 2 % of 3.00 = 0.06
     worse = stats.verdict([3.50, 3.52, 3.48], ref)
-    se = math.sqrt(0.02**2 / 3 + 0.02**2 / 3)
-    assert worse["delta"] == pytest.approx(0.5) and worse["delta_std"] == pytest.approx(se)
-    assert worse["verdict"] == f"worse by 0.500 ± {se:.3f}"
-    assert stats.verdict([2.50, 2.52, 2.48], ref)["verdict"].startswith("better by 0.500")
-    # Closer than t * SE (t = 2.78 at 4 degrees of freedom): within noise, delta still given.
-    near = stats.verdict([3.03, 3.05, 3.01], ref)
-    assert near["verdict"] == "within noise" and near["delta"] == pytest.approx(0.03)
-    # ... but 0.06 (3.6 SE) is not.
-    assert stats.verdict([3.06, 3.08, 3.04], ref)["verdict"].startswith("worse by 0.060")
-    # Two seeds each: SE 0.014, t = 4.30 at Welch's df = 2: a gap of 0.06 is noise, 0.08 is not.
-    assert stats.verdict([3.06, 3.08], [3.00, 3.02])["verdict"] == "within noise"
-    assert stats.verdict([3.08, 3.10], [3.00, 3.02])["verdict"].startswith("worse by 0.080")
-    # No spread on either side: only an exact tie is within noise.
-    assert stats.verdict([3.0, 3.0], [3.0, 3.0])["verdict"] == "within noise"
+    assert worse["verdict"] == "worse by 0.500 (p < 0.001)" and worse["verdict_kind"] == "worse"
+    assert worse["delta_std"] == pytest.approx(math.sqrt(0.02**2 / 3 + 0.02**2 / 3)) and worse["test"] == "welch"
+    assert stats.verdict([2.50, 2.52, 2.48], ref)["verdict"] == "better by 0.500 (p < 0.001)"
+    # Two seeds each, a gap of 0.06 (4.2 standard errors): p = 0.051 by the closed form, and the 95 % CI
+    # (-0.001 to +0.121) reaches past the 2 % margin: the evidence cannot decide, it is not "within noise".
+    near = stats.verdict([3.06, 3.08], [3.00, 3.02])
+    assert near["verdict"] == "cannot decide (p = 0.051)" and near["verdict_kind"] == "undecided"
+    assert stats.verdict([3.08, 3.10], [3.00, 3.02])["verdict"] == "worse by 0.080 (p = 0.03)"
+    # The comparison that read "within noise": 2 seeds, a 0.028 loss gap of 7.5 standard errors, Welch's
+    # df 1.2: p = 0.059, the CI from -0.061 to +0.004: cannot decide.
+    seven = stats.verdict([0.9423922, 0.9495406], [0.9730836, 0.9753668])
+    assert seven["delta"] / seven["delta_std"] == pytest.approx(-7.53, abs=0.01) and seven["df"] == pytest.approx(1.2, abs=0.01)
+    assert seven["verdict"] == "cannot decide (p = 0.059)" and seven["ci"][0] < -0.06 < 0 < seven["ci"][1]
+    # Paired seeds: the differences 0.001, 0.002, 0.003 (p = 0.074, CI -0.0005 to +0.0045, inside 2 %).
+    same = stats.verdict([2.001, 2.302, 1.803], [2.0, 2.3, 1.8], paired_seeds=True)
+    assert same["verdict"] == "equal within 2% (p = 0.074)" and same["test"] == "paired"
+    # The same numbers unpaired: the seeds' own spread (0.25) swamps the gap.
+    assert stats.verdict([2.001, 2.302, 1.803], [2.0, 2.3, 1.8])["verdict_kind"] == "undecided"
+    # A real difference inside the margin is said with both.
+    tiny = stats.verdict([1.990, 2.289, 1.788], [2.0, 2.3, 1.8], paired_seeds=True)
+    assert tiny["verdict"] == "better by 0.011, within 2% (p = 0.0027)" and tiny["verdict_kind"] == "equal"
+    # No spread on either side: only an exact tie is no difference.
+    assert stats.verdict([3.0, 3.0], [3.0, 3.0])["verdict_kind"] == "equal"
+    assert stats.verdict([3.1, 3.1], [3.0, 3.0])["verdict"] == "worse by 0.100 (p < 0.001)"
     # One seed: no noise estimate, no verdict either way.
     single = stats.verdict([3.2], [3.0, 3.1])
-    assert single["verdict"].startswith("untested") and single["delta_std"] is None
+    assert single["verdict"].startswith("untested") and single["delta_std"] is None and single["verdict_kind"] == "untested"
 
 
-def test_t_quantile_and_welch() -> None:
-    assert stats.t_quantile(2) == pytest.approx(4.303) and stats.t_quantile(4) == pytest.approx(2.776)
-    assert stats.t_quantile(4.9) == stats.t_quantile(4)  # rounded down: more cautious
-    assert stats.t_quantile(1e6) == stats.Z975
-    delta, se, df = stats.welch([1.0, 2.0, 3.0], [1.0, 1.0, 1.0])
-    assert delta == pytest.approx(1.0) and se == pytest.approx(math.sqrt(1 / 3)) and df == pytest.approx(2.0)
+def test_a_run_too_short_to_rank() -> None:
+    from leanopt.compare.runner import too_short
+
+    assert stats.chance_accuracy([0, 1, 1, 2]) == 0.5 and stats.chance_accuracy([]) is None
+    # (0.55 - 0.434) / (1 - 0.434) = 0.20: under a quarter of the way from chance to a perfect score.
+    assert stats.near_chance(0.55, 0.434) and not stats.near_chance(0.73, 0.42) and not stats.near_chance(0.9, None)
+    # A line falling 0.1 a step with alternating noise: over the last 10 steps it fell 0.9 (of 2.1 at its end).
+    falling = [5.0 - 0.1 * i + (0.05 if i % 2 else -0.05) for i in range(30)]
+    fit = stats.trend([falling, falling])
+    assert fit is not None and fit.steps == 10 and fit.drop == pytest.approx(0.9, abs=0.05)
+    assert fit.p < 1e-6 and fit.falling
+    flat = [2.0 + (0.05 if i % 2 else -0.05) for i in range(30)]
+    assert not stats.trend([flat]).falling and stats.trend([[1.0, 2.0]]) is None
+    ref = {"optimizer": "adamw", "status": "ok", "accuracy_mean": 0.551, "chance_accuracy": 0.434,
+           "loss_trend": {"steps": 10, "drop": 0.25, "relative": 0.32, "p": 0.038, "falling": True}}
+    said = too_short([ref], "adamw")
+    assert said is not None and "accuracy, 55.1%, is near chance" in said and "43.4%" in said and "fell by 32%" in said
+    ref.update(accuracy_mean=0.73, loss_trend={"steps": 67, "drop": 0.02, "relative": 0.03, "p": 0.66, "falling": False})
+    assert too_short([ref], "adamw") is None and too_short([ref], None) is None
+
+
+def test_minilm_quick_on_the_cpu_is_one_lr_and_two_seeds() -> None:
+    """8 runs instead of 16 (6 min 19 s on 2 idle cores): each optimizer at its usual lr."""
+    from leanopt.compare.tasks import MiniLMDocstrings
+
+    task = MiniLMDocstrings()
+    quick = task.plan(device="cpu", quick=True, seed=0, steps=None, lr=None)
+    assert quick.lr_multipliers == [1.0] and len(quick.seeds) == 2 and not quick.fixed_lr
+    assert all(runs_planned(quick, contender(n)) == 2 for n in task.quick_cpu_optimizers)
+    # the full protocol and the GPU's --quick keep their grids
+    assert task.plan(device="cpu", quick=False, seed=0, steps=None, lr=None).lr_multipliers == LR_MULTIPLIERS[False]
+    assert task.plan(device="cuda", quick=True, seed=0, steps=None, lr=None).lr_multipliers == LR_MULTIPLIERS[True]
 
 
 def test_mean_std_and_quartiles() -> None:
@@ -242,7 +328,8 @@ def test_one_line_per_finished_run() -> None:
             lines.event("adamw", {"event": "step", "step": step, "total": 2, "loss": 3.0})
         lines.event("adamw", {"event": "run", "row": {"lr": lr, "seed": int(i == 2), "phase": "grid",
                                                        "val_loss": 2.5, "step_ms_median": 0.7, "wall_s": 1.0}})
-    out = stream.getvalue().splitlines()
+    setup, *out = stream.getvalue().splitlines()
+    assert setup.split() == ["adamw:", "set", "up", "in", "0", "s", "(imports,", "data,", "warm-up);", "3", "runs", "to", "train"]
     assert len(out) == 3 and out[0].startswith("[1/3] adamw") and out[2].startswith("[3/3] adamw")
     assert "val 2.500" in out[0] and "left" in out[0] and "step 0.70 ms" in out[0]
     assert len(lines.log) == 3
@@ -250,35 +337,40 @@ def test_one_line_per_finished_run() -> None:
 
 # ---- one small comparison through the command ----------------------------------------------------
 @pytest.fixture(scope="module")
-def report(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], str]:
+def report(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], str, str]:
+    """The comparison's folder, results.json, what it printed on stdout, and on stderr (the progress)."""
     out = tmp_path_factory.mktemp("compare")
     argv = ["--task", "bytes-gpt", "--quick", "--steps", str(STEPS), "--device", "cpu", "--threads", "1",
             "--optimizers", ",".join(LEANOPT), "--lr-grid", GRID, "--seeds", "2", "--jobs", "2", "--out", str(out)]
-    printed = io.StringIO()  # not a terminal: one line per finished run
+    printed, progress = io.StringIO(), io.StringIO()  # not a terminal: one progress line per finished run
     # leanopt's low-bit CPU update runs eagerly here: compiling it (tested with the kernels)
     # would double this fixture's time and change none of the numbers checked below.
-    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(printed):
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(printed), contextlib.redirect_stderr(progress):
         mp.setenv("LEANOPT_NO_COMPILE", "1")
         assert main(argv) == 0
-    return out, json.loads((out / "results.json").read_text()), printed.getvalue()
+    return out, json.loads((out / "results.json").read_text()), printed.getvalue(), progress.getvalue()
 
 
 def rows(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {r["optimizer"]: r for r in data["results"]}
 
 
-def test_progress_lines_when_not_a_terminal(report: tuple[Path, dict[str, Any], str]) -> None:
-    _, data, printed = report
+def test_progress_lines_when_not_a_terminal(report: tuple[Path, dict[str, Any], str, str]) -> None:
+    """On stderr, so that stdout holds the table and what to use: a line per finished run with the
+    time left, and one when each optimizer is set up."""
+    _, data, printed, progress = report
     ran = [r for r in data["results"] if r["status"] == "ok"]
     total = sum(r["runs"] for r in ran)
-    lines = [ln for ln in printed.splitlines() if ln.startswith("[")]
-    assert len(lines) == total, printed
+    lines = [ln for ln in progress.splitlines() if ln.startswith("[")]
+    assert len(lines) == total, progress
     assert lines[-1].startswith(f"[{total}/{total}]") and all("left" in ln for ln in lines)
-    assert sum("picked lr" in ln for ln in printed.splitlines()) == len(ran)
+    assert sum("picked lr" in ln for ln in progress.splitlines()) == len(ran)
+    assert sum(" set up in " in ln for ln in progress.splitlines()) == len(ran), progress
+    assert not any(ln.startswith("[") or "picked lr" in ln for ln in printed.splitlines()), printed
     assert data["eta"]["log"] and len(data["eta"]["log"]) == total
 
 
-def test_results_json_rows(report: tuple[Path, dict[str, Any], str]) -> None:
+def test_results_json_rows(report: tuple[Path, dict[str, Any], str, str]) -> None:
     _, data = report[:2]
     by_name = rows(data)
     assert list(by_name) == list(LEANOPT)
@@ -304,16 +396,16 @@ def test_results_json_rows(report: tuple[Path, dict[str, Any], str]) -> None:
     assert data["load"]["samples"] >= 1 and data["load"]["cores"] >= 1
 
 
-def test_verdicts_follow_the_rule(report: tuple[Path, dict[str, Any], str]) -> None:
+def test_verdicts_follow_the_rule(report: tuple[Path, dict[str, Any], str, str]) -> None:
     by_name = rows(report[1])
     ref = by_name["adamw"]["val_losses"]
     for name, row in by_name.items():
         if row["status"] == "ok" and name != "adamw":
-            expected = stats.verdict(row["val_losses"], ref)
+            expected = stats.verdict(row["val_losses"], ref, paired_seeds=True)  # the same seeds
             assert (row["verdict"], row["delta"]) == (expected["verdict"], pytest.approx(expected["delta"]))
 
 
-def test_files_written(report: tuple[Path, dict[str, Any], str]) -> None:
+def test_files_written(report: tuple[Path, dict[str, Any], str, str]) -> None:
     out, data = report[:2]
     assert (out / "report.md").is_file()
     pytest.importorskip("matplotlib")
@@ -324,7 +416,7 @@ def test_files_written(report: tuple[Path, dict[str, Any], str]) -> None:
         assert png.stat().st_size < 200_000
 
 
-def test_losses_finite_and_same_data(report: tuple[Path, dict[str, Any], str]) -> None:
+def test_losses_finite_and_same_data(report: tuple[Path, dict[str, Any], str, str]) -> None:
     ok = [r for r in report[1]["results"] if r["status"] == "ok"]
     assert len(ok) >= 2
     for r in ok:
@@ -337,13 +429,13 @@ def test_losses_finite_and_same_data(report: tuple[Path, dict[str, Any], str]) -
     assert 5.0 < ok[0]["initial_losses"][0] < 6.0  # ~ln(256): an untrained byte model
 
 
-def test_adafactor_state_under_10_percent(report: tuple[Path, dict[str, Any], str]) -> None:
+def test_adafactor_state_under_10_percent(report: tuple[Path, dict[str, Any], str, str]) -> None:
     by_name = rows(report[1])
     assert by_name["adafactor"]["state_bytes"] < 0.10 * by_name["adamw"]["state_bytes"]
     assert by_name["adamw"]["state_bytes_per_param"] == pytest.approx(8.0, abs=0.01)
 
 
-def test_low_bit_states(report: tuple[Path, dict[str, Any], str]) -> None:
+def test_low_bit_states(report: tuple[Path, dict[str, Any], str, str]) -> None:
     needs("adamw8bit")
     needs("adamw4bit")
     by_name = rows(report[1])
@@ -351,13 +443,13 @@ def test_low_bit_states(report: tuple[Path, dict[str, Any], str]) -> None:
     assert by_name["adamw4bit"]["state_bytes"] < by_name["adamw8bit"]["state_bytes"]
 
 
-def test_estimate_matches_measurement(report: tuple[Path, dict[str, Any], str]) -> None:
+def test_estimate_matches_measurement(report: tuple[Path, dict[str, Any], str, str]) -> None:
     for r in report[1]["results"]:
         if r["status"] == "ok" and r.get("estimated_state_bytes") is not None:
             assert r["estimated_state_bytes"] == r["state_bytes"], r["optimizer"]
 
 
-def test_report_states_protocol_environment_and_command(report: tuple[Path, dict[str, Any], str]) -> None:
+def test_report_states_protocol_environment_and_command(report: tuple[Path, dict[str, Any], str, str]) -> None:
     out, data = report[:2]
     for key in ("device", "torch", "leanopt", "cpu_count"):
         assert data["environment"][key] is not None
@@ -394,7 +486,7 @@ def test_distilbert_trainer_path() -> None:
     assert result.rows[0]["initial_losses"] == result.rows[1]["initial_losses"]
 
 
-def test_processes_in_parallel_give_the_same_losses(report: tuple[Path, dict[str, Any], str]) -> None:
+def test_processes_in_parallel_give_the_same_losses(report: tuple[Path, dict[str, Any], str, str]) -> None:
     """The fixture ran 2 optimizer processes at once; the same runs in this process agree exactly."""
     plan = get_task("bytes-gpt").plan(device="cpu", quick=True, seed=0, steps=STEPS, lr=None)
     plan.lr_multipliers, plan.seeds, plan.threads = [1.0, 3.0], [0, 1], 1
@@ -561,7 +653,7 @@ def test_release_trains_exactly_what_the_plain_loop_trains(modes_result: Any) ->
 def test_mode_report_columns(modes_result: Any) -> None:
     data = to_json(modes_result, "leanopt compare ...", [], None)
     cols = columns(data)
-    assert {"mode", "val loss vs ref", "weights+grads+state B/param", "peak MiB"} <= set(cols)
+    assert {"mode", "val loss vs ref", "weights+grads+state B/param", "tensor peak MiB"} <= set(cols)
     rows = {row[cols.index("optimizer")]: row for row in table_rows(data)}
     assert rows["adamw+bf16-kahan"][cols.index("mode")] == "bf16 (kahan rounding)"
     assert rows["adamw+bf16-kahan"][cols.index("weights+grads+state B/param")] == "14.00"
@@ -761,6 +853,13 @@ def test_a_rerun_replaces_leanopts_files_and_leaves_the_rest(tmp_path: Path, mon
     assert data["plots"] == [] and rows(data)["adamw"]["runs"] == 3
 
 
+def _error_lines(stderr: str) -> list[str]:
+    """stderr less the progress lines that precede an error (one per optimizer set up, one per run, the picks)."""
+    lines = stderr.strip().splitlines()
+    assert lines and lines[-1].startswith("leanopt compare: error:"), lines
+    return [ln for ln in lines if not (ln.startswith("[") or " set up in " in ln or "picked lr" in ln)]
+
+
 def test_results_json_is_written_before_the_plots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     """A disk that fills while the plots are drawn keeps every measured number in results.json."""
@@ -775,7 +874,7 @@ def test_results_json_is_written_before_the_plots(tmp_path: Path, monkeypatch: p
 
     monkeypatch.setattr(Figure, "savefig", disk_full)
     assert _compare(tmp_path, "--no-isolate") == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    err = _error_lines(capsys.readouterr().err)
     assert len(err) == 1 and "loss_curves.png" in err[0] and "no space left on" in err[0], err
     data = json.loads((tmp_path / "results.json").read_text())
     adamw = rows(data)["adamw"]
@@ -788,20 +887,20 @@ def test_a_disk_that_fills_after_training_is_one_line_and_keeps_the_runs(
 ) -> None:
     """A real full filesystem (a tmpfs, filled once training is over): results.json cannot be
     written, which is said in one line naming the disk; runs.jsonl holds the measured runs."""
-    import leanopt.compare.command as command
+    import leanopt.compare.runner as runner
     from tmpfs import fill, mounted
 
-    real = command.compare
+    real = runner.compare
 
     def train_then_fill(*args: Any, **kwargs: Any) -> Any:
         result = real(*args, **kwargs)
         fill(out)
         return result
 
-    monkeypatch.setattr(command, "compare", train_then_fill)
+    monkeypatch.setattr(runner, "compare", train_then_fill)
     with mounted(tmp_path / "small", "256k") as out:
         assert _compare(out, "--no-isolate") == 2
-        err = capsys.readouterr().err.strip().splitlines()
+        err = _error_lines(capsys.readouterr().err)
         assert len(err) == 1 and err[0].startswith("leanopt compare: error: cannot write "), err
         assert "results.json" in err[0] and f"no space left on {out} (tmpfs" in err[0], err[0]
         runs = [line for line in _runs_log(out) if line.get("event") == "run"]
@@ -906,7 +1005,8 @@ def test_verdict_where_higher_is_better() -> None:
     assert stats.verdict([0.70, 0.72, 0.68], ref, higher_is_better=True)["verdict"].startswith("better by 0.100")
     lower = stats.verdict([0.50, 0.52, 0.48], ref, higher_is_better=True)
     assert lower["verdict"].startswith("worse by 0.100") and lower["delta"] == pytest.approx(-0.10)
-    assert stats.verdict([0.61, 0.63, 0.59], ref, higher_is_better=True)["verdict"] == "within noise"
+    assert stats.verdict([0.61, 0.63, 0.59], ref, higher_is_better=True)["verdict_kind"] == "undecided"
+    assert stats.verdict([0.601, 0.621, 0.581], ref, higher_is_better=True, paired_seeds=True)["verdict_kind"] == "equal"
 
 
 # ---- issue 25: a grid whose pick is at its edge is widened -----------------------------------------
@@ -991,9 +1091,9 @@ def test_command_sizes_threads_to_the_free_cores(load: float, cores: int, expect
 
 # ---- issue 25: each notice once, and the report ends with what to use ----------------------------------
 def test_skipped_optimizers_are_named_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import leanopt.compare.command as command
+    import leanopt.compare.contenders as contenders
 
-    monkeypatch.setattr(command, "DEFAULT_CONTENDERS", ("adamw", "lion", "lion8bit", "torchao-adamw8bit"))
+    monkeypatch.setattr(contenders, "DEFAULT_CONTENDERS", ("adamw", "lion", "lion8bit", "torchao-adamw8bit"))
     argv = ["--task", "digits", "--quick", "--steps", "2", "--device", "cpu", "--lr-grid", "1", "--seeds", "1",
             "--threads", "1", "--no-isolate", "--out", str(tmp_path)]
     threads = torch.get_num_threads()
@@ -1011,50 +1111,94 @@ def test_skipped_optimizers_are_named_once(tmp_path: Path, monkeypatch: pytest.M
 
 
 def _ok_row(name: str, losses: list[float], state: int, *, origin: str = "leanopt", peak: int = 100 * 2**20,
-            f1: list[float] | None = None, edge: bool = False) -> dict[str, Any]:
-    row = {"optimizer": name, "status": "ok", "origin": origin, "lr": 1e-3, "val_losses": losses,
+            f1: list[float] | None = None, edge: bool = False, rss: int | None = None) -> dict[str, Any]:
+    row = {"optimizer": name, "status": "ok", "origin": origin, "lr": 1e-3, "val_losses": losses, "seeds": [0, 1, 2],
            "val_loss_mean": statistics.fmean(losses), "val_loss_std": statistics.stdev(losses), "state_bytes": state,
            "param_bytes": 4 * 2**20, "grad_bytes": 4 * 2**20, "peak_bytes": peak, "params": 2**20,
-           "lr_at_grid_edge": edge}
+           "lr_at_grid_edge": edge, "peak_rss_bytes": rss}
     if f1 is not None:
         row.update(f1_by_seed=f1, f1_mean=statistics.fmean(f1), f1_std=statistics.stdev(f1))
     return row
 
 
-def test_recommendation_is_the_least_memory_within_noise() -> None:
+def test_recommendation_is_the_least_memory_of_those_equal_or_better() -> None:
     from leanopt.compare.report import recommendation
     from leanopt.compare.runner import judge
 
     MiB = 2**20
-    rows = [_ok_row("adamw", [2.00, 2.02, 1.98], 8 * MiB, f1=[0.70, 0.72, 0.68]),
-            _ok_row("adamw8bit", [2.01, 2.03, 1.99], 2 * MiB, peak=90 * MiB, f1=[0.70, 0.71, 0.69]),
+    rows = [_ok_row("adamw", [2.00, 2.02, 1.98], 8 * MiB, f1=[0.70, 0.72, 0.68], rss=130 * MiB),
+            # the same seeds, each within 0.01: equal within 2 % on both
+            _ok_row("adamw8bit", [2.01, 2.03, 1.99], 2 * MiB, peak=90 * MiB, f1=[0.70, 0.71, 0.69], rss=124 * MiB),
             _ok_row("adamw4bit", [2.30, 2.32, 2.28], MiB, f1=[0.60, 0.61, 0.59]),  # worse: not a candidate
-            # within noise on the loss but worse on F1: not a candidate either
+            # equal on the loss but worse on F1: not a candidate either
             _ok_row("adafactor", [2.00, 2.02, 1.98], MiB // 2, f1=[0.50, 0.51, 0.49])]
     assert judge(rows) == "adamw"
-    assert rows[3]["verdict"] == "within noise" and rows[3]["f1_verdict"].startswith("worse")
+    assert rows[1]["verdict_kind"] == "equal" and rows[3]["verdict_kind"] == "equal"
+    assert rows[3]["f1_verdict_kind"] == "worse" and rows[2]["verdict_kind"] == "worse"
     text = recommendation({"results": rows, "reference": "adamw"})
-    assert text.startswith("Use `adamw8bit` (lr 0.001): within noise of `adamw`"), text
-    assert "optimizer state 2.0 MiB against 8.0 (-6.0 MiB, -75 %)" in text and "peak 90.0 MiB against 100.0" in text
+    assert text.startswith("Use `adamw8bit` (lr 0.001): worse by 0.010, within 2% (p < 0.001) against `adamw`"), text
+    assert "optimizer state 2.0 MiB against 8.0 (-6.0 MiB, -75 %)" in text
+    # The process's peak first, the tensors' beside it.
+    assert "process peak 124.0 MiB against 130.0 (-6.0 MiB, -5 %), tensor peak 90.0 MiB against 100.0" in text
     assert "macro F1 (0.700 ± 0.010 against 0.700 ± 0.020)" in text
-    # Only AdamW within noise: it is the one to use, and the report says why.
+    # Only AdamW stands: it is the one to use, and the report says why.
     alone = recommendation({"results": [rows[0], rows[2]], "reference": "adamw"})
-    assert alone == "Use `adamw`: no optimizer that keeps less memory is within noise of it here."
+    assert alone == "Use `adamw`: no optimizer that keeps less memory is equal within 2% or better here."
     rows[1]["lr_at_grid_edge"] = True
     assert "at the edge of its grid" in recommendation({"results": rows, "reference": "adamw"})
     assert recommendation({"results": rows[1:], "reference": None}) is None
 
 
-def test_report_ends_with_what_to_use(report: tuple[Path, dict[str, Any], str]) -> None:
-    out, data, printed = report
-    assert data["recommendation"] and data["recommendation"].startswith("Use `")
+def test_recommendation_says_when_the_evidence_cannot_decide() -> None:
+    from leanopt.compare.report import recommendation
+    from leanopt.compare.runner import judge
+
+    MiB = 2**20
+    # Two seeds, 0.028 apart (7.5 standard errors, p = 0.055 paired): cannot decide, so AdamW, and why.
+    rows = [_ok_row("adamw", [0.9730836, 0.9753668], 8 * MiB), _ok_row("adafactor", [0.9423922, 0.9495406], MiB)]
+    for row in rows:
+        row["seeds"] = [0, 1]
+    judge(rows)
+    assert rows[1]["verdict"] == "cannot decide (p = 0.055)" and rows[1]["test"] == "paired"
+    text = recommendation({"results": rows, "reference": "adamw"})
+    assert text.startswith("Use `adamw`: the evidence cannot decide whether `adafactor`, which keep less memory, train as well"), text
+    assert "more --seeds or --steps" in text
+    # Too short: said first; the memory alone names the lightest, no verdict on the loss.
+    short = recommendation({"results": rows, "reference": "adamw", "too_short": "adamw's accuracy, 55.1%, is near chance"})
+    assert short.startswith("Too short to decide which trains as well as `adamw`: adamw's accuracy, 55.1%, is near chance")
+    assert "On memory alone, `adafactor` keeps the least: optimizer state 1.0 MiB against 8.0" in short
+
+
+def test_a_process_peak_that_does_not_show_the_saving_is_explained() -> None:
+    from leanopt.compare.report import memory_notes, recommendation
+    from leanopt.compare.runner import judge
+
+    MiB = 2**20
+    # The MiniLM figures: AdamW8bit's tensor peak 222 MiB against 347, its process peak 425 against 373.
+    rows = [_ok_row("adamw", [2.00, 2.02, 1.98], 173 * MiB, peak=347 * MiB, rss=373 * MiB),
+            _ok_row("adamw8bit", [2.001, 2.021, 1.981], 44 * MiB, peak=222 * MiB, rss=425 * MiB),
+            _ok_row("adafactor", [2.002, 2.022, 1.982], MiB // 2, peak=174 * MiB, rss=200 * MiB)]
+    judge(rows)
+    data = {"results": rows, "reference": "adamw"}
+    notes = memory_notes(data)
+    assert len(notes) == 1 and notes[0].startswith("adamw8bit keeps 129.0 MiB less state than adamw, but its process peak "
+                                                   "is 425.0 MiB against 373.0 (+52.0 MiB)"), notes
+    assert "held 203.0 MiB beyond its live tensors against 26.0 for adamw" in notes[0]
+    rows[2]["verdict_kind"] = "worse"  # leave AdamW8bit the pick: the text must not claim the process saves
+    text = recommendation(data)
+    assert "process peak 425.0 MiB against 373.0 (+52.0 MiB, +14 %) (no lower: the process does not see the saving" in text
+
+
+def test_report_ends_with_what_to_use(report: tuple[Path, dict[str, Any], str, str]) -> None:
+    out, data, printed, _ = report
+    assert data["recommendation"] and data["recommendation"].startswith("Too short" if data["too_short"] else "Use `")
     tail = " ".join(printed[printed.rindex("What to use: "):].split())  # wrapped at 150 columns
     assert tail.startswith("What to use: " + data["recommendation"] + " wrote "), tail
     assert f"**What to use.** {data['recommendation']}" in (out / "report.md").read_text()
 
 
 # ---- issue 25: the peak memory repeats -----------------------------------------------------------------
-def test_peak_memory_repeats_between_identical_runs(report: tuple[Path, dict[str, Any], str]) -> None:
+def test_peak_memory_repeats_between_identical_runs(report: tuple[Path, dict[str, Any], str, str]) -> None:
     """The fixture's runs and the same run in this process: one tensor peak within a KiB (the
     resident-set peak is reported beside it, and moves by several percent)."""
     by_name = rows(report[1])
@@ -1221,7 +1365,8 @@ def test_minilm_fine_tune_end_to_end(minilm_report: dict[str, Any]) -> None:
     assert by_name["adamw8bit"]["state_bytes"] < 0.3 * by_name["adamw"]["state_bytes"]
     # pretrained weights, and the new head drawn from the seed: the first loss is the same for both
     assert by_name["adamw"]["initial_losses"] == by_name["adamw8bit"]["initial_losses"]
-    assert by_name["adamw"]["f1_verdict"] == "reference" and data["recommendation"].startswith("Use `")
+    assert by_name["adamw"]["f1_verdict"] == "reference"
+    assert data["recommendation"].startswith("Too short" if data["too_short"] else "Use `")
     text = (minilm_report["out"] / "report.md").read_text()
     assert "| F1 (macro) | F1 vs AdamW |" in text and "macro F1" in text
 

@@ -31,12 +31,14 @@ def test_shown_output_is_printed_now(shown) -> None:
 
 
 def test_readme_outputs_are_all_marked() -> None:
-    """Every README block that shows a leanopt command's output is checked (or marked slow)."""
-    text = (ROOT / "README.md").read_text()
-    shown = [m for m in re.finditer(r"^```console\n\$ leanopt ", text, re.M)]
-    marked = refresh_docs_outputs.marked(ROOT / "README.md")
+    """Every block of the README, and of the pages its examples moved to, that shows a leanopt
+    command's output is checked (or marked slow)."""
+    pages = [ROOT / "README.md", ROOT / "docs" / "memory.md", ROOT / "docs" / "optimizers.md"]
+    shown = [m for page in pages for m in re.finditer(r"^```console\n\$ leanopt ", page.read_text(), re.M)]
+    marked = [s for page in pages for s in refresh_docs_outputs.marked(page)]
     assert len(shown) == len(marked) >= 3
     assert any(not s.slow for s in marked)
+    assert {s.command for s in marked} >= {"leanopt estimate distilbert-base-cased", "leanopt inspect optimizer.pt"}
 
 
 def test_refresh_rewrites_a_drifted_block(tmp_path: Path) -> None:

@@ -218,10 +218,26 @@ def test_default_adafactor_trains_under_trainers_scheduler_and_says_the_schedule
     trainer = transformers.Trainer(
         model=model, args=training_args(tmp_path), train_dataset=TokenDataset(), optimizers=(opt, None)
     )
-    with pytest.warns(UserWarning, match="relative_step=True.*ignored"):
+    with pytest.warns(UserWarning, match="relative_step=True.*ignored.*Trainer logs.*RelativeStepSchedule"):
         result = trainer.train()
     assert trainer.state.global_step == 8 and state_steps(opt) == {8}
     assert torch.isfinite(torch.tensor(result.training_loss))
+
+
+def test_trainer_logs_the_step_size_a_relative_step_adafactor_takes(tmp_path, recwarn) -> None:
+    """Trainer logged `learning_rate 0.008125` (its linear decay of 1e-2) while Adafactor took 1e-2 at
+    every step; with RelativeStepSchedule the logged lr is the step size taken, and nothing warns."""
+    from leanopt.integrations.transformers import RelativeStepSchedule
+
+    model = tiny_distilbert()
+    opt = leanopt.Adafactor(model.parameters(), warmup_init=True)  # a step size that changes: 1e-6 t
+    trainer = transformers.Trainer(model=model, args=training_args(tmp_path, logging_steps=1), train_dataset=TokenDataset(),
+                                   optimizers=(opt, RelativeStepSchedule(opt)))  # fmt: skip
+    trainer.train()
+    logged = [entry["learning_rate"] for entry in trainer.state.log_history if "learning_rate" in entry]
+    # Trainer logs after the step and the schedule's step: the step size of the step just taken.
+    assert logged == pytest.approx([1e-6 * t for t in range(1, 9)], rel=1e-9), logged
+    assert not [w for w in recwarn if "relative_step" in str(w.message)]
 
 
 @pytest.mark.parametrize(

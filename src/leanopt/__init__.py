@@ -12,35 +12,48 @@ from typing import TYPE_CHECKING, Any
 if importlib.util.find_spec("numpy") is None:
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
-# Defining an optimizer outside leanopt (docs/adding_an_optimizer.md): a rule, its class, its
-# quantized sibling, its registration.
-from leanopt.kernels.rules import Rule, StateKind
-from leanopt.memory import OPTIMIZER_NAMES, compute_optimizer_size, estimate, measure, training_memory
-from leanopt.memory.resident import pin_allocator
-from leanopt.optim import *  # noqa: F403  (every class the registry holds, under its own name)
-from leanopt.optim import OPTIMIZERS, ElementwiseOptimizer, LowBit, register
-from leanopt.optim.release import release_gradients
+from leanopt.catalog import optimizer_classes
 
 if TYPE_CHECKING:
+    from leanopt.kernels.rules import Rule, StateKind
+    from leanopt.memory import OPTIMIZER_NAMES, compute_optimizer_size, estimate, measure, training_memory
     from leanopt.memory.doctor import doctor
     from leanopt.memory.plan import plan
+    from leanopt.memory.resident import pin_allocator
+    from leanopt.optim import *  # noqa: F403  (every optimizer class, with its own signature)
+    from leanopt.optim import ElementwiseOptimizer, LowBit, register
+    from leanopt.optim.release import release_gradients
 
 __version__ = "0.1.0"
 __all__ = ["OPTIMIZER_NAMES", "ElementwiseOptimizer", "LowBit", "Rule", "StateKind", "compute_optimizer_size", "doctor", "estimate",
-           "measure", "pin_allocator", "plan", "register", "release_gradients", "training_memory", *OPTIMIZERS]  # fmt: skip
+           "measure", "pin_allocator", "plan", "register", "release_gradients", "training_memory",
+           *optimizer_classes()]  # fmt: skip
 
-# The planner (memory/plan*.py: a FakeTensorMode tracer and its CUDA emulation) and the doctor
-# are imported on first use, so that `import leanopt` for an optimizer does not pay for them
-# (tests/test_imports.py).
-_LAZY = {"plan": "leanopt.memory.plan", "doctor": "leanopt.memory.doctor"}
+# Every public name is imported on first use, from the module that defines it: `import leanopt`
+# imports neither torch nor anything else, so the `leanopt` command checks its arguments, model
+# names and files before it pays for torch (seconds), and a process that uses the optimizers
+# does not pay for the planner (a FakeTensorMode tracer and its CUDA emulation) or the doctor
+# (tests/test_imports.py, tests/test_newcomer.py).
+_LAZY = {
+    **dict.fromkeys(["Rule", "StateKind"], "leanopt.kernels.rules"),
+    **dict.fromkeys(["OPTIMIZER_NAMES", "compute_optimizer_size", "estimate", "measure", "training_memory"], "leanopt.memory"),
+    "pin_allocator": "leanopt.memory.resident",
+    **dict.fromkeys(["ElementwiseOptimizer", "LowBit", "register", *optimizer_classes()], "leanopt.optim"),
+    "release_gradients": "leanopt.optim.release",
+    "plan": "leanopt.memory.plan",
+    "doctor": "leanopt.memory.doctor",
+}  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value  # later lookups skip this function
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    elif importlib.util.find_spec(f"{__name__}.{name}") is not None:  # a subpackage: `leanopt.optim.REGISTRY`
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value  # later lookups skip this function
+    return value
 
 
 def __dir__() -> list[str]:

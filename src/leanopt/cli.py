@@ -26,18 +26,28 @@ import os
 import re
 import sys
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
+# Only modules that import no torch: arguments, optimizer and model names and files are checked
+# (`check=` of each command) before torch is imported, which takes seconds; each command imports
+# what it needs inside (tests/test_newcomer.py).
 from leanopt import __version__
-from leanopt.memory.estimate import OPTIMIZER_NAMES, MiB, available_optimizers, resolve_optimizer
-from leanopt.memory.inspect import StateDictReport, inspect_file, inspect_state_dict
-from leanopt.memory.presets import ModelSource, resolve_model, shape_dependent
-from leanopt.memory.training import TRAINING_MODES, TrainingMemory, supports_training_modes, training_memory
+from leanopt.arguments import Parser, UsageError, whole_number
+from leanopt.catalog import BUILTIN_OPTIMIZERS, PEER_NAMES, ROUNDINGS, TORCH_ADAMW, known_optimizer, optimizer_families
+from leanopt.memory.presets import locate_model
 from leanopt.tables import console as _console
 from leanopt.tables import new_table, print_table
 from leanopt.writing import write_atomically
+
+if TYPE_CHECKING:
+    from leanopt.memory.inspect import StateDictReport
+    from leanopt.memory.presets import ModelSource
+    from leanopt.memory.training import TrainingMemory
+
+MiB = 1024**2
 
 TABLE_PRECISIONS = ("fp32", "bf16-mixed")
 # Printed as paragraphs under the tables, wrapped to the terminal's width.
@@ -56,24 +66,18 @@ MODE_NOTES = (
 )
 
 
-class CliError(Exception):
-    """A one-line error for the user."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise CliError(f"{message} (see {self.prog} --help)")
+CliError = UsageError  # what the commands raise for a one-line error
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = Parser(
         prog="leanopt",
         description="Optimizer memory: estimate it for a model, inspect and convert a saved state, "
         "compare optimizers by training.",
         epilog="`leanopt COMMAND --help` for a command's arguments. Errors exit with status 2 and one line.",
     )
     parser.add_argument("--version", action="version", version=f"leanopt {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, title="commands", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser, title="commands", metavar="COMMAND")
 
     # Each help= is one line of `leanopt --help` (under 56 characters: no wrap at 80 columns).
     est = sub.add_parser(
@@ -87,14 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a preset (distilbert-base-cased, gpt2, llama-2-7b, ...), a config.json or a folder with one, "
         "a Hugging Face Hub id, or a parameter count (7b, 125m, 65783042)",
     )
+    known = ", ".join([*BUILTIN_OPTIMIZERS, *PEER_NAMES])
     est.add_argument(
         "--optimizers",
-        help=f"comma-separated names (default: leanopt's and torch-adamw); known: {', '.join(OPTIMIZER_NAMES)}",
+        help=f"comma-separated names (default: leanopt's and torch-adamw); known: {known}",
     )
     est.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    est.set_defaults(run=cmd_estimate)
-
-    from leanopt.memory.plan import DEFAULT_OPTIMIZERS, DEFAULT_ROUNDINGS, PLAN_PRECISIONS, ROUNDINGS
+    est.set_defaults(run=cmd_estimate, check=_check_estimate)
 
     pl = sub.add_parser(
         "plan",
@@ -105,13 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pl.add_argument("model", help="a preset (distilbert-base-cased, gpt2, llama-2-7b, ...), a config.json or a folder "
                     "with one, or a Hugging Face Hub id")  # fmt: skip
-    pl.add_argument("--batch", type=int, required=True, help="sequences per step")
-    pl.add_argument("--seq", type=int, required=True, help="tokens per sequence")
+    pl.add_argument("--batch", type=whole_number, required=True, help="sequences per step")
+    pl.add_argument("--seq", type=whole_number, required=True, help="tokens per sequence")
     pl.add_argument("--budget", help="memory to fit in: 24GiB, 24GB, 500MiB or bytes")
-    pl.add_argument("--gpus", type=int, default=1, help="ranks to shard over with FSDP2 (fully_shard per block and root; per-rank peak, batch per rank)")
-    pl.add_argument("--optimizers", help=f"comma-separated (default: {','.join(DEFAULT_OPTIMIZERS)}); known: {', '.join(OPTIMIZER_NAMES)}")
-    pl.add_argument("--precisions", help=f"comma-separated (default: {','.join(PLAN_PRECISIONS)}; bf16 = pure bf16, no master weights)")
-    pl.add_argument("--roundings", help=f"rounding= of the pure-bf16 rows, comma-separated (default: {','.join(DEFAULT_ROUNDINGS)}); "
+    pl.add_argument("--gpus", type=whole_number, default=1, help="ranks to shard over with FSDP2 (fully_shard per block and root; per-rank peak, batch per rank)")
+    pl.add_argument("--optimizers", help=f"comma-separated (default: %(leanopt.memory.plan:DEFAULT_OPTIMIZERS)s); known: {known}")
+    pl.add_argument("--precisions", help="comma-separated (default: %(leanopt.memory.plan:PLAN_PRECISIONS)s; bf16 = pure bf16, no master weights)")
+    pl.add_argument("--roundings", help="rounding= of the pure-bf16 rows, comma-separated (default: %(leanopt.memory.plan:DEFAULT_ROUNDINGS)s); "
                     f"known: {', '.join(ROUNDINGS)}")  # fmt: skip
     pl.add_argument("--grad-release", choices=("off", "on", "both"), default="both",
                     help="rows with leanopt.release_gradients (optimizer step inside backward; leanopt's optimizers, one process)")  # fmt: skip
@@ -119,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="whose memory: cpu (the process's resident bytes) or cuda (torch.cuda.max_memory_allocated "
                     "on one GPU: the caching allocator's blocks, fused attention, CUDA autocast, the Triton kernels; "
                     "planned on the CPU, no GPU needed)")  # fmt: skip
-    pl.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (gradient accumulation; "
+    pl.add_argument("--accum", type=whole_number, default=1, help="micro-batches per optimizer step (gradient accumulation; "
                     "--batch is the micro-batch): the peak with gradients held across them")  # fmt: skip
     pl.add_argument("--no-process", action="store_true", help="skip process_bytes (the CPU's one-time costs are measured "
                     "once per model class, precision and optimizer in a subprocess, ~10-50 s, then cached): --budget is then compared "
@@ -131,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--offload", action="store_true", help="also rows with offload='cpu' (states and fp32 masters in host "
                     "memory: host MB; leanopt's optimizers, fp32 and pure bf16), ranked after the on-device rows")  # fmt: skip
     pl.add_argument("--json", action="store_true", help="print the rows as JSON")
-    pl.set_defaults(run=cmd_plan)
+    pl.set_defaults(run=cmd_plan, check=_check_plan)
 
     doc = sub.add_parser(
         "doctor",
@@ -142,9 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
         "temporaries and runtime overhead, and show the plan beside each.",
     )
     doc.add_argument("model", help="a preset, a config.json or a folder with one, or a Hugging Face Hub id")
-    doc.add_argument("--batch", type=int, required=True, help="sequences per step")
-    doc.add_argument("--seq", type=int, required=True, help="tokens per sequence")
-    doc.add_argument("--optimizer", default="adamw", help=f"one name (default adamw); known: {', '.join(OPTIMIZER_NAMES)}")
+    doc.add_argument("--batch", type=whole_number, required=True, help="sequences per step")
+    doc.add_argument("--seq", type=whole_number, required=True, help="tokens per sequence")
+    doc.add_argument("--optimizer", default="adamw", help=f"one name (default adamw); known: {known}")
     doc.add_argument("--precision", choices=("fp32", "bf16-mixed", "bf16"), default="fp32",
                      help="fp32; bf16-mixed (autocast bf16 over fp32 weights); bf16 (the model in bf16)")  # fmt: skip
     doc.add_argument("--rounding", choices=ROUNDINGS, help="pure bf16: the optimizer's rounding= (default: its own)")
@@ -152,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     doc.add_argument("--steps", type=int, default=3, help="steps to run; the last is measured (default 3)")
     doc.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     doc.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
-    doc.set_defaults(run=cmd_doctor)
+    doc.set_defaults(run=cmd_doctor, check=_check_doctor)
 
     ins = sub.add_parser(
         "inspect",
@@ -163,14 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ins.add_argument("file", help="optimizer.pt, or a checkpoint folder that holds one")
     ins.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    ins.set_defaults(run=cmd_inspect)
+    ins.set_defaults(run=cmd_inspect, check=_check_inspect)
 
-    from leanopt.checkpoint import TORCH_ADAMW
-    from leanopt.optim.registry import REGISTRY
-
-    families: dict[str, list[str]] = {}
-    for name, cls in REGISTRY.items():
-        families.setdefault(cls.family, []).append(name)
+    families = optimizer_families()
     conv = sub.add_parser(
         "convert",
         help="re-save a state for another optimizer of its family",
@@ -184,8 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("src", help="the optimizer state_dict to read: optimizer.pt, a folder holding one, or a "
                       "torch.distributed.checkpoint folder")  # fmt: skip
     conv.add_argument("dst", help="where to write the converted state_dict")
-    conv.add_argument("--to", required=True, type=str.lower, choices=[*REGISTRY, TORCH_ADAMW], metavar="NAME",
-                      help=f"the optimizer to convert for, of the source's family; one of: {', '.join(REGISTRY)}, "
+    conv.add_argument("--to", required=True, type=str.lower, choices=[*BUILTIN_OPTIMIZERS, TORCH_ADAMW], metavar="NAME",
+                      help=f"the optimizer to convert for, of the source's family; one of: {', '.join(BUILTIN_OPTIMIZERS)}, "
                       f"{TORCH_ADAMW} (plain torch.optim.AdamW state, from any AdamW-family file)")  # fmt: skip
     conv.add_argument("--rule", type=str.lower, choices=sorted(families), metavar="RULE",
                       help="the rule the source's states run where they do not say: bitsandbytes' one-state files "
@@ -198,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "AdamW, Lion, AdEMAMix, SGD and their low-bit siblings' small params; rounded to nearest once, then "
                       "the optimizer rounds its own writes stochastically)")  # fmt: skip
     conv.add_argument("--force", action="store_true", help="overwrite DST if it exists")
-    conv.set_defaults(run=cmd_convert)
+    conv.set_defaults(run=cmd_convert, check=_check_convert)
 
     comp = sub.add_parser(
         "compare",
@@ -224,6 +222,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         parser = build_parser()
         args = parser.parse_args(_attach_dashed_values(parser, sys.argv[1:] if argv is None else list(argv)))
+        if getattr(args, "check", None) is not None:
+            args.check(args)
         return args.run(args)
     except SystemExit as exit_:  # --help
         return int(exit_.code or 0)
@@ -342,19 +342,77 @@ def _per_param(value: float | None) -> str:
 
 
 # ---- estimate ------------------------------------------------------------------------------------
-def _optimizer_names(spec: str | None) -> list[str]:
+# ---- what is checked before torch is imported ---------------------------------------------------
+def _named_optimizers(spec: str | None, option: str = "--optimizers") -> list[str] | None:
+    """The names of a comma-separated option, each known (a one-line ValueError names one that is
+    not); None when the option was not given."""
     if spec is None:
-        available = available_optimizers()
-        return [n for n in available if OPTIMIZER_NAMES[n].startswith("leanopt:")] + ["torch-adamw"]
-    names = [n.strip().lower() for n in spec.split(",") if n.strip()]
+        return None
+    names = [known_optimizer(n) for n in spec.split(",") if n.strip()]
     if not names:
-        raise CliError("--optimizers is empty")
+        raise CliError(f"{option} is empty")
+    return names
+
+
+def _check_estimate(args: argparse.Namespace) -> None:
+    _named_optimizers(args.optimizers)
+    locate_model(args.model)
+
+
+def _check_plan(args: argparse.Namespace) -> None:
+    _named_optimizers(args.optimizers)
+    if locate_model(args.model)[0] == "count":
+        raise CliError(f"{args.model!r} is a bare parameter count: a plan needs the model (a preset, config.json or Hub id)")
+
+
+def _check_doctor(args: argparse.Namespace) -> None:
+    _named_optimizers(args.optimizer, "--optimizer")
+    if locate_model(args.model)[0] == "count":
+        raise CliError(f"{args.model!r} is a bare parameter count: the doctor builds the model (a preset, config.json or Hub id)")
+
+
+def _saved_state(path: str, *, dcp: bool = False) -> None:
+    """A saved optimizer state is there: a file, or a folder holding optimizer.pt (or, ``dcp``, a
+    torch.distributed.checkpoint folder); the messages are the loader's own."""
+    found = Path(path)
+    if found.is_dir():
+        if not ((found / "optimizer.pt").is_file() or (dcp and (found / ".metadata").is_file())):
+            raise CliError(f"{found}: a folder without optimizer.pt")
+    elif not found.is_file():
+        raise CliError(f"{found}: no such file")
+
+
+def _check_inspect(args: argparse.Namespace) -> None:
+    _saved_state(args.file)
+
+
+def _check_convert(args: argparse.Namespace) -> None:
+    _saved_state(args.src, dcp=True)
+    dst = os.fspath(args.dst)
+    folder = os.path.dirname(dst) or "."
+    if not os.path.isdir(folder):
+        reason = "no such folder" if not os.path.exists(folder) else "not a folder:"
+        raise CliError(f"cannot write {dst}: {reason} {folder}")
+    if os.path.isdir(dst):
+        raise CliError(f"cannot write {dst}: it is a folder")
+    if os.path.exists(dst) and not args.force:
+        raise CliError(f"{dst} exists (use --force to overwrite)")
+
+
+def _optimizer_names(spec: str | None) -> list[str]:
+    from leanopt.memory.estimate import OPTIMIZER_NAMES, available_optimizers, resolve_optimizer
+
+    names = _named_optimizers(spec)
+    if names is None:
+        return [n for n in available_optimizers() if OPTIMIZER_NAMES[n].startswith("leanopt:")] + ["torch-adamw"]
     for name in names:
-        resolve_optimizer(name)  # a one-line ValueError for unknown or unavailable names
+        resolve_optimizer(name)  # a one-line ValueError for a peer that is not installed
     return names
 
 
 def _class_name(name: str) -> str:
+    from leanopt.memory.estimate import resolve_optimizer
+
     cls = resolve_optimizer(name)
     module = "leanopt" if cls.__module__.startswith("leanopt.") else cls.__module__.replace("torch.optim._", "torch.optim.")
     module = "torch.optim" if module.startswith("torch.optim.") else module
@@ -363,6 +421,9 @@ def _class_name(name: str) -> str:
 
 def estimate_rows(source: ModelSource, names: list[str]) -> list[dict[str, Any]]:
     """One row per optimizer: state and the training totals per precision (None: unknown)."""
+    from leanopt.memory.presets import shape_dependent
+    from leanopt.memory.training import TRAINING_MODES, supports_training_modes, training_memory
+
     rows = []
     for name in names:
         row: dict[str, Any] = {"name": name, "class": _class_name(name)}
@@ -395,9 +456,31 @@ def estimate_rows(source: ModelSource, names: list[str]) -> list[dict[str, Any]]
                 training=training,
                 training_grad_release=released,
                 training_offload=_offload_modes(source, name) if lean and source.exact_shapes else None,
+                with_momentum=_with_momentum(source, name) if state.bytes == 0 else None,
             )
         rows.append(row)
     return rows
+
+
+WITH_MOMENTUM = 0.9  # what the note under estimate's table shows for an optimizer whose default keeps no state
+
+
+def _label(row: dict[str, Any]) -> str:
+    """The optimizer's name, with the default its row assumes where that default keeps no state."""
+    return f"{row['name']} (m=0)" if row.get("with_momentum") else row["name"]
+
+
+def _with_momentum(source: ModelSource, name: str) -> dict[str, Any] | None:
+    """The state of an optimizer whose defaults keep none (SGD's ``momentum=0``, torch's default)
+    with ``momentum=0.9``: what it keeps as usually run. None for one without a ``momentum``."""
+    import inspect
+
+    from leanopt.memory.estimate import estimate, resolve_optimizer
+
+    if "momentum" not in inspect.signature(resolve_optimizer(name)).parameters:
+        return None
+    state = estimate(source.params, name, momentum=WITH_MOMENTUM)
+    return {"momentum": WITH_MOMENTUM, "state_bytes": state.bytes, "bytes_per_param": round(state.bytes_per_param, 6)}
 
 
 OFFLOAD_MODES = (("fp32", False), ("bf16", False), ("fp32", True), ("bf16", True))
@@ -407,6 +490,8 @@ def _offload_modes(source: ModelSource, name: str) -> dict[str, Any]:
     """``offload="cpu"`` (leanopt's optimizers; params with shapes: the host gradient buffers are
     the largest params' or chunks'): device bytes (``total``) and ``host_bytes``, per precision,
     without and with gradient release."""
+    from leanopt.memory.training import training_memory
+
     return {
         precision + ("-grad-release" if release else ""): training_memory(
             source.params, name, precision=precision, grad_release=release, offload=True
@@ -422,6 +507,8 @@ def _mode_key(precision: str, rounding: str | None) -> str:
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
+    from leanopt.memory.presets import resolve_model
+
     names = _optimizer_names(args.optimizers)
     _quiet_peer_import_warnings()
     source = resolve_model(args.model)
@@ -454,7 +541,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     for row in rows:
         training = row["training"] or {}
         table.add_row(
-            row["name"],
+            _label(row),
             row["class"],
             _mb(row["state_bytes"]),
             _per_param(row["bytes_per_param"]),
@@ -462,6 +549,11 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         )
     print_table(console, table)
     note = NOTES
+    stateless = [row for row in rows if row.get("with_momentum")]
+    if stateless:
+        figures = ", ".join(f"{row['name']} {_per_param(row['with_momentum']['bytes_per_param'])} B/param "
+                            f"({_mb(row['with_momentum']['state_bytes'])} MB)" for row in stateless)  # fmt: skip
+        note += f" (m=0): momentum=0, SGD's default as torch's, keeps no state; with momentum={WITH_MOMENTUM:g}: {figures}."
     if not source.exact_shapes:
         note += " A bare count has no shapes: one 1-D tensor is assumed. n/a: the state depends on matrix shapes (Adafactor)."
     console.print(note, style="dim", highlight=False)
@@ -472,6 +564,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 def _print_modes(console: Console, rows: list[dict[str, Any]], exact_shapes: bool) -> None:
     """Training memory of every mode (columns) for every optimizer (rows): one table without
     gradient release, one with it (a row per optimizer keeps 80 columns whatever the count)."""
+    from leanopt.memory.training import TRAINING_MODES
+
     keys = [_mode_key(precision, rounding) for precision, rounding in TRAINING_MODES]
     for released in (False, True) if exact_shapes else (False,):
         title = "training MB by mode, with grad release" if released else "training MB by mode"
@@ -481,7 +575,7 @@ def _print_modes(console: Console, rows: list[dict[str, Any]], exact_shapes: boo
             modes.add_column(key, justify="right")
         for row in rows:
             table = row.get("training_grad_release" if released else "training") or {}
-            modes.add_row(row["name"], *(_mb(table[k]["total"]) if table.get(k) else "n/a" for k in keys))
+            modes.add_row(_label(row), *(_mb(table[k]["total"]) if table.get(k) else "n/a" for k in keys))
         console.print()
         print_table(console, modes)
     if any(row.get("training_offload") for row in rows):
@@ -495,7 +589,7 @@ def _print_modes(console: Console, rows: list[dict[str, Any]], exact_shapes: boo
             for precision, release in OFFLOAD_MODES:
                 value = table.get(precision + ("-grad-release" if release else ""))
                 cells.append(f"{_mb(value['total'])} / {_mb(value['host_bytes'])}" if value else "n/a")
-            modes.add_row(row["name"], *cells)
+            modes.add_row(_label(row), *cells)
         console.print()
         print_table(console, modes)
         console.print("offload: device = weights and gradients (released: the largest param's); host = host copies "
@@ -647,6 +741,8 @@ def _precision(row: Any) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from leanopt.memory.inspect import inspect_file
+
     _quiet_peer_import_warnings()
     report = inspect_file(args.file)
     if args.json:
@@ -672,16 +768,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     from leanopt.checkpoint import check_loads, convert_checkpoint
     from leanopt.checkpoint_files import read_checkpoint
+    from leanopt.memory.inspect import inspect_file, inspect_state_dict
 
-    dst = os.fspath(args.dst)
-    folder = os.path.dirname(dst) or "."
-    if not os.path.isdir(folder):  # before the (possibly long) conversion
-        reason = "no such folder" if not os.path.exists(folder) else "not a folder:"
-        raise CliError(f"cannot write {dst}: {reason} {folder}")
-    if os.path.isdir(dst):
-        raise CliError(f"cannot write {dst}: it is a folder")
-    if os.path.exists(dst) and not args.force:
-        raise CliError(f"{dst} exists (use --force to overwrite)")
+    dst = os.fspath(args.dst)  # checked before the (possibly long) conversion: _check_convert
     # One-line errors for missing / non-optimizer / hostile files; torchao and DCP read without their code.
     state_dict = read_checkpoint(args.src)
     before_bytes = inspect_state_dict(state_dict).bytes

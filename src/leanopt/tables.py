@@ -1,8 +1,9 @@
 """Tables the commands print, fitted to the terminal: a table too wide for the console is printed
 as several tables, each with the key columns (the optimizer, its mode) and as many of the others
 as fit, instead of rich's way of squeezing it (cells cut to ``adamw8…``, labels wrapped over three
-lines). Nothing is cut: a column is never narrower than its widest cell, unless it was made with
-``overflow="fold"`` (free text, such as a param group's options), which may wrap at its spaces.
+lines). Nothing is cut, and a row takes two lines at most: a column is never narrower than its
+widest cell, unless it was made with ``overflow="fold"`` (free text, such as a param group's
+options), which may wrap at its spaces onto a second line; a header may wrap onto two lines too.
 
 :func:`console` is the console they print to: the terminal's width, or ``$COLUMNS`` where it is
 set, or 120 columns for a pipe.
@@ -42,14 +43,38 @@ def _cell_widths(cell: Any) -> tuple[int, int]:
     return max((Text(word).cell_len for word in text.plain.split()), default=0), lines
 
 
+def two_lines(cell: Any) -> int:
+    """The narrowest width at which ``cell``'s words, wrapped at its spaces, take two lines at most."""
+    text = Text.from_markup(cell) if isinstance(cell, str) else Text(str(cell))
+    words = [Text(w).cell_len for w in text.plain.split()]
+    if len(words) <= 1:
+        return max(words, default=0)
+
+    def lines_at(width: int) -> int:
+        lines, used = 1, -1
+        for w in words:
+            if used + 1 + w > width:
+                lines, used = lines + 1, w
+            else:
+                used += 1 + w
+        return lines
+
+    width = max(words)
+    while lines_at(width) > 2:
+        width += 1
+    return width
+
+
 def _widths(table: Table) -> tuple[list[int], list[int]]:
-    """The narrowest each column can be without cutting a cell, headers included (a folding
-    column: its longest word), and its width on one line."""
+    """The narrowest each column can be without cutting a cell or taking a third line, its header
+    included (a folding column: two lines of its widest cell; any other, its widest cell on one
+    line and its header on two), and its width on one line."""
     narrowest, natural = [], []
     for col in table.columns:
-        word, line = zip(*(_cell_widths(c) for c in [col.header, *col.cells]))
-        natural.append(max(line))
-        narrowest.append(max(word) if col.overflow == "fold" else max(line))
+        cells = [_cell_widths(c)[1] for c in col.cells]
+        natural.append(max([_cell_widths(col.header)[1], *cells]))
+        folded = [two_lines(c) for c in col.cells] if col.overflow == "fold" else cells
+        narrowest.append(max([two_lines(col.header), *folded]))
     return narrowest, natural
 
 
@@ -76,9 +101,11 @@ def _part(table: Table, indices: list[int], title: Any, widths: list[int]) -> Ta
     part.title_style = table.title_style
     for i, width in zip(indices, widths):
         col = table.columns[i]
-        # A fixed width: rich's own sharing of a narrow terminal breaks words ("referenc" / "e").
+        # A fixed width: rich's own sharing of a narrow terminal breaks words ("referenc" / "e"). A
+        # column narrower than its header wraps it; its cells (no wider than the column) do not wrap.
         part.add_column(col.header, justify=col.justify, style=col.style, header_style=col.header_style,
-                        no_wrap=col.overflow != "fold", overflow=col.overflow, width=width)  # fmt: skip
+                        no_wrap=col.overflow != "fold" and width >= _cell_widths(col.header)[1], overflow=col.overflow,
+                        width=width)  # fmt: skip
     cells = [list(table.columns[i].cells) for i in indices]
     for r in range(table.row_count):
         part.add_row(*(c[r] for c in cells))

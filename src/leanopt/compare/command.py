@@ -9,44 +9,29 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import NoReturn
-
-import torch
 
 from leanopt import tables
-from leanopt.compare.contenders import DEFAULT_CONTENDERS, MODES, PRECISIONS, contender
-from leanopt.compare.output import RunLog, claim, logged_plan, read_runs, settings, write_results
+from leanopt.arguments import Parser, UsageError
 from leanopt.compare.progress import LoadMonitor, RemainingTime, RunBars, RunLines, eta_check, load_summary, threads_for, threads_note
-from leanopt.compare.report import command_line, print_recommendation, print_table, to_json
-from leanopt.compare.runner import compare, runs_left
-from leanopt.compare.tasks import BUILTIN_TASKS, DEFAULT_TASK, LR_MULTIPLIERS, SEEDS, TaskUnavailable, get_task
-from leanopt.kernels.cpu import compile_disabled
+from leanopt.compare.protocol import DEFAULT_TASK, LR_MULTIPLIERS, MODES, PRECISIONS, SEEDS, check_names
 
+# The arguments are checked before torch and the tasks are imported (seconds): _run imports them.
 PROG = "leanopt compare"
 
 
-class UsageError(Exception):
-    """A one-line error for the user."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{message} (see {self.prog} --help)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = Parser(
         prog=PROG,
         description="Train the same model on the same data with each optimizer, its learning rate tuned "
         "on a small grid and the best repeated over seeds; report state memory, peak memory, step time, "
         "validation loss (mean ± std) and a verdict against AdamW (results.json, report.md, PNGs).",
     )
     parser.add_argument("--task", default=DEFAULT_TASK,
-                        help=f"{', '.join(BUILTIN_TASKS)}, or hf:<model>:<dataset> (needs the network) "
+                        help="%(leanopt.compare.tasks:BUILTIN_TASKS|, )s, or hf:<model>:<dataset> (needs the network) "
                         f"(default {DEFAULT_TASK})")
     parser.add_argument("--optimizers", default=None,
                         help="comma-separated names; unavailable ones are skipped with the reason "
-                        f"(default: {','.join(DEFAULT_CONTENDERS)}; with --quick on the CPU only leanopt's AdamW and Adafactor "
+                        "(default: %(leanopt.compare.contenders:DEFAULT_CONTENDERS)s; with --quick on the CPU only leanopt's AdamW and Adafactor "
                         "families and the peers but the torchao ones (their compile time) and torch-adafactor run, "
                         "unless named). A name may add "
                         f"training modes after '+': {', '.join(MODES)}; e.g. adamw+bf16-kahan, adamw8bit+release")
@@ -65,17 +50,21 @@ def build_parser() -> argparse.ArgumentParser:
                         help="keep the runs that --out's runs.jsonl holds from an interrupted or failed comparison "
                         "with the same settings, and train only the others")
     parser.add_argument("--quick", action="store_true",
-                        help=f"small sizes, a {len(LR_MULTIPLIERS[True])}-point lr grid and {SEEDS[True]} seeds: "
-                        "the default task and optimizers (on the CPU: leanopt's AdamW and Adafactor families and the peers, "
-                        "less the torchao pair and torch-adafactor) in under "
-                        "4 minutes on 2 CPU cores")
+                        help=f"small sizes, a {len(LR_MULTIPLIERS[True])}-point lr grid (the MiniLM tasks on the CPU: each "
+                        f"optimizer at its usual lr) and {SEEDS[True]} seeds, the default optimizers less the slow ones on the "
+                        "CPU (there: leanopt's AdamW and Adafactor families and the peers, less the torchao pair and "
+                        "torch-adafactor; for the MiniLM tasks adamw, adamw8bit, adamw4bit, adafactor). Measured on 2 CPU "
+                        "cores at load 11-14 (2026-12-03): the default task 12 min 26 s, 4 min 6 s of CPU time; --task "
+                        "minilm 11 min 7 s, 3 min 20 s of CPU time. Idle, a run takes about its CPU time (minilm's "
+                        "earlier 16-run --quick: 6 min 16 s of CPU time at that load, 6 min 19 s idle on 2026-12-02).")
     parser.add_argument("--seed", type=int, default=0,
                         help="the first seed (initial weights and data order); the lr is tuned on it (default: 0)")
     parser.add_argument("--seeds", type=int, default=None,
                         help=f"seeds at each optimizer's best lr (default {SEEDS[False]}, {SEEDS[True]} with --quick)")
     parser.add_argument("--lr-grid", default=None, metavar="M1,M2,...",
                         help="multipliers of each optimizer's usual lr to try (default "
-                        f"{_multipliers(LR_MULTIPLIERS[False])}; {_multipliers(LR_MULTIPLIERS[True])} with --quick)")
+                        f"{_multipliers(LR_MULTIPLIERS[False])}; {_multipliers(LR_MULTIPLIERS[True])} with --quick, 1 for the MiniLM "
+                        "tasks on the CPU)")
     parser.add_argument("--lr", type=float, default=None,
                         help="one peak learning rate for all, no tuning (default: tune each optimizer's)")
     parser.add_argument("--jobs", type=int, default=1,
@@ -112,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     problem = _argument_problem(args)
     if problem:
         return fail(problem)
+    try:
+        check_names(args.task, args.optimizers)
+    except ValueError as err:
+        return fail(str(err))
     try:
         return _run(args)
     except OSError as err:  # the output directory cannot be written
@@ -154,6 +147,15 @@ def _argument_problem(args: argparse.Namespace) -> str | None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    import torch
+
+    from leanopt.compare.contenders import DEFAULT_CONTENDERS, contender
+    from leanopt.compare.output import RunLog, claim, logged_plan, read_runs, settings, write_results
+    from leanopt.compare.report import command_line, print_recommendation, print_table, to_json
+    from leanopt.compare.runner import compare, runs_left
+    from leanopt.compare.tasks import TaskUnavailable, get_task
+    from leanopt.kernels.cpu import compile_disabled
+
     given = [n.strip().lower() for n in (args.optimizers or ",".join(DEFAULT_CONTENDERS)).split(",") if n.strip()]
     if not given:
         return fail("--optimizers is empty")

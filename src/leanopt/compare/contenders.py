@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from leanopt.compare.protocol import MODES, unknown_mode, unknown_optimizer
 from leanopt.memory import OPTIMIZER_NAMES, resolve_optimizer
 from leanopt.optim.base import LeanOptimizer
 from leanopt.optim.lowbit import LowBit
@@ -52,25 +53,6 @@ LR = float | str
 # states the AdamW-family centre and every family's grid is centred on it times this factor.
 ADAMW_DEFAULT_LR = 1e-3
 
-# ---- training modes ------------------------------------------------------------------------------
-# What each mode suffix of a contender name switches on (``adamw+bf16-kahan``).
-MODES: dict[str, str] = {
-    "fp32": "fp32 weights, gradients and states; no autocast",
-    "bf16-mixed": "fp32 weights (the master weights), gradients and states; forward under "
-    "torch.autocast(bfloat16)",
-    "bf16-nearest": "pure bf16: bf16 weights and gradients, no fp32 copy, no autocast; the optimizer's "
-    "rounding='nearest' (updates under half a bf16 ulp are lost)",
-    "bf16-stochastic": "pure bf16 (as bf16-nearest) with rounding='stochastic' (unbiased random rounding of "
-    "each update)",
-    "bf16-kahan": "pure bf16 (as bf16-nearest) with rounding='kahan' (a bf16 compensation buffer, 2 B/param, "
-    "carries what each rounding lost)",
-    "bf16-states": "the optimizer's moments stored in bf16 (state_dtype=torch.bfloat16, each write "
-    "stochastically rounded): half of fp32 states' memory, without 8-bit's code books",
-    "release": "leanopt.release_gradients(model, optimizer): each param stepped inside backward and its "
-    "gradient freed at once (optimizer.step() and zero_grad() are no-ops; no clipping, no accumulation)",
-}
-# The precisions a name without a precision mode can train in (``--precision``).
-PRECISIONS = ("fp32", "bf16-mixed")
 # Pure bf16 modes and the optimizer's rounding= each sets.
 PURE_BF16 = {"bf16-nearest": "nearest", "bf16-stochastic": "stochastic", "bf16-kahan": "kahan"}
 
@@ -316,9 +298,7 @@ def _optimizer(key: str) -> Contender:
         origin = "leanopt" if module == "leanopt" else module.split(".")[0]
         default_lr = _class_default_lr(resolve_optimizer(key)) if origin == "leanopt" else ADAMW_DEFAULT_LR
         return Contender(key, "plain", origin, default_lr=default_lr)
-    known = ", ".join(sorted(set(CONTENDERS) | set(OPTIMIZER_NAMES)))
-    raise ValueError(f"unknown optimizer {key!r}; known: {known} (each may take modes after '+': "
-                     f"{', '.join(MODES)})")
+    raise ValueError(unknown_optimizer(key, set(CONTENDERS) | set(OPTIMIZER_NAMES)))
 
 
 def _with_modes(base: Contender, modes: list[str], given: str) -> Contender:
@@ -326,8 +306,7 @@ def _with_modes(base: Contender, modes: list[str], given: str) -> Contender:
     release = bf16_states = False
     for mode in modes:
         if mode not in MODES:
-            raise ValueError(f"unknown training mode {mode!r} in {given!r}; modes: {', '.join(MODES)} "
-                             f"(e.g. {base.name}+bf16-kahan)")
+            raise ValueError(unknown_mode(mode, given, base.name))
         if mode == "bf16-states":
             if bf16_states:
                 raise ValueError(f"{given!r}: 'bf16-states' is given twice")

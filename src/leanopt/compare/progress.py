@@ -4,7 +4,8 @@
   before the first run it says nothing).
 - :class:`LoadMonitor` samples the 1-minute load average while the comparison runs, so the
   report can say when other work shared the cores (timings are then inflated).
-- :class:`RunLines` writes one line per finished run (stdout not a terminal: a log, CI);
+- :class:`RunLines` writes one line per optimizer set up and per finished run, with the time left,
+  on stderr (stdout not a terminal: a log, CI; stdout keeps the table and what to use);
   :class:`RunBars` draws rich bars (a terminal). Both take the same events.
 """
 
@@ -227,12 +228,13 @@ def run_line(name: str, row: dict[str, Any], done: int, total: int, elapsed: flo
 
 
 class RunLines:
-    """One line per finished run, the pick, and failures: for logs (stdout not a terminal)."""
+    """One line per optimizer set up, per finished run, the pick, and failures, on stderr: for logs
+    (stdout not a terminal)."""
 
     def __init__(self, total: int, estimate: RemainingTime, stream: TextIO | None = None) -> None:
         self.total = total
         self.estimate = estimate
-        self.stream = stream or sys.stdout
+        self.stream = stream or sys.stderr
         self.done = 0
         self.start = time.perf_counter()
         self.log: list[tuple[float, float]] = []
@@ -254,6 +256,12 @@ class RunLines:
         kind = event.get("event")
         if kind == "setup":
             self.estimate.setup(name, event.get("runs"))
+            left = self.estimate.estimate()
+            runs = event.get("runs")
+            self.write(f"{'':>{2 * len(str(self.total)) + 3}} {name}: set up in {duration(event.get('setup_s'))} "
+                       f"(imports, data, warm-up){'' if runs is None else f'; {runs} runs to train'}"
+                       + (f"; elapsed {duration(time.perf_counter() - self.start)}, about {duration(left)} left"
+                          if left is not None else ""))
         elif kind == "step":
             self.estimate.step(name, event["step"] / max(event.get("total") or 1, 1))
         elif kind == "run":

@@ -12,13 +12,20 @@ from rich.markup import escape
 
 from leanopt import tables
 from leanopt.compare import stats
-from leanopt.compare.contenders import MODES
 from leanopt.compare.progress import duration, lr_text
+from leanopt.compare.protocol import MODES
 from leanopt.compare.runner import REFERENCES, Comparison, _finite
 from leanopt.writing import write_text_atomically
 
 MiB = 1024**2
 FORMAT = "leanopt-compare/2"
+
+TOO_SHORT_RULE = (
+    f"Too short to decide: AdamW's accuracy closes under {100 * stats.NEAR_CHANCE:.0f}% of the gap between always answering "
+    "the most common validation label and 100%, or its training loss (the mean over seeds) still fell by more than "
+    f"{100 * stats.STILL_FALLING:.0f}% over the last third of the steps (a least-squares line, its slope below zero at "
+    f"p < {stats.ALPHA:g}); the verdicts are then given but no optimizer is recommended by its loss"
+)
 
 MEASURES = {
     "lr": "the pick: the grid point with the lowest validation loss on the first seed (lr_grid, grid_val_loss); "
@@ -105,12 +112,15 @@ def to_json(comparison: Comparison, command: str, plots: list[str], plot_note: s
         "measured": dict(MEASURES, peak_bytes=comparison.memory_method),
         "verdict_rule": stats.VERDICT_RULE,
         "reference": comparison.reference,
+        "too_short": comparison.too_short,
         "jobs": comparison.jobs,
         "wall_s": comparison.wall_s,
         "plots": plots,
         "plot_note": plot_note,
         "results": comparison.rows,
-        "recommendation": recommendation({"results": comparison.rows, "reference": comparison.reference}),
+        "recommendation": recommendation({"results": comparison.rows, "reference": comparison.reference,
+                                          "too_short": comparison.too_short}),
+        "memory_notes": memory_notes({"results": comparison.rows, "reference": comparison.reference}),
     })
 
 
@@ -141,21 +151,26 @@ def _pm(mean: Any, std: Any, digits: int = 3) -> str:
     return _num(mean, digits) + ("" if std is None else f" ± {_num(std, digits)}")
 
 
+# "process peak MiB" (what the operating system gives the process: the allocator's free lists,
+# caches and native workspaces included) beside "tensor peak MiB" (the live tensors alone): a
+# saving in the second is one the user's machine sees only as far as the first shows it.
 COLUMNS = ["rank", "optimizer", "mode", "lr (pick)", "val loss (mean ± std)", "verdict vs AdamW", "val loss vs ref",
-           "final loss", "state MiB", "B/param", "vs AdamW", "weights+grads+state B/param", "peak MiB", "process peak MiB",
-           "step ms median [IQR]", "first step ms", "set-up s", "accuracy", "F1 (macro)", "F1 vs AdamW"]
+           "95% CI of the gap", "final loss", "state MiB", "B/param", "vs AdamW", "weights+grads+state B/param",
+           "process peak MiB", "tensor peak MiB", "step ms median [IQR]", "first step ms", "set-up s", "accuracy",
+           "F1 (macro)", "F1 vs AdamW"]
 TERMINAL_COLUMNS = {"rank", "optimizer", "mode", "lr (pick)", "val loss (mean ± std)", "verdict vs AdamW",
-                    "val loss vs ref", "state MiB", "vs AdamW", "weights+grads+state B/param", "peak MiB", "step ms median [IQR]",
-                    "accuracy", "F1 (macro)", "F1 vs AdamW"}
+                    "val loss vs ref", "state MiB", "vs AdamW", "weights+grads+state B/param", "process peak MiB",
+                    "tensor peak MiB", "step ms median [IQR]", "accuracy", "F1 (macro)", "F1 vs AdamW"}
 TEXT_COLUMNS = {"optimizer", "mode", "verdict vs AdamW", "lr (pick)", "F1 vs AdamW"}
-# Cells of several words ("2.354 ± 0.005 (n=3)", "better by 0.111 ± 0.021"), which may wrap at their
-# spaces in a narrow terminal; the others (names, single figures) are never broken.
-WRAPPED_COLUMNS = {"mode", "lr (pick)", "val loss (mean ± std)", "verdict vs AdamW", "step ms median [IQR]", "accuracy",
-                   "F1 (macro)", "F1 vs AdamW"}
+# Cells of several words ("2.354 ± 0.005", "cannot decide (p = 0.059)"), which may wrap at their
+# spaces in a narrow terminal (onto two lines at most: leanopt.tables); the others (names, single
+# figures) are never broken.
+WRAPPED_COLUMNS = {"mode", "lr (pick)", "val loss (mean ± std)", "verdict vs AdamW", "95% CI of the gap",
+                   "step ms median [IQR]", "accuracy", "F1 (macro)", "F1 vs AdamW"}
 
 
 def _cells(r: dict[str, Any], ref: tuple[str, int] | None, digits: int = 3,
-           ref_loss: float | None = None) -> dict[str, str]:
+           ref_loss: float | None = None, seeds: int | None = None) -> dict[str, str]:
     ratio = f"{r['state_bytes'] / ref[1]:.3f}" if ref and r.get("state_bytes") is not None else ""
     pick = lr_text(r.get("lr")) + (" (edge)" if r.get("lr_at_grid_edge") else "")
     if r.get("release"):
@@ -170,9 +185,11 @@ def _cells(r: dict[str, Any], ref: tuple[str, int] | None, digits: int = 3,
         "optimizer": r["optimizer"],
         "mode": r.get("mode") or "",
         "lr (pick)": pick,
+        # the seed count where it is not the plan's (a seed that failed)
         "val loss (mean ± std)": _pm(r.get("val_loss_mean"), r.get("val_loss_std"), digits)
-        + f" (n={len(r.get('seeds') or [])})",
+        + ("" if len(r.get("seeds") or []) == seeds else f" (n={len(r.get('seeds') or [])})"),
         "verdict vs AdamW": r.get("verdict") or "",
+        "95% CI of the gap": "" if not r.get("ci") else f"{r['ci'][0]:+.{digits}f} to {r['ci'][1]:+.{digits}f}",
         "val loss vs ref": (f"{100 * r['delta'] / ref_loss:+.2f} %" if stats.finite(r.get("delta")) and ref_loss
                             and r.get("verdict") != stats.REFERENCE else ""),
         "final loss": _pm(r.get("final_loss_mean"), r.get("final_loss_std")),
@@ -180,8 +197,8 @@ def _cells(r: dict[str, Any], ref: tuple[str, int] | None, digits: int = 3,
         "B/param": _num(r.get("state_bytes_per_param"), 2),
         "vs AdamW": ratio,
         "weights+grads+state B/param": _num(r.get("kept_bytes_per_param"), 2),
-        "peak MiB": _mib(r.get("peak_bytes")),
         "process peak MiB": _mib(r.get("peak_rss_bytes")),
+        "tensor peak MiB": _mib(r.get("peak_bytes")),
         "step ms median [IQR]": step,
         "first step ms": _ms(r.get("first_step_ms")),
         "set-up s": _num(r.get("setup_s"), 1),
@@ -211,6 +228,8 @@ def columns(data: dict[str, Any]) -> list[str]:
         drop.add("weights+grads+state B/param")
     if not any(r.get("peak_rss_bytes") is not None for r in ok):
         drop.add("process peak MiB")
+    if not any(r.get("ci") for r in ok):
+        drop.add("95% CI of the gap")
     return [c for c in COLUMNS if c not in drop]
 
 
@@ -221,7 +240,8 @@ def table_rows(data: dict[str, Any], *, markdown: bool = False) -> list[list[str
     digits = 4 if _has_modes(data) else 3
     by_name = {r["optimizer"]: r for r in data["results"]}
     ref_loss = by_name.get(data.get("reference") or "", {}).get("val_loss_mean")
-    return [[cells[c] for c in cols] for cells in (_cells(r, ref, digits, ref_loss) for r in ordered(data["results"])
+    seeds = len(data["settings"].get("seeds") or [])
+    return [[cells[c] for c in cols] for cells in (_cells(r, ref, digits, ref_loss, seeds) for r in ordered(data["results"])
                                                     if r["status"] == "ok")]
 
 
@@ -240,7 +260,8 @@ def print_table(data: dict[str, Any], console: Console, said: set[str] | frozens
     progress display printed already); :func:`print_recommendation` ends the output."""
     settings = data["settings"]
     table = tables.new_table(f"leanopt compare: {settings['task']} ({settings['steps']} steps, {settings['device']}, "
-                      f"seeds {','.join(map(str, settings['seeds']))})")
+                             f"seeds {','.join(map(str, settings['seeds']))}; val loss over "
+                             f"{len(settings['seeds'])} seeds)")
     cols = columns(data)
     shown = TERMINAL_COLUMNS if _has_modes(data) else TERMINAL_COLUMNS - {"weights+grads+state B/param"}
     keep = [i for i, c in enumerate(cols) if c in shown]  # report.md has them all
@@ -254,6 +275,8 @@ def print_table(data: dict[str, Any], console: Console, said: set[str] | frozens
     tables.print_table(console, table, keys=sum(cols[i] in ("rank", "optimizer", "mode") for i in keep))
     for line in not_run(data, said):
         console.print(f"[yellow]not ranked[/yellow] {escape(line)}")
+    for line in data.get("memory_notes") or []:
+        console.print(f"[yellow]memory[/yellow] {escape(line)}")
 
 
 def print_recommendation(data: dict[str, Any], console: Console) -> None:
@@ -275,42 +298,101 @@ def _saving(mine: Any, theirs: Any) -> str:
     return f"{mine / MiB:.1f} MiB against {theirs / MiB:.1f} ({(mine - theirs) / MiB:+.1f} MiB, {100 * (mine - theirs) / theirs:+.0f} %)"
 
 
+def _memory(row: dict[str, Any], ref: dict[str, Any]) -> str:
+    """What ``row`` keeps against ``ref``: the state, and the peaks the process and its tensors
+    reached (a process peak that is not lower is said so: that saving is not one the machine sees)."""
+    text = f"optimizer state {_saving(row.get('state_bytes'), ref.get('state_bytes'))}"
+    kept = _saving(kept_bytes(row), kept_bytes(ref))
+    if kept and kept_bytes(row) != row.get("state_bytes"):
+        text += f"; weights + gradients + state {kept}"
+    process = _saving(row.get("peak_rss_bytes"), ref.get("peak_rss_bytes"))
+    tensors = _saving(row.get("peak_bytes"), ref.get("peak_bytes"))
+    if process:
+        text += f"; process peak {process}"
+        if row["peak_rss_bytes"] >= ref["peak_rss_bytes"]:
+            text += " (no lower: the process does not see the saving, see the memory note)"
+        if tensors:
+            text += f", tensor peak {tensors}"
+    elif tensors:
+        text += f"; peak {tensors}"
+    return text
+
+
+def memory_notes(data: dict[str, Any]) -> list[str]:
+    """Why an optimizer that keeps less state than the reference does not lower the process's peak
+    by at least half of it (CPU rows, where the process peak is measured): what the process held
+    beyond its live tensors, against the reference's."""
+    ok = {r["optimizer"]: r for r in data["results"] if r["status"] == "ok"}
+    ref = ok.get(data.get("reference") or "")
+    if ref is None or not all(stats.finite(ref.get(k)) for k in ("state_bytes", "peak_rss_bytes", "peak_bytes")):
+        return []
+    notes = []
+    for r in ok.values():
+        if not all(stats.finite(r.get(k)) for k in ("state_bytes", "peak_rss_bytes", "peak_bytes")):
+            continue
+        saved = ref["state_bytes"] - r["state_bytes"]
+        lower = ref["peak_rss_bytes"] - r["peak_rss_bytes"]
+        if saved <= 0 or lower >= saved / 2:
+            continue
+        beyond, ref_beyond = r["peak_rss_bytes"] - r["peak_bytes"], ref["peak_rss_bytes"] - ref["peak_bytes"]
+        notes.append(
+            f"{r['optimizer']} keeps {saved / MiB:.1f} MiB less state than {ref['optimizer']}, but its process peak is "
+            f"{r['peak_rss_bytes'] / MiB:.1f} MiB against {ref['peak_rss_bytes'] / MiB:.1f} ({-lower / MiB:+.1f} MiB), not lower "
+            f"by half the saving: its tensor peak is {r['peak_bytes'] / MiB:.1f} MiB against {ref['peak_bytes'] / MiB:.1f} "
+            f"({(r['peak_bytes'] - ref['peak_bytes']) / MiB:+.1f}), and the process held {beyond / MiB:.1f} MiB beyond its live "
+            f"tensors against {ref_beyond / MiB:.1f} for {ref['optimizer']}: memory outside tensors (the allocator's retained "
+            "blocks, compiled or native kernels and their workspaces, thread pools) that its first steps added")
+    return notes
+
+
 def recommendation(data: dict[str, Any]) -> str | None:
-    """What to use: of the optimizers within noise of the reference (or better) by the verdict,
-    on the validation loss and, where the task scores one, on the F1 too, the one that keeps the
-    least memory (weights + gradients + state; then the lower peak), and what it saves."""
+    """What to use: of the optimizers equal within the margin to the reference (or better) by the
+    verdict on the validation loss and, where the task scores one, not worse on the F1, the one
+    that keeps the least memory (weights + gradients + state; then the lower peak), and what it
+    saves, the process's peak first. A run too short to rank by loss (``too_short``) says so and
+    names the one that keeps the least memory, no more."""
     ok = {r["optimizer"]: r for r in data["results"] if r["status"] == "ok" and not r.get("diverged")}
     ref = ok.get(data.get("reference") or "")
     if ref is None:
         return None
 
+    def lighter(r: dict[str, Any]) -> tuple[float, float, float]:
+        return (kept_bytes(r) or math.inf, r.get("peak_rss_bytes") or r.get("peak_bytes") or math.inf, r["val_loss_mean"])
+
+    if data.get("too_short"):
+        least = min((r for r in ok.values() if kept_bytes(r) is not None), key=lighter, default=ref)
+        text = (f"Too short to decide which trains as well as `{ref['optimizer']}`: {data['too_short']}; run the full "
+                "protocol (without --quick) or more --steps.")
+        if least is not ref:
+            text += f" On memory alone, `{least['optimizer']}` keeps the least: {_memory(least, ref)}."
+        return text
+
     def level(r: dict[str, Any]) -> bool:
-        if r is ref:
-            return True
-        verdict, f1 = r.get("verdict") or "", r.get("f1_verdict") or ""
-        return (verdict == "within noise" or verdict.startswith("better")) and not f1.startswith(("worse", "untested"))
+        return r is ref or (r.get("verdict_kind") in ("equal", "better") and r.get("f1_verdict_kind") != "worse")
 
     candidates = [r for r in ok.values() if level(r) and kept_bytes(r) is not None]
-    best = min(candidates, key=lambda r: (kept_bytes(r), r.get("peak_bytes") or math.inf, r["val_loss_mean"]))
-    untested = any((r.get("verdict") or "").startswith("untested") for r in ok.values())
+    best = min(candidates, key=lighter)
     if best is ref:
-        why = ("with one seed no verdict can be within noise (use --seeds 2 or more)" if untested else
-               "no optimizer that keeps less memory is within noise of it here")
+        lighter_ones = [r for r in ok.values() if r is not ref and lighter(r) < lighter(ref)]
+        untested = [r for r in lighter_ones if r.get("verdict_kind") == "untested"]
+        undecided = [r for r in lighter_ones if r.get("verdict_kind") == "undecided"]
+        if untested:
+            why = "with one seed there is no test (use --seeds 2 or more)"
+        elif undecided:
+            names = ", ".join(f"`{r['optimizer']}`" for r in undecided)
+            why = (f"the evidence cannot decide whether {names}, which keep less "
+                   "memory, train as well (" + "; ".join(f"{r['optimizer']}: {r['verdict']}" for r in undecided)
+                   + "); more --seeds or --steps would tell")
+        else:
+            why = f"no optimizer that keeps less memory is equal within {100 * stats.MARGIN:.0f}% or better here"
         return f"Use `{ref['optimizer']}`: {why}."
-    text = (f"Use `{best['optimizer']}` (lr {lr_text(best.get('lr'))}): within noise of `{ref['optimizer']}` on "
-            f"validation loss ({best['val_loss_mean']:.3f} ± {best.get('val_loss_std') or 0:.3f} against "
+    text = (f"Use `{best['optimizer']}` (lr {lr_text(best.get('lr'))}): {best['verdict']} against `{ref['optimizer']}` "
+            f"on validation loss ({best['val_loss_mean']:.3f} ± {best.get('val_loss_std') or 0:.3f} against "
             f"{ref['val_loss_mean']:.3f} ± {ref.get('val_loss_std') or 0:.3f})")
     if stats.finite(best.get("f1_mean")) and stats.finite(ref.get("f1_mean")):
-        text += (f" and macro F1 ({best['f1_mean']:.3f} ± {best.get('f1_std') or 0:.3f} against "
+        text += (f" and {best.get('f1_verdict')} on macro F1 ({best['f1_mean']:.3f} ± {best.get('f1_std') or 0:.3f} against "
                  f"{ref['f1_mean']:.3f} ± {ref.get('f1_std') or 0:.3f})")
-    text += f", with the least memory of those: optimizer state {_saving(best.get('state_bytes'), ref.get('state_bytes'))}"
-    kept = _saving(kept_bytes(best), kept_bytes(ref))
-    if kept and kept_bytes(best) != best.get("state_bytes"):
-        text += f"; weights + gradients + state {kept}"
-    peak = _saving(best.get("peak_bytes"), ref.get("peak_bytes"))
-    if peak:
-        text += f"; peak {peak}"
-    text += "."
+    text += f", with the least memory of those: {_memory(best, ref)}."
     if best.get("lr_at_grid_edge"):
         text += " Its lr is at the edge of its grid, so it may do better still outside it."
     return text
@@ -343,7 +425,7 @@ def mode_note(data: dict[str, Any]) -> list[str]:
              "`name+mode` sets the mode. \"val loss vs ref\": the mean validation loss relative to the "
              "reference's. \"weights+grads+state B/param\": parameter bytes, the gradient bytes alive between the "
              "first backward and its step (none under release), and the optimizer state, per parameter; "
-             "`peak MiB` adds activations and temporaries (autocast's bf16 weight copies included).")
+             "`tensor peak MiB` adds activations and temporaries (autocast's bf16 weight copies included).")
     lines = [intro, ""]
     lines += [f"- `{m}`: {MODES[m]}" for m in used]
     return lines + [""]
@@ -380,6 +462,8 @@ def markdown(data: dict[str, Any]) -> str:
     cols = columns(data)
     if s.get("fixed_lr"):
         protocol = f"one lr for all, {s['lr']:g} (not tuned: rankings at one shared lr mislead, see docs/compare.md)"
+    elif len(s["lr_multipliers"]) == 1 and not s.get("relative_step"):
+        protocol = f"each optimizer at {s['lr_multipliers'][0]:.3g} × its usual lr (a one-point grid: not tuned)"
     else:
         protocol = ("each optimizer's lr tuned on the grid " +
                     ", ".join(f"{m:.3g}" for m in s["lr_multipliers"]) + " × its usual lr"
@@ -402,9 +486,12 @@ def markdown(data: dict[str, Any]) -> str:
     lines.append("")
     if data.get("recommendation"):
         lines += [f"**What to use.** {data['recommendation']}", ""]
+    if data.get("memory_notes"):
+        lines += ["**Memory.** " + " ".join(data["memory_notes"]) + ".", ""]
     if data.get("reference"):
         lines.append(f"Verdict: against `{data['reference']}`. {stats.VERDICT_RULE}."
-                     + (" \"F1 vs AdamW\": the same rule on the macro F1, higher better." if "F1 vs AdamW" in cols else ""))
+                     + (" \"F1 vs AdamW\": the same rule on the macro F1, higher better." if "F1 vs AdamW" in cols else "")
+                     + f" {TOO_SHORT_RULE}.")
         lines.append("")
     lines += mode_note(data)
     if ref:

@@ -60,6 +60,7 @@ class Comparison:
     wall_s: float = 0.0
     reference: str | None = None
     jobs: int = 1
+    too_short: str | None = None  # why the losses cannot rank the optimizers (None: they can)
 
 
 def runs_planned(plan: Plan, entry: Contender) -> int:
@@ -413,6 +414,7 @@ def compare(
     methods = {r["memory_method"] for r in result.rows if r.get("memory_method")}
     result.memory_method = "; ".join(sorted(methods)) or PeakMemory(torch.device(plan.device)).method
     result.reference = judge(result.rows)
+    result.too_short = too_short(result.rows, result.reference)
     _rank(result.rows)
     return result
 
@@ -473,6 +475,7 @@ def summarize(name: str, plan: Plan, setup: dict[str, Any] | None, runs: list[di
         row[per_seed] = values
         row[f"{key}_mean"], row[f"{key}_std"] = stats.mean_std([v for v in values if v is not None])
     row["diverged"] = any(r.get("diverged") for r in at_pick)
+    row["chance_accuracy"] = first.get("chance_accuracy")
     # Step times hardly depend on the lr: every run's timed steps are pooled.
     steps = [x for r in runs for x in r.get("step_ms_timed", [])]
     train_steps = [x for r in runs for x in r.get("train_step_ms_timed", [])]
@@ -488,6 +491,9 @@ def summarize(name: str, plan: Plan, setup: dict[str, Any] | None, runs: list[di
     row["train_s"] = sum(r.get("wall_s") or 0.0 for r in runs)
     curves = [r.get("loss_curve") or [] for r in at_pick]
     row["loss_curves"] = curves
+    fit = stats.trend(curves)
+    row["loss_trend"] = None if fit is None else {"steps": fit.steps, "drop": fit.drop, "relative": fit.relative, "p": fit.p,
+                                                  "falling": fit.falling}  # fmt: skip
     row["runs_detail"] = [{k: r.get(k) for k in ("phase", "lr", "seed", "val_loss", "final_loss", "accuracy", "f1",
                                                  "diverged", "step_ms_median", "wall_s")} for r in runs]
     # Names kept from the single-run report: the means at the pick.
@@ -515,26 +521,55 @@ def reference(rows: list[dict[str, Any]]) -> str | None:
     return None
 
 
+_NO_VERDICT = {"delta": None, "delta_std": None, "p": None, "df": None, "ci": None, "test": None}
+
+
 def judge(rows: list[dict[str, Any]]) -> str | None:
-    """Set ``verdict``, ``delta`` and ``delta_std`` on every ranked row; returns the reference's name."""
+    """Set ``verdict`` (its words), ``verdict_kind``, ``delta``, ``delta_std``, ``p``, ``df``, ``ci``
+    and ``test`` on every ranked row (``stats.verdict``: the paired test where both ran the same
+    seeds); returns the reference's name."""
     by_name = {r["optimizer"]: r for r in rows}
     ref = reference(rows)
     for row in rows:
         if row["status"] != "ok":
-            row.update(verdict=None, delta=None, delta_std=None)
+            row.update(_NO_VERDICT, verdict=None, verdict_kind=None)
         elif ref is None:
-            row.update(verdict="no AdamW reference ran", delta=None, delta_std=None)
+            row.update(_NO_VERDICT, verdict="no AdamW reference ran", verdict_kind="none")
         elif row["optimizer"] == ref:
-            row.update(verdict=stats.REFERENCE, delta=0.0, delta_std=None)
+            row.update(_NO_VERDICT, verdict=stats.REFERENCE, verdict_kind=stats.REFERENCE, delta=0.0)
         else:
-            row.update(stats.verdict(row["val_losses"], by_name[ref]["val_losses"]))
+            row.update(stats.verdict(row["val_losses"], by_name[ref]["val_losses"], paired_seeds=_same_seeds(row, by_name[ref])))
         # Where the task scores an F1 (the Trainer tasks), the same rule on it, higher better.
         theirs, ours = (by_name[ref].get("f1_by_seed") if ref else None), row.get("f1_by_seed")
         if row["status"] == "ok" and ref is not None and _any_finite(ours) and _any_finite(theirs):
-            f1 = ({"verdict": stats.REFERENCE, "delta": 0.0, "delta_std": None} if row["optimizer"] == ref
-                  else stats.verdict(ours, theirs, higher_is_better=True))
-            row.update(f1_verdict=f1["verdict"], f1_delta=f1["delta"], f1_delta_std=f1["delta_std"])
+            f1 = ({"verdict": stats.REFERENCE, "verdict_kind": stats.REFERENCE, "delta": 0.0, "delta_std": None, "p": None}
+                  if row["optimizer"] == ref else
+                  stats.verdict(ours, theirs, higher_is_better=True, paired_seeds=_same_seeds(row, by_name[ref])))
+            row.update(f1_verdict=f1["verdict"], f1_verdict_kind=f1["verdict_kind"], f1_delta=f1["delta"],
+                       f1_delta_std=f1["delta_std"], f1_p=f1["p"])  # fmt: skip
     return ref
+
+
+def _same_seeds(row: dict[str, Any], ref: dict[str, Any]) -> bool:
+    """Whether the two rows' values come from the same seeds, in the same order (paired)."""
+    return bool(row.get("seeds")) and row.get("seeds") == ref.get("seeds")
+
+
+def too_short(rows: list[dict[str, Any]], ref: str | None) -> str | None:
+    """Why this run cannot rank the optimizers by their loss (None: it can): the reference's accuracy
+    is near chance (:func:`stats.near_chance`) or its training loss still falls (:class:`stats.Trend`)."""
+    row = next((r for r in rows if r["optimizer"] == ref), None)
+    if row is None:
+        return None
+    reasons = []
+    if stats.near_chance(row.get("accuracy_mean"), row.get("chance_accuracy")):
+        reasons.append(f"{ref}'s accuracy, {100 * row['accuracy_mean']:.1f}%, is near chance (always answering the most common "
+                       f"label scores {100 * row['chance_accuracy']:.1f}%)")
+    fit = row.get("loss_trend")
+    if fit and fit["falling"]:
+        reasons.append(f"{ref}'s training loss still fell by {100 * fit['relative']:.0f}% over the last {fit['steps']} steps "
+                       f"({stats.p_text(fit['p'])})")
+    return "; ".join(reasons) or None
 
 
 def _any_finite(values: Any) -> TypeGuard[list[Any]]:

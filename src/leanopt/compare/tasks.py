@@ -52,13 +52,7 @@ from leanopt.compare import stats
 from leanopt.compare.contenders import LR, Contender, decay_groups
 from leanopt.compare.gpt import ByteGPT, GPTConfig
 from leanopt.compare.meter import Recorder
-
-DEFAULT_TASK = "bytes-gpt"
-
-# The tuning protocol, by --quick: lr multipliers of each optimizer's centre, and seed count.
-# The full one is sized to run every default optimizer in about half an hour on 2 loaded cores.
-LR_MULTIPLIERS = {True: [1 / 3, 1.0, 3.0], False: [0.25, 0.5, 1.0, 2.0, 4.0]}
-SEEDS = {True: 2, False: 3}
+from leanopt.compare.protocol import LR_MULTIPLIERS, SEEDS, unknown_task
 
 
 class TaskUnavailable(Exception):
@@ -97,7 +91,7 @@ class Plan:
 class Trained:
     model: nn.Module
     optimizer: torch.optim.Optimizer
-    metrics: dict[str, float]  # val_loss, and accuracy where the task has one
+    metrics: dict[str, float | None]  # val_loss, and accuracy (and chance_accuracy) where the task has one
 
 
 def warmup_cosine(total_steps: int, warmup_steps: int) -> Callable[[int], float]:
@@ -174,7 +168,7 @@ class LoopWorkload(Workload):
     def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor: ...
 
     @abstractmethod
-    def evaluate(self, model: nn.Module) -> dict[str, float]: ...
+    def evaluate(self, model: nn.Module) -> dict[str, float | None]: ...
 
     def warm_loss(self, model: nn.Module) -> torch.Tensor:
         return self.loss(model, _like_params(self.batch(0), model))
@@ -246,6 +240,9 @@ class Task(ABC):
     # contender that is not ``slow_on_cpu``), and why the others are left out.
     quick_cpu_optimizers: tuple[str, ...] | None = None
     quick_cpu_reason: str = ""
+    # The lr multipliers of ``--quick`` on the CPU where the task's own time calls for fewer runs
+    # (None: LR_MULTIPLIERS[True]).
+    quick_cpu_lr_multipliers: tuple[float, ...] | None = None
 
     def check(self) -> None:
         """Raise :class:`TaskUnavailable` when the task cannot run here (called in the parent)."""
@@ -263,6 +260,7 @@ class Task(ABC):
         n = default_steps if steps is None else steps
         if n < 1:
             raise ValueError("--steps must be at least 1")
+        multipliers = self.quick_cpu_lr_multipliers if quick and not device.startswith("cuda") else None
         return Plan(
             task=self.name,
             device=device,
@@ -274,7 +272,7 @@ class Task(ABC):
             batch_size=sizes.pop("batch_size"),
             warmup_steps=max(1, n // 10),
             sizes=sizes,
-            lr_multipliers=[1.0] if lr is not None else list(LR_MULTIPLIERS[quick]),
+            lr_multipliers=[1.0] if lr is not None else list(multipliers or LR_MULTIPLIERS[quick]),
             relative_step=self.relative_step and lr is None,
             fixed_lr=lr is not None,
             seeds=[seed + i for i in range(SEEDS[quick])],
@@ -372,7 +370,7 @@ class BytesGPTWorkload(LoopWorkload):
     def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return model.loss(*batch)  # type: ignore[operator]  # nn.Module's __getattr__ types it Tensor | Module; ByteGPT.loss is a method
 
-    def evaluate(self, model: nn.Module) -> dict[str, float]:
+    def evaluate(self, model: nn.Module) -> dict[str, float | None]:
         total, count = 0.0, 0
         for chunk in self.val_starts.split(64):
             x, y = self._windows(self.val, chunk)
@@ -442,12 +440,13 @@ class DigitsWorkload(LoopWorkload):
         x, y = batch
         return F.cross_entropy(model(x).float(), y)  # in fp32 for bf16 logits too
 
-    def evaluate(self, model: nn.Module) -> dict[str, float]:
+    def evaluate(self, model: nn.Module) -> dict[str, float | None]:
         (x,) = _like_params((self.x_val,), model)
         logits = model(x).float()
         return {
             "val_loss": F.cross_entropy(logits, self.y_val).item(),
             "accuracy": (logits.argmax(-1) == self.y_val).float().mean().item(),
+            "chance_accuracy": stats.chance_accuracy(self.y_val.tolist()),
         }
 
 
@@ -559,7 +558,8 @@ class TrainerWorkload(Workload):
             model = trainer.model
             # As the lesson scores it: Trainer.evaluate with compute_metrics, eval_* out.
             scores = trainer.evaluate(_TensorDictDataset(self.val_data))
-        metrics = {"val_loss": scores["eval_loss"], "accuracy": scores["eval_accuracy"], "f1": scores["eval_f1"]}
+        metrics = {"val_loss": scores["eval_loss"], "accuracy": scores["eval_accuracy"], "f1": scores["eval_f1"],
+                   "chance_accuracy": stats.chance_accuracy(self.val_data["labels"].tolist())}
         return Trained(model, optimizer, metrics)
 
 
@@ -907,8 +907,8 @@ class MiniLMClassification(Task):
     # The lesson's lr for a BERT fine-tune is 2e-5..5e-5 over epochs; these runs are 30 to a few
     # hundred steps. In 30 steps AdamW's best lr on the tweets was 3e-4 (of 3.3e-5..9e-4).
     SIZES: ClassVar[dict[tuple[str, bool], dict[str, Any]]] = {
-        # Sized so that --quick (4 optimizers x 4 runs, one process each, 1 thread) ends within 10
-        # minutes on 2 CPU cores, also while another job holds one of them: ~18 s a run.
+        # --quick: 4 optimizers x 2 runs (one lr, two seeds: quick_cpu_lr_multipliers), one process
+        # each, 1 thread: 18-23 s a run on an idle core (docs/compare.md has the measured total).
         ("cpu", True): dict(steps=30, lr=3e-4, batch_size=8, seq_len=48, train_examples=512, val_examples=256),
         # 200 steps of 16 (3,200 of the 4,096 training tweets, under an epoch): ~4 minutes a run
         # on one core; the full protocol over every default optimizer takes hours (docs/compare.md).
@@ -920,10 +920,14 @@ class MiniLMClassification(Task):
     # 37-47 s a run, which alone would push --quick past 10 minutes.
     quick_cpu_optimizers = ("adamw", "adamw8bit", "adamw4bit", "adafactor")
     quick_cpu_reason = (
-        "left out of --quick on the CPU for the MiniLM task, to keep it within 10 minutes (each run fine-tunes "
+        "left out of --quick on the CPU for the MiniLM task, to keep it within 5 minutes (each run fine-tunes "
         "22.7M parameters; --quick runs leanopt's AdamW, AdamW8bit, AdamW4bit and Adafactor); the full run has it; "
         "name it in --optimizers to run it"
     )
+    # One lr per optimizer, its usual one (3e-4 for AdamW's family: AdamW's best of a 3-point grid
+    # in 30 steps), and two seeds: 8 runs instead of 16, which took 6 min 19 s on 2 idle cores.
+    # 30 steps cannot rank these optimizers by loss anyway (the report says the run is too short).
+    quick_cpu_lr_multipliers = (1.0,)
 
     def check(self) -> None:
         _require_transformers(self.name)
@@ -994,6 +998,5 @@ def get_task(name: str) -> Task:
     if name in TASK_ALIASES:
         return TASK_ALIASES[name]()
     if name not in BUILTIN_TASKS:
-        raise ValueError(f"unknown task {name!r}; built-in: {', '.join([*BUILTIN_TASKS, *TASK_ALIASES])}, "
-                         "or hf:<model>:<dataset>")
+        raise ValueError(unknown_task(name))
     return BUILTIN_TASKS[name]()

@@ -32,7 +32,7 @@ from leanopt.memory import StateMeasurement, measure, resolve_optimizer
 
 logger = logging.getLogger("leanopt")
 
-__all__ = ["OptimizerStateCallback", "declared_name", "optimizer_cls_and_kwargs", "unwrap_optimizer"]
+__all__ = ["OptimizerStateCallback", "RelativeStepSchedule", "declared_name", "optimizer_cls_and_kwargs", "unwrap_optimizer"]
 
 
 def optimizer_cls_and_kwargs(name: str | type, args: Any = None, **kwargs: Any) -> tuple[type, dict[str, Any]]:
@@ -83,6 +83,38 @@ def optimizer_cls_and_kwargs(name: str | type, args: Any = None, **kwargs: Any) 
             )
     out.update(kwargs)
     return cls, out
+
+
+class RelativeStepSchedule(torch.optim.lr_scheduler.LRScheduler):
+    """The schedule of a relative-step Adafactor (``leanopt.Adafactor()``'s default) in
+    ``Trainer(optimizers=(optimizer, RelativeStepSchedule(optimizer)))``: it leaves each group's
+    ``lr`` as the optimizer writes it, the relative step size it takes (``min(1e-2, 1/sqrt(t))``:
+    1e-2 up to step 10,000; ``min(1e-6 t, 1/sqrt(t))`` with ``warmup_init=True``; times each
+    param's RMS with ``scale_parameter=True``), so that the ``learning_rate`` Trainer
+    logs is the one in use. With ``(optimizer, None)`` Trainer makes its own schedule, which
+    the optimizer ignores (and says so once) while Trainer logs it. transformers'
+    ``AdafactorSchedule`` is the same for its own Adafactor.
+
+    >>> import torch, leanopt
+    >>> from leanopt.integrations.transformers import RelativeStepSchedule
+    >>> p = torch.nn.Parameter(torch.ones(4, 4))
+    >>> opt = leanopt.Adafactor([p], warmup_init=True)
+    >>> schedule = RelativeStepSchedule(opt)
+    >>> for _ in range(4):
+    ...     p.grad = torch.ones(4, 4)
+    ...     opt.step()
+    ...     schedule.step()
+    >>> schedule.get_last_lr()  # 1e-6 * 4
+    [4e-06]
+    """
+
+    def get_lr(self) -> list[float]:  # type: ignore[override]  # torch's is typed list[float | Tensor]
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_last_lr(self) -> list[float]:  # type: ignore[override]
+        # Live: Trainer reads it between the optimizer's step and the schedule's, when the group
+        # holds the step size just taken.
+        return self.get_lr()
 
 
 def _family(cls: type) -> str | None:

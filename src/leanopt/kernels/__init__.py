@@ -106,12 +106,15 @@ def eager(fn: Callable[..., Any]) -> Callable[..., Any]:
     lazily created per-param state recompiles once per param. The caller's forward and
     backward are compiled as usual.
     """
-    disabled = torch.compiler.disable(fn, recursive=True)
+    disabled: list[Callable[..., Any]] = []  # made on the first compiled call: torch.compiler.disable imports
+    # torch._dynamo (2 s of `import leanopt`), which a process that never compiles should not pay for
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
-            return disabled(*args, **kwargs)
+            if not disabled:
+                disabled.append(torch.compiler.disable(fn, recursive=True))
+            return disabled[0](*args, **kwargs)
         return fn(*args, **kwargs)
 
     return run

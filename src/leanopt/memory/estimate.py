@@ -16,19 +16,14 @@ from typing import Any
 
 import torch
 
+from leanopt.catalog import PEER_NAMES
+from leanopt.memory.measure import size_text
 from leanopt.optim.base import LeanOptimizer
 from leanopt.optim.layout import StateSpec
 from leanopt.optim.registry import REGISTRY
 
 MiB = 1024**2
 
-# Peers, by hand: name -> "module:attribute", resolved lazily so that an optional peer is
-# imported only when asked for.
-PEER_NAMES: dict[str, str] = {
-    "torch-adamw": "torch.optim:AdamW",
-    "torch-adafactor": "torch.optim:Adafactor",
-    "hf-adafactor": "transformers.optimization:Adafactor",
-}
 
 
 class _OptimizerNames(Mapping[str, str]):
@@ -111,7 +106,7 @@ class StateEstimate:
 
     def __str__(self) -> str:
         return (
-            f"{self.optimizer}: {self.bytes:,} bytes ({self.megabytes:.0f} MB) for {self.params:,} params, "
+            f"{self.optimizer}: {self.bytes:,} bytes ({size_text(self.bytes)}) for {self.params:,} params, "
             f"{self.bytes_per_param:.3f} B/param"
         )
 

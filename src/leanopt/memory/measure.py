@@ -20,6 +20,17 @@ from leanopt.quant import QuantizedState
 MiB = 1024**2
 
 
+def size_text(nbytes: int) -> str:
+    """A size in a unit that shows it (never ``0 MB``): ``16 B``, ``41.1 KiB``, and from 1 MiB on
+    ``5.4 MB``, ``502 MB`` (MB are MiB, as in the lesson's 502 MB)."""
+    if nbytes < 1024:
+        return f"{nbytes:,} B"
+    if nbytes < MiB:
+        return f"{nbytes / 1024:.1f} KiB"
+    mb = nbytes / MiB
+    return f"{mb:.1f} MB" if mb < 10 else f"{mb:,.0f} MB"
+
+
 @dataclass
 class StateMeasurement:
     """Bytes and elements of optimizer state, in total and broken down."""
@@ -36,8 +47,8 @@ class StateMeasurement:
         return self.bytes / MiB
 
     def __str__(self) -> str:
-        keys = ", ".join(f"{k}: {v / MiB:.1f} MB" for k, v in self.by_key.items())
-        return f"{self.bytes:,} bytes ({self.megabytes:.0f} MB), {self.elements:,} elements [{keys}]"
+        keys = ", ".join(f"{k}: {size_text(v)}" for k, v in self.by_key.items())
+        return f"{self.bytes:,} bytes ({size_text(self.bytes)}), {self.elements:,} elements [{keys}]"
 
 
 def leaf_tensors(value: Any) -> Iterator[torch.Tensor]:

@@ -41,9 +41,10 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from decimal import Decimal, localcontext
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # imported where a model is built: naming one (locate_model) needs no torch
+    import torch
 
 __all__ = [
     "MAX_CONFIG_LAYERS",
@@ -57,6 +58,7 @@ __all__ = [
     "hub_offline",
     "hub_unreachable",
     "parse_param_count",
+    "locate_model",
     "resolve_model",
     "shape_dependent",
 ]
@@ -253,14 +255,18 @@ def parse_param_count(text: str) -> int | None:
 
 
 # ---- transformers --------------------------------------------------------------------------
+def _needs_transformers(what: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        raise ValueError(f"{what} needs transformers (pip install 'leanopt[transformers]'); "
+                         "a bare parameter count such as 7b works without it")
+
+
 def _transformers(what: str) -> Any:
-    try:
-        import transformers
-    except ImportError:
-        raise ValueError(
-            f"{what} needs transformers (pip install 'leanopt[transformers]'); "
-            "a bare parameter count such as 7b works without it"
-        ) from None
+    _needs_transformers(what)
+    import transformers
+
     return transformers
 
 
@@ -367,6 +373,7 @@ class _Refused(ValueError):
 
 
 def _guarded_build(build: Callable[[Any], torch.nn.Module], config: Any) -> torch.nn.Module:
+    import torch
     """``build(config)`` on the meta device, stopped once it has made :data:`MAX_CONFIG_MODULES`
     modules (whatever field of the config multiplies them)."""
     from torch.nn.modules.module import register_module_module_registration_hook
@@ -628,8 +635,9 @@ def nearest_presets(name: str, n: int = 3) -> list[str]:
     return out[:n]
 
 
-def _from_hub(repo_id: str) -> tuple[torch.nn.Module, str]:
-    _transformers(f"{repo_id!r} (not a preset, a local path or a count, so a Hub id)")
+def _hub_config(repo_id: str) -> Path:
+    """The Hub's ``config.json`` of ``repo_id``: from the local cache, else downloaded."""
+    _needs_transformers(f"{repo_id!r} (not a preset, a local path or a count, so a Hub id)")
     from huggingface_hub import hf_hub_download
 
     what = f"{repo_id!r} is not a preset, a local path or a parameter count"
@@ -654,7 +662,7 @@ def _from_hub(repo_id: str) -> tuple[torch.nn.Module, str]:
         except Exception as err:
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise ValueError(f"{what}, and the Hub has no config for it ({first})") from None
-    return _from_config_path(Path(file))
+    return Path(file)
 
 
 # ---- entry point -----------------------------------------------------------------------------
@@ -663,8 +671,10 @@ def _summary(model: torch.nn.Module) -> tuple[int, int]:
     return sum(p.numel() for p in trainable), len(trainable)
 
 
-def resolve_model(spec: str) -> ModelSource:
-    """A preset name, Hub id, config path or parameter count -> a :class:`ModelSource`.
+def locate_model(spec: str) -> tuple[str, Any]:
+    """What ``spec`` names, found without importing torch or transformers (the command line checks
+    a model name before it pays for them): ``("count", n)``, ``("preset", name)``, ``("config",
+    path)`` or ``("hub", path of its cached or downloaded config.json)``.
 
     Raises ``ValueError`` with a one-line message when ``spec`` names nothing usable.
     """
@@ -672,23 +682,41 @@ def resolve_model(spec: str) -> ModelSource:
         raise ValueError("the model name is empty: give a preset, a config.json or folder, a Hub id or a parameter count")
     count = parse_param_count(spec)
     if count is not None:
-        return ModelSource(
-            spec, f"{count:,} parameters (a bare count: one 1-D tensor, no shapes)",
-            [torch.empty(count, device="meta", requires_grad=True)], count, None, exact_shapes=False,
-        )
+        return "count", count
     key = _PRESET_INDEX.get(spec.strip().lower())
     if key is not None:
-        preset = PRESETS[key]
-        model = _from_preset(key)
-        description = f"{preset.model_class}, preset with the config of {preset.hub_id}"
-    elif Path(spec).exists():
-        model, arch = _from_config_path(Path(spec))
-        description = f"{arch} from {spec}"
-    elif spec.endswith(".json") or spec.startswith((".", "/", "~")):
+        _needs_transformers(f"the preset {key!r}")
+        return "preset", key
+    if Path(spec).exists():
+        _needs_transformers(f"the config {spec!r}")
+        if Path(spec).is_dir() and not (Path(spec) / "config.json").is_file():
+            raise ValueError(f"{spec}: no config.json there")
+        return "config", Path(spec)
+    if spec.endswith(".json") or spec.startswith((".", "/", "~")):
         raise ValueError(f"{spec}: no such file or folder")
+    return "hub", _hub_config(spec)
+
+
+def resolve_model(spec: str) -> ModelSource:
+    """A preset name, Hub id, config path or parameter count -> a :class:`ModelSource`.
+
+    Raises ``ValueError`` with a one-line message when ``spec`` names nothing usable.
+    """
+    import torch
+
+    kind, found = locate_model(spec)
+    if kind == "count":
+        return ModelSource(
+            spec, f"{found:,} parameters (a bare count: one 1-D tensor, no shapes)",
+            [torch.empty(found, device="meta", requires_grad=True)], found, None, exact_shapes=False,
+        )
+    if kind == "preset":
+        preset = PRESETS[found]
+        model = _from_preset(found)
+        description = f"{preset.model_class}, preset with the config of {preset.hub_id}"
     else:
-        model, arch = _from_hub(spec)
-        description = f"{arch} from the Hub config of {spec}"
+        model, arch = _from_config_path(found)
+        description = f"{arch} from {spec}" if kind == "config" else f"{arch} from the Hub config of {spec}"
     n, tensors = _summary(model)
     return ModelSource(spec, description, model, n, tensors, exact_shapes=True)
 
@@ -699,6 +727,8 @@ def shape_dependent(optimizer: str | type, **optimizer_kwargs: Any) -> bool:
 
     True for factored states (Adafactor): a bare parameter count cannot give their size.
     """
+    import torch
+
     from leanopt.memory.estimate import estimate
 
     flat = estimate([torch.empty(4096 * 4096, device="meta")], optimizer, **optimizer_kwargs)

@@ -220,8 +220,10 @@ class Adafactor(LeanOptimizer):
         self._warned_lr_ignored = True
         warnings.warn(
             f"leanopt.Adafactor(relative_step=True) sets its own step size; the lr {lr!r} written into "
-            f"param group {gi} (by an LR scheduler or by hand) is ignored. To schedule the learning rate, "
-            "use relative_step=False with lr=... (and scale_parameter=False for a plain step size).",
+            f"param group {gi} (by an LR scheduler or by hand) is ignored, and a learning_rate that Trainer logs is that "
+            "schedule's, not the step size taken. To schedule the learning rate, use relative_step=False with lr=... (and "
+            "scale_parameter=False for a plain step size); to log the step size taken, pair it with "
+            "leanopt.integrations.transformers.RelativeStepSchedule(optimizer).",
             UserWarning,
             stacklevel=3,
         )
@@ -270,7 +272,8 @@ def validate_adafactor_hparams(group: Mapping[str, Any], *, reported_lr: bool = 
     for flag in ("relative_step", "warmup_init", "scale_parameter"):
         check_flag(flag, group[flag])
     if lr is not None and relative_step and not reported_lr:
-        raise ValueError("Cannot combine manual `lr` and `relative_step=True` options")
+        raise ValueError("Cannot combine manual `lr` and `relative_step=True` options: pass relative_step=False (and "
+                         "scale_parameter=False for a plain step size) to use lr, or leave lr out for the relative step")
     if group["warmup_init"] and not relative_step:
         raise ValueError("`warmup_init=True` requires `relative_step=True`")
     if lr is None and not relative_step:

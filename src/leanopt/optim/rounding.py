@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import torch
 
+from leanopt.catalog import ROUNDINGS
 from leanopt.quant.formats import dither
 
-ROUNDINGS = ("nearest", "stochastic", "kahan")
 # Elements of a param rounded at once (a chunkable rule's). Measured peaks of an AdamW step over
 # the memory before it (tests/test_rounding.py): the fp32 copies, the rule's temporaries and the
 # rounding's come to ~10 B per element with Kahan and ~64 B with stochastic rounding (its dither
