@@ -60,8 +60,8 @@ NOTES = (
 MODE_NOTES = (
     "A column per mode, its --json key: fp32, bf16-mixed as above; bf16: pure bf16 weights and gradients "
     "(2 + 2 B/param), no master weights, rounding='nearest'; bf16-stochastic, bf16-kahan: rounding='stochastic', "
-    "'kahan' (kahan adds a 2 B/param compensation). Persistent memory only: a stochastic/kahan step also makes an "
-    "fp32 copy of one param at a time. Grad release (leanopt.release_gradients): gradients = the largest param's. "
+    "'kahan' (kahan adds a 2 B/param compensation). Persistent memory only: a stochastic/kahan step also makes "
+    "fp32 copies of one chunk of 2**20 elements at a time. Grad release (leanopt.release_gradients): gradients = the largest param's. "
     "n/a: not a leanopt optimizer."
 )
 
