@@ -22,6 +22,7 @@ import torch
 
 import leanopt
 from leanopt.optim import offload as offload_module
+from leanopt.optim import param_step
 from registry import OPTIMIZERS
 from test_offload import assert_same_run, batch, bf16_run_beside_fp32_masters, loss_of, make_model, train
 
@@ -33,22 +34,21 @@ ROOT = Path(__file__).resolve().parents[1]
 def small_chunks(monkeypatch):
     """Chunks of 1000 elements (768 for 8-bit states in blocks of 256, 896 for 4-bit in 128):
     the model's 8192-element weight is stepped in 9-11 chunks, the last one shorter."""
-    monkeypatch.setattr(offload_module, "CHUNK_ELEMENTS", 1000)
+    monkeypatch.setattr(param_step, "CHUNK_ELEMENTS", 1000)
     calls = []
-    step_chunk = offload_module._step_chunk
+    host_step = offload_module.Offloaded._host_step
 
-    def counted(*args, **kwargs):
-        calls.append(args[6])  # start
-        return step_chunk(*args, **kwargs)
+    def counted(self, p, gi, index, twin, grad, waits, mark, span=None):
+        if span is not None:
+            calls.append(span[0])  # start
+        return host_step(self, p, gi, index, twin, grad, waits, mark, span)
 
-    monkeypatch.setattr(offload_module, "_step_chunk", counted)
+    monkeypatch.setattr(offload_module.Offloaded, "_host_step", counted)
     return calls
 
 
 def _elementwise(case) -> bool:
-    from leanopt.optim.elementwise import ElementwiseOptimizer
-
-    return issubclass(case.cls, ElementwiseOptimizer) and case.cls._step_group is ElementwiseOptimizer._step_group
+    return case.cls.chunkable
 
 
 # ---- chunks: the same bits ----------------------------------------------------------------------
@@ -96,7 +96,7 @@ class _Counted(offload_module.HostTransport):
 def test_host_bytes_is_what_the_engine_allocates(case, dtype, small_chunks) -> None:
     model = make_model(dtype=dtype)
     opt = case.cls(model.parameters(), **{**case.kwargs, **case.state_kwargs}, offload="cpu")
-    counted = opt._offload.transport = _Counted()
+    counted = opt.placement.transport = _Counted()
     for step in range(3):
         loss_of(model, batch(step, 0, dtype)).backward()
         opt.step()
@@ -105,16 +105,16 @@ def test_host_bytes_is_what_the_engine_allocates(case, dtype, small_chunks) -> N
     loss_of(model, batch(3, 0, dtype)).backward()
     opt.step()
     params = list(model.parameters())
-    masters = sum(t.nbytes for t in opt._offload._twins.values())
+    masters = sum(t.nbytes for t in opt.placement._twins.values())
     states = leanopt.measure(opt).bytes
     assert masters == sum(4 * p.numel() if dtype == torch.bfloat16 else p.nbytes for p in params)
     assert all(t.device.type == "cpu" for st in opt.state.values() for t in _tensors(st))
-    bound = opt._offload.host_bytes()
+    bound = opt.placement.host_bytes()
     buffers = bound - masters - states  # the host gradient buffers the count allows
     assert counted.live == masters  # between steps: host copies only
     assert 0 < counted.peak - masters <= buffers
     if _elementwise(case):  # two buffers in flight, each at most a chunk
-        assert buffers <= 2 * offload_module.CHUNK_ELEMENTS * params[0].element_size()
+        assert buffers <= 2 * param_step.CHUNK_ELEMENTS * params[0].element_size()
     else:  # whole params: the two largest (8192 and 1024 elements)
         assert buffers == (8192 + 1024) * params[0].element_size()
     opt.zero_grad()
@@ -142,8 +142,8 @@ def test_host_bytes_per_bf16_param_on_tinyllama_shapes(name: str, limit: float) 
     assert (n, len(params)) == (1_100_048_384, 201)
     opt = leanopt.optim.registry.optimizer_class(name)(params, offload="cpu")
     states = sum(spec.nbytes() for p in params for spec in opt._param_layout(p, opt.param_groups[0]))
-    host = opt._offload.host_bytes()
-    assert host == 4 * n + states + 2 * offload_module.CHUNK_ELEMENTS * 2
+    host = opt.placement.host_bytes()
+    assert host == 4 * n + states + 2 * param_step.CHUNK_ELEMENTS * 2
     assert host / n <= limit
     assert leanopt.training_memory(model, name, precision="bf16", offload=True).host_bytes == host
 

@@ -20,32 +20,6 @@ from leanopt.optim.registry import register
 class LowBitAdamW(LowBit, AdamW):
     """AdamW whose moments are stored block-quantized; amsgrad is refused."""
 
-    def __init__(
-        self,
-        params: Iterable[Any],
-        lr: float | torch.Tensor = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 1e-2,
-        amsgrad: bool = False,
-        *,
-        maximize: bool = False,
-        foreach: bool | None = None,
-        capturable: bool = False,
-        differentiable: bool = False,
-        fused: bool | None = None,
-        block_size: int | None = None,
-        min_quant_size: int = 4096,
-        rounding: str = "nearest",
-        backend: str = "auto",
-        state_dtype: torch.dtype | str = torch.float32,
-        offload: str | None = None,
-    ) -> None:
-        self._set_storage(block_size, min_quant_size)
-        super(LowBit, self).__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, foreach=foreach,
-                                     capturable=capturable, differentiable=differentiable, fused=fused, rounding=rounding,
-                                     backend=backend, state_dtype=state_dtype, offload=offload)  # fmt: skip
-
     def validate_group(self, group: Mapping[str, Any], *, loaded: bool = False) -> None:
         cls = type(self).__name__
         if group.get("amsgrad", False) and loaded:
@@ -141,6 +115,32 @@ class AdamW8bit(LowBitAdamW):
     exp_avg_sq_code = "pow6-u8"
     default_block_size = 256
 
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        block_size: int = 256,
+        min_quant_size: int = 4096,
+        rounding: str = "nearest",
+        backend: str = "auto",
+        state_dtype: torch.dtype | str = torch.float32,
+        offload: str | None = None,
+    ) -> None:
+        self._set_storage(block_size, min_quant_size)
+        super(LowBit, self).__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, foreach=foreach,
+                                     capturable=capturable, differentiable=differentiable, fused=fused, rounding=rounding,
+                                     backend=backend, state_dtype=state_dtype, offload=offload)  # fmt: skip
+
 
 @register
 class AdamW4bit(LowBitAdamW):
@@ -150,6 +150,32 @@ class AdamW4bit(LowBitAdamW):
     exp_avg_code = "pow2-s4"
     exp_avg_sq_code = "pow3-u4"
     default_block_size = 128
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        block_size: int = 128,
+        min_quant_size: int = 4096,
+        rounding: str = "nearest",
+        backend: str = "auto",
+        state_dtype: torch.dtype | str = torch.float32,
+        offload: str | None = None,
+    ) -> None:
+        self._set_storage(block_size, min_quant_size)
+        super(LowBit, self).__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, foreach=foreach,
+                                     capturable=capturable, differentiable=differentiable, fused=fused, rounding=rounding,
+                                     backend=backend, state_dtype=state_dtype, offload=offload)  # fmt: skip
 
 
 AdamW8bit.__doc__ = _DOC.format(

@@ -149,7 +149,7 @@ class AdEMAMix8bit(LowBit, AdEMAMix):
         weight_decay: float = 1e-2,
         *,
         maximize: bool = False,
-        block_size: int | None = None,
+        block_size: int = 256,
         min_quant_size: int = 4096,
         rounding: str = "nearest",
         backend: str = "auto",

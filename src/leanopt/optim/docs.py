@@ -31,8 +31,8 @@ ARGS = {
     "offload": "offload: ``None`` (default: states with the params) or ``\"cpu\"``: the states (low-bit ones stay "
     "low-bit) and an fp32 master of each bf16/fp16 param in host memory, stepped there (:mod:`leanopt.optim.offload`). "
     "Where to compute, not what: not saved.",
-    "block_size": "block_size: elements per fp32 scale of a quantized state (default: the class's "
-    "``default_block_size``, 256 for 8-bit states and 128 for 4-bit ones). A group may set its own.",
+    "block_size": "block_size: elements per fp32 scale of a quantized state (default 256 for 8-bit states, 128 for "
+    "4-bit ones: the peers' choice). A group may set its own.",
     "min_quant_size": "min_quant_size: params with fewer elements keep dense states (default 4096). A group may set "
     "its own, and ``\"quantize\": False``.",
 }

@@ -98,8 +98,13 @@ _LOWBIT_DOC = r"""Lion with {bits}-bit block-quantized momentum.
 """
 
 
-class LowBitLion(LowBit, Lion):
-    """Lion whose momentum is stored block-quantized."""
+@register
+class Lion8bit(LowBit, Lion):
+    name = "lion8bit"
+    references = Lion.references + ("bitsandbytes.optim.Lion8bit",)
+    state_bits = 8
+    exp_avg_code = "pow3-s8"
+    default_block_size = 256
 
     def __init__(
         self,
@@ -109,7 +114,7 @@ class LowBitLion(LowBit, Lion):
         weight_decay: float = 0.0,
         *,
         maximize: bool = False,
-        block_size: int | None = None,
+        block_size: int = 256,
         min_quant_size: int = 4096,
         rounding: str = "nearest",
         backend: str = "auto",
@@ -122,20 +127,30 @@ class LowBitLion(LowBit, Lion):
 
 
 @register
-class Lion8bit(LowBitLion):
-    name = "lion8bit"
-    references = Lion.references + ("bitsandbytes.optim.Lion8bit",)
-    state_bits = 8
-    exp_avg_code = "pow3-s8"
-    default_block_size = 256
-
-
-@register
-class Lion4bit(LowBitLion):
+class Lion4bit(LowBit, Lion):
     name = "lion4bit"
     state_bits = 4
     exp_avg_code = "pow2-s4"
     default_block_size = 128
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | torch.Tensor = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.99),
+        weight_decay: float = 0.0,
+        *,
+        maximize: bool = False,
+        block_size: int = 128,
+        min_quant_size: int = 4096,
+        rounding: str = "nearest",
+        backend: str = "auto",
+        state_dtype: torch.dtype | str = torch.float32,
+        offload: str | None = None,
+    ) -> None:
+        self._set_storage(block_size, min_quant_size)
+        super(LowBit, self).__init__(params, lr, betas, weight_decay, maximize=maximize, rounding=rounding, backend=backend,
+                                     state_dtype=state_dtype, offload=offload)  # fmt: skip
 
 
 Lion8bit.__doc__ = _LOWBIT_DOC.format(bits=8, code="pow3-s8", block=256, bpp="1.016")

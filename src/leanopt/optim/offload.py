@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from leanopt.optim import clipping
+from leanopt.optim import clipping, param_step
 from leanopt.optim.param_step import ParamStep, chunk_elements, spans, state_chunk
 from leanopt.optim.placement import Pending, Placement
 from leanopt.optim.rounding import LOW_PRECISION
@@ -257,7 +257,8 @@ class Offloaded(Placement):
             check_host_memory(extra, "release_gradients with offload='cpu' (host gradient buffers)")
 
     def _chunk(self, p: torch.Tensor, layout: list[Any]) -> int | None:
-        return chunk_elements(self.optimizer.chunkable, p, [getattr(s.quant, "block_size", 1) for s in layout if s.quant])
+        blocks = [getattr(s.quant, "block_size", 1) for s in layout if s.quant]
+        return chunk_elements(self.optimizer.chunkable, p, blocks, param_step.CHUNK_ELEMENTS)
 
     def spans(self, p: torch.Tensor, gi: int) -> list[tuple[int, int]] | None:
         """The chunks ``p`` (of param group ``gi``) is stepped in, or None: whole (:func:`spans`)."""

@@ -157,7 +157,7 @@ class SGD8bit(LowBit, SGD):
         foreach: bool | None = None,
         differentiable: bool = False,
         fused: bool | None = None,
-        block_size: int | None = None,
+        block_size: int = 256,
         min_quant_size: int = 4096,
         rounding: str = "nearest",
         backend: str = "auto",
