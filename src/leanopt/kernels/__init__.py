@@ -205,9 +205,13 @@ def step(backend: str, rule, tables, key: str, params, grads, states, steps: Seq
     the rule's hyper-parameters; ``safe``: the low-bit optimizers' mode (floors, skipped
     elements); ``offsets[i]`` (default 0): the flat index of param ``i``'s element 0 in its
     whole tensor (a shard's start), which keys the decay rounding's dither. Each param goes to
-    the implementation :func:`select` picks, in row-major form.
+    the implementation :func:`select` picks, in row-major form, once the rule's results were
+    held to its declaration for the param's signature (:meth:`~leanopt.kernels.rules.Rule.check`).
     """
     offsets = [0] * len(params) if offsets is None else list(offsets)
+    if tracing.active() is None:  # a memory trace plans the steps that the real ones check
+        for i, p in enumerate(params):
+            rule.check(hp, safe, p, len(states[i]), steps[i])
     n = max((len(s) for s in states), default=0)
     columns = [[s[j] for s in states] for j in range(n)]
     updated = list(params)
