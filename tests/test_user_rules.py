@@ -24,15 +24,19 @@ import torch
 
 import leanopt
 from leanopt import kernels
-from leanopt.kernels import cpu, cpu_elementwise
+from leanopt.kernels import cpu, cpu_elementwise, graphs
 
 BACKENDS = ["reference", "cpu", "triton"] if kernels.triton_available() else ["reference", "cpu"]
 
 
 @pytest.fixture
 def dynamo_only(monkeypatch):
-    """torch.compile traced by dynamo, run by its eager backend; no earlier failure recorded."""
+    """torch.compile traced by dynamo, run by its eager backend; no earlier failure recorded. The
+    graphs made meanwhile are the test's own: none outlives it to be run by a later test."""
     real = torch.compile
+    for module, cache in ((graphs, "_LISTS"), (cpu_elementwise, "_DENSE"), (cpu_elementwise, "_ROUNDED"),
+                          (cpu_elementwise, "_QUANTIZED")):  # fmt: skip
+        monkeypatch.setattr(module, cache, {}, raising=False)
 
     def compile_(fn, **kwargs):
         return real(fn, backend="eager", **kwargs)
