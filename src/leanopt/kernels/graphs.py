@@ -60,7 +60,8 @@ def safe_result(g: Tensor, p: Tensor, new_p: Tensor, new: list[Tensor]) -> tuple
 # 12.03 and 12.05 B/element for 4.2M- and 22.3M-element params, fp32 or bf16 params (the previous
 # AdamW-only kernel: 8.97 and 13.03). Re-measure when that graph changes. The dense graph
 # allocates nothing of the param's size (measured: 0.00 B per element, fp32 and bf16 params).
-# The same graphs compiled for a GPU are planned with these figures: not measured there.
+# The CPU path calls it on at most cpu_elementwise.QUANTIZED_CHUNK elements at a time. The same
+# graphs compiled for a GPU (whole params) are planned with these figures: not measured there.
 QUANTIZED_TEMP_BYTES = {8: 8, 4: 12}
 
 
