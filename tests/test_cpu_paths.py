@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from leanopt.kernels import cpu_elementwise, cpu_native
+from leanopt.kernels import cpu_elementwise, cpu_native, graphs
 from leanopt.optim.elementwise import ElementwiseOptimizer
 from registry import OPTIMIZERS
 from test_user_rules import dynamo_only  # noqa: F401 - the fixture
@@ -217,12 +217,14 @@ def test_adafactor_spread_or_in_order_gives_the_same_bits(monkeypatch, threads: 
 
 # ---- the compiled quantized update's temporaries ----------------------------------------------------
 @pytest.mark.usefixtures("dynamo_only")
-def test_the_compiled_quantized_update_runs_in_bounded_chunks(monkeypatch) -> None:
+@pytest.mark.parametrize("backend", ["cpu", "compiled"])
+def test_the_compiled_quantized_update_runs_in_bounded_chunks(monkeypatch, backend: str) -> None:
     """Where the native kernel does not take a param (bf16/fp16 params, a rule without a C++
-    twin, no kernel), the compiled quantized graph runs over at most ``QUANTIZED_CHUNK``
-    elements at a time: its temporaries (8-12 B per element) follow the chunk, not the largest
-    param (an 11.7M-element embedding: 89 MiB at 8 bits). The same bits as one call over the
-    whole param: the decay rounding's dither is keyed on each chunk's global offset."""
+    twin, no kernel), and on the compiled path of any device (lists of spans), the quantized
+    graph runs over at most ``QUANTIZED_CHUNK`` elements at a time: its temporaries (8-12 B per
+    element) follow the chunk, not the largest param (an 11.7M-element embedding: 89 MiB at 8
+    bits). The same bits as one call over the whole param: the decay rounding's dither is keyed
+    on each chunk's global offset."""
     import leanopt
     from leanopt.compare.meter import TensorPeak
 
@@ -232,9 +234,9 @@ def test_the_compiled_quantized_update_runs_in_bounded_chunks(monkeypatch) -> No
     grads = [torch.randn(numel, generator=gen) * (torch.rand(numel, generator=gen) > 0.3) for _ in range(3)]
 
     def train(per_call: int) -> tuple[list[torch.Tensor], int]:
-        monkeypatch.setattr(cpu_elementwise, "QUANTIZED_CHUNK", per_call)
+        monkeypatch.setattr(graphs, "QUANTIZED_CHUNK", per_call)
         w = torch.nn.Parameter(init.clone())
-        opt = leanopt.AdamW8bit([w], lr=1e-2, backend="cpu")
+        opt = leanopt.AdamW8bit([w], lr=1e-2, backend=backend)
         with cpu_native.disabled():
             for g in grads[:-1]:
                 w.grad = g.clone()
@@ -258,7 +260,7 @@ def test_the_compiled_quantized_update_runs_in_bounded_chunks(monkeypatch) -> No
 
 
 def test_row_spans_never_leave_a_single_row() -> None:
-    assert cpu_elementwise.row_spans(10, 4) == [(0, 4), (4, 8), (8, 10)]
-    assert cpu_elementwise.row_spans(9, 4) == [(0, 4), (4, 9)]
-    assert cpu_elementwise.row_spans(1, 4) == [(0, 1)]
-    assert cpu_elementwise.row_spans(4, 4) == [(0, 4)]
+    assert graphs.row_spans(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert graphs.row_spans(9, 4) == [(0, 4), (4, 9)]
+    assert graphs.row_spans(1, 4) == [(0, 1)]
+    assert graphs.row_spans(4, 4) == [(0, 4)]

@@ -215,22 +215,6 @@ def _quantized_eager(rule: Rule, flags: tuple, maximize: bool, bits: int, kinds:
     _over_chunks(chunk, -(-rows // per_chunk))
 
 
-# Elements per call of the compiled quantized graph: its temporaries (graphs.QUANTIZED_TEMP_BYTES,
-# 8-12 B per element) are bounded by this many elements (8-12 MiB) rather than growing with the
-# largest param (an embedding of 11.7M elements: 89 MiB at 8 bits, measured on a MiniLM-shaped
-# model), for ~30 us of Python per call (a 1M-element call takes milliseconds).
-QUANTIZED_CHUNK = 1 << 20
-
-
-def row_spans(rows: int, per_call: int) -> list[tuple[int, int]]:
-    """``[lo, hi)`` spans of at most ``per_call`` rows covering ``rows``, none of one row unless
-    ``rows`` is one (a one-row input would make dynamo specialize, and compile a second graph)."""
-    spans = [(lo, min(lo + per_call, rows)) for lo in range(0, rows, per_call)]
-    if len(spans) > 1 and spans[-1][1] - spans[-1][0] == 1:
-        spans[-2:] = [(spans[-2][0], rows)]
-    return spans
-
-
 def _row_views(p2: Tensor, g2: Tensor, tensors: Sequence[Tensor], lo: int, hi: int) -> list[Tensor]:
     """Rows ``lo:hi`` of the param, the gradient and each state's codes and scales, with each
     state's code values and lookup table: a quantized update's tensor arguments."""
@@ -304,7 +288,7 @@ def quantized(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mappi
             decays = kinds if not any(kinds) or _has_zero(g2) else (False,) * len(kinds)
             graph = _quantized_graph(rule, flags, hp["maximize"], fmt.bits, decays, zeros_, lasts)
             step_t = torch.tensor(steps[i], dtype=torch.int64)
-            for lo, hi in row_spans(rows, max(1, QUANTIZED_CHUNK // bs)):
+            for lo, hi in graphs.row_spans(rows, max(1, graphs.QUANTIZED_CHUNK // bs)):
                 views = _row_views(p2, g2, tensors, lo, hi)
                 # The views the graph takes, not their bases: a base's size would be traced as a
                 # constant and the first graph compiled for one shape only (then a second, dynamic one).

@@ -60,8 +60,8 @@ def safe_result(g: Tensor, p: Tensor, new_p: Tensor, new: list[Tensor]) -> tuple
 # 12.03 and 12.05 B/element for 4.2M- and 22.3M-element params, fp32 or bf16 params (the previous
 # AdamW-only kernel: 8.97 and 13.03). Re-measure when that graph changes. The dense graph
 # allocates nothing of the param's size (measured: 0.00 B per element, fp32 and bf16 params).
-# The CPU path calls it on at most cpu_elementwise.QUANTIZED_CHUNK elements at a time. The same
-# graphs compiled for a GPU (whole params) are planned with these figures: not measured there.
+# Every path calls it on at most QUANTIZED_CHUNK elements at a time. The same graph compiled for
+# a GPU is planned with these figures: not measured there.
 QUANTIZED_TEMP_BYTES = {8: 8, 4: 12}
 
 
@@ -234,6 +234,21 @@ def quantized_update(rule: Rule, flags: tuple, maximize: bool, bits: int, kinds:
 # ---- several params per call, any device ---------------------------------------------------------
 MAX_LIST = 16
 
+# Elements per call of a quantized update: its temporaries (QUANTIZED_TEMP_BYTES, 8-12 B per
+# element) are bounded by this many elements (8-12 MiB) rather than growing with the largest
+# param (an embedding of 11.7M elements: 89 MiB at 8 bits, measured on a MiniLM-shaped model),
+# for one more call (~30 us of Python on the CPU) per 1M elements.
+QUANTIZED_CHUNK = 1 << 20
+
+
+def row_spans(rows: int, per_call: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` spans of at most ``per_call`` rows covering ``rows``, none of one row unless
+    ``rows`` is one (a one-row input would make dynamo specialize, and compile a second graph)."""
+    spans = [(lo, min(lo + per_call, rows)) for lo in range(0, rows, per_call)]
+    if len(spans) > 1 and spans[-1][1] - spans[-1][0] == 1:
+        spans[-2:] = [(spans[-2][0], rows)]
+    return spans
+
 # One compiled graph per (variant, list length): its own code object (kernels.cpu.own_code), so
 # no variant counts against another's recompile limit.
 _LISTS: dict[tuple, Callable[..., Any]] = {}
@@ -318,55 +333,56 @@ def quantized(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mappi
               offsets: Sequence[int] | None = None) -> None:  # fmt: skip
     """``rule`` in safe mode over params of one device whose states are all
     :class:`~leanopt.quant.QuantizedState` of one bit width and block size with lookup tables
-    (``kernels.select`` checked that): their whole blocks several params per compiled call, the
-    last partial block of each by the reference. The decay rounding always runs where a state
+    (``kernels.select`` checked that): their whole blocks in spans of at most
+    :data:`QUANTIZED_CHUNK` elements, several spans per compiled call; the last partial block of
+    each param by the reference. The decay rounding always runs where a state
     decays (it changes nothing where no gradient is 0; asking would sync the device)."""
     from leanopt.kernels import reference
 
     offsets = [0] * len(params) if offsets is None else offsets
     flags, maximize = rule.flag_values(hp), bool(hp["maximize"])
     kinds = tuple(kind.decays for kind in rule.states(hp))
-    groups: dict[tuple, list[int]] = {}
+    # Each param's whole blocks as row spans of at most QUANTIZED_CHUNK elements: the items of
+    # the lists, so that a graph's temporaries follow a span, not the largest param.
+    groups: dict[tuple, list[tuple[int, int, int]]] = {}
     for i, p in enumerate(params):
         fmt = states[i][0].format
-        if p.numel() >= fmt.block_size:
-            formats = tuple(q.format for q in states[i])
-            groups.setdefault((p.dtype, grads[i].dtype, formats, p.numel() < 2 * fmt.block_size), []).append(i)
+        rows = p.numel() // fmt.block_size
+        formats = tuple(q.format for q in states[i])
+        for lo, hi in row_spans(rows, max(1, QUANTIZED_CHUNK // fmt.block_size)):
+            groups.setdefault((p.dtype, grads[i].dtype, formats, hi - lo == 1), []).append((i, lo, hi))
     width = len(rule.scalars)
-    for (pd, gd, formats, one), idx in groups.items():
-        device = params[idx[0]].device
+    for (pd, gd, formats, one), spans in groups.items():
+        device = params[spans[0][0]].device
         bits, bs = formats[0].bits, formats[0].block_size
         books = [f.book(device) for f in formats]
         tables = [encode_tables(b, device) for b in books]
         zeros, lasts = tuple(b.zero_index for b in books), tuple(b.thresholds.numel() for b in books)
+        row_bytes = formats[0].code_bytes(bs)
         if tracing.active() is not None:
-            for i in idx:
-                traced_quantized(bits)(params[i])
+            for i, lo, hi in spans:
+                traced_quantized(bits)(params[i].view(-1)[lo * bs : hi * bs])
             continue
         update = quantized_update(rule, flags, maximize, bits, kinds, zeros, lasts)
         variant = (f"{rule.name}_list_quantized_{bits}bit_{len(kinds)}{'_max' if maximize else ''}_"
                    + "_".join(str(d).removeprefix("torch.") for d in (pd, gd)) + ("_one" if one else ""))  # fmt: skip
-        for part in lists(idx):
+        for part in lists(range(len(spans))):
             ps, gs, tensors = [], [], []
-            for i in part:
-                rows = params[i].numel() // bs
-                row_bytes = formats[0].code_bytes(bs)
-                p2 = params[i].detach().view(-1)[: rows * bs].view(rows, bs)
-                g2 = grads[i].detach().reshape(-1)[: rows * bs].view(rows, bs)
+            for i, lo, hi in (spans[k] for k in part):
+                p2 = params[i].detach().view(-1)[lo * bs : hi * bs].view(hi - lo, bs)
+                g2 = grads[i].detach().reshape(-1)[lo * bs : hi * bs].view(hi - lo, bs)
                 per: list[Tensor] = []
                 for q, book, table in zip(states[i], books, tables):
                     assert table is not None, "quantized_takes refuses code books without a lookup table"
-                    codes, absmax = q.codes[: rows * row_bytes].view(rows, row_bytes), q.absmax[:rows]
-                    torch._dynamo.maybe_mark_dynamic(codes, 0)
-                    torch._dynamo.maybe_mark_dynamic(absmax, 0)
-                    per += [codes, absmax, book.values, table]
-                torch._dynamo.maybe_mark_dynamic(p2, 0)
-                torch._dynamo.maybe_mark_dynamic(g2, 0)
+                    per += [q.codes[lo * row_bytes : hi * row_bytes].view(hi - lo, row_bytes), q.absmax[lo:hi], book.values, table]
+                for t in (p2, g2, *per[0::PER_STATE], *per[1::PER_STATE]):
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
                 ps.append(p2)
                 gs.append(g2)
                 tensors.append(per)
-            scalars = _table([rule.scalar_values(hp, steps[i], True) for i in part], torch.float64, device)
-            keys = _table([(steps[i], offsets[i]) for i in part], torch.int64, device)
+            rows_of = [spans[k] for k in part]
+            scalars = _table([rule.scalar_values(hp, steps[i], True) for i, _, _ in rows_of], torch.float64, device)
+            keys = _table([(steps[i], offsets[i] + lo * bs) for i, lo, _ in rows_of], torch.int64, device)
             key = ("quantized", rule, flags, maximize, bits, kinds, zeros, lasts, pd, gd, bs, one, len(part))
             _list_graph(key, variant, update, "quantized", len(part), width)(ps, gs, tensors, scalars, keys)
     for i, p in enumerate(params):
