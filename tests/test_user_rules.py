@@ -138,10 +138,17 @@ def test_a_graph_that_fails_to_compile_runs_eagerly_by_itself(dynamo_only, caplo
     def traceable(x):
         return x * 2
 
-    broken, fine = cpu.compiled(untraceable), cpu.compiled(traceable)
+    fallbacks: list[int] = []
+
+    def in_chunks(x):  # what the CPU paths give: the function over cache-sized chunks
+        fallbacks.append(x.numel())
+        return torch.cat([c + 1 for c in x.split(2)])
+
+    broken, fine = cpu.compiled(untraceable, fallback=in_chunks), cpu.compiled(traceable)
     with caplog.at_level(logging.WARNING, logger="leanopt"):
         assert broken(torch.ones(3)).tolist() == [2.0, 2.0, 2.0]
         assert broken(torch.ones(3)).tolist() == [2.0, 2.0, 2.0]  # eager now: no second attempt, no second line
+    assert fallbacks == [3, 3]  # the fallback, not the whole function, after the failure
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "untraceable" in lines[0] and "failed" in lines[0], lines
     assert broken.status().startswith("failed: ") and list(cpu.compile_failures()) == ["untraceable"]

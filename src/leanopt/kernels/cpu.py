@@ -82,21 +82,23 @@ def can_compile() -> bool:
 
 class Graph:
     """``fn`` compiled on its first call (``dynamic=True``: every size symbolic; ``None``: static
-    except dims the caller marks dynamic); ``fn`` itself where the rules are not compiled
-    (:func:`can_compile`) or where compiling this graph failed.
+    except dims the caller marks dynamic); where the rules are not compiled (:func:`can_compile`)
+    or compiling this graph failed, ``fallback`` runs instead (the same results: ``fn`` itself by
+    default; the CPU paths give ``fn`` run over cache-sized chunks).
 
-    A compile that fails is told apart from an error of the function itself by running ``fn``
-    eagerly on the same arguments (a failed compile has run nothing, and ``fn`` writes its
-    results last): if that raises too, the error is the function's -- a user rule's typo --
-    and it propagates as itself, the graph still compiled on the next call and nothing else
-    touched; if it runs, the compile failed (an unsupported platform, a broken toolchain, an op
-    dynamo cannot trace), and this graph alone runs eagerly from then on, said once with its
-    name. Other graphs -- other rules, dtypes, bf16 states, the low-bit paths -- are compiled
-    as before."""
+    A compile that fails is told apart from an error of the function itself by running the
+    fallback on the same arguments (a failed compile has run nothing, and ``fn`` writes its
+    results last): if that raises too, the error is the function's -- a user rule's typo -- and
+    it propagates as itself, the graph still compiled on the next call and nothing else touched;
+    if it runs, the compile failed (an unsupported platform, a broken toolchain, an op dynamo
+    cannot trace), and this graph alone runs the fallback from then on, said once with its name.
+    Other graphs -- other rules, dtypes, bf16 states, the low-bit paths -- are compiled as
+    before."""
 
-    def __init__(self, fn: Callable[..., Any], dynamic: bool | None = True) -> None:
+    def __init__(self, fn: Callable[..., Any], dynamic: bool | None = True, fallback: Callable[..., Any] | None = None) -> None:
         functools.update_wrapper(self, fn)
         self.fn, self.dynamic = fn, dynamic
+        self.eager = fallback or fn
         self.impl: Callable[..., Any] | None = None
         self.failed: str | None = None
 
@@ -106,34 +108,34 @@ class Graph:
 
     def status(self) -> str:
         """``"not run"``, ``"compiled"``, ``"eager"`` (the rules are not compiled here) or
-        ``"failed: <why>"`` (this graph's compile failed: it runs eagerly)."""
+        ``"failed: <why>"`` (this graph's compile failed: it runs the fallback)."""
         if self.failed is not None:
             return f"failed: {self.failed}"
         if self.impl is None:
             return "not run"
-        return "eager" if self.impl is self.fn else "compiled"
+        return "eager" if self.impl is self.eager else "compiled"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         impl = self.impl
         if impl is None:
-            impl = self.impl = torch.compile(self.fn, dynamic=self.dynamic, fullgraph=True) if can_compile() else self.fn
-        if impl is self.fn:
-            return self.fn(*args, **kwargs)
+            impl = self.impl = torch.compile(self.fn, dynamic=self.dynamic, fullgraph=True) if can_compile() else self.eager
+        if impl is self.eager:
+            return self.eager(*args, **kwargs)
         try:
             return impl(*args, **kwargs)
         except Exception as err:  # told apart below, outside this handler: the function's own error stands alone
             failure = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-        result = self.fn(*args, **kwargs)  # raises the function's own error, if it has one
+        result = self.eager(*args, **kwargs)  # raises the function's own error, if it has one
         self.failed = _FAILED[self.name] = failure
-        self.impl = self.fn
+        self.impl = self.eager
         log.warning("leanopt: compiling the update graph %s failed; it runs eagerly, several times slower (%s)",
                     self.name, failure)  # fmt: skip
         return result
 
 
-def compiled(fn: Callable[..., Any], dynamic: bool | None = True) -> Graph:
-    """``fn`` as a :class:`Graph`: compiled on first call, eager where it cannot be."""
-    return Graph(fn, dynamic)
+def compiled(fn: Callable[..., Any], dynamic: bool | None = True, fallback: Callable[..., Any] | None = None) -> Graph:
+    """``fn`` as a :class:`Graph`: compiled on first call, ``fallback`` (default ``fn``) where it cannot be."""
+    return Graph(fn, dynamic, fallback)
 
 
 def own_code(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
@@ -150,11 +152,11 @@ def own_code(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     return copy
 
 
-def compiled_per_dtypes(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``compiled(fn)`` once per combination of its tensor arguments' dtypes, called with flat,
-    detached tensors: each graph then only meets a few guard variants (a view or not, a
-    one-element tensor or not) and never dynamo's recompile limit, which a model's many ranks,
-    dtypes and ``requires_grad`` flags would hit in one graph (then the reference would run)."""
+def compiled_per_dtypes(fn: Callable[..., Any], fallback: Callable[..., Any] | None = None) -> Callable[..., Any]:
+    """``compiled(fn, fallback=fallback)`` once per combination of its tensor arguments' dtypes,
+    called with flat, detached tensors: each graph then only meets a few guard variants (a view
+    or not, a one-element tensor or not) and never dynamo's recompile limit, which a model's many
+    ranks, dtypes and ``requires_grad`` flags would hit in one graph (then the reference would run)."""
     graphs: dict[tuple, Callable[..., Any]] = {}
 
     def flat(a: Any) -> Any:
@@ -174,7 +176,7 @@ def compiled_per_dtypes(fn: Callable[..., Any]) -> Callable[..., Any]:
         graph = graphs.get(key)
         if graph is None:
             name = f"{fn.__name__}_" + "_".join(str(d).removeprefix("torch.") for d in key)
-            graph = graphs[key] = compiled(own_code(fn, name))
+            graph = graphs[key] = compiled(own_code(fn, name), fallback=fallback)
         return graph(*args)
 
     run.graphs = graphs  # type: ignore[attr-defined]  # each dtype combination's Graph (its status)

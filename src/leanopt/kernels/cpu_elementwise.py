@@ -19,6 +19,7 @@ does not recompile.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -50,7 +51,8 @@ def _dense_graph(rule: Rule, flags: tuple, safe: bool, maximize: bool, n: int) -
     graph = _DENSE.get(key)
     if graph is None:
         variant = f"{rule.name}_dense{'_safe' if safe else ''}{'_max' if maximize else ''}_" + "_".join(map(str, map(int, flags)))
-        graph = _DENSE[key] = compiled_per_dtypes(own_code(graphs.dense_update(rule, flags, safe, maximize, n), variant))
+        update = graphs.dense_update(rule, flags, safe, maximize, n)
+        graph = _DENSE[key] = compiled_per_dtypes(own_code(update, variant), fallback=functools.partial(_dense_eager, update))
     return graph
 
 
@@ -111,25 +113,31 @@ def _dense_rounded(rule: Rule, flags: tuple, safe: bool, maximize: bool, p: Tens
         return  # taken to allocate nothing of the param's size, as the dense graph (not measured)
     stored = tuple(s.dtype == torch.bfloat16 for s in states)
     update = graphs.rounded_update(rule, flags, safe, maximize, stored)
-    step_t = torch.tensor(step, dtype=torch.int64)
+    step_t, offset_t = torch.tensor(step, dtype=torch.int64), torch.tensor(offset, dtype=torch.int64)
     if not can_compile():
-        flat = [t.view(-1) for t in (p, g.contiguous(), *states)]
-        n = flat[0].numel()
-
-        def chunk(k: int) -> None:
-            lo, hi = k * EAGER_CHUNK, min((k + 1) * EAGER_CHUNK, n)
-            update(flat[0][lo:hi], flat[1][lo:hi], [t[lo:hi] for t in flat[2:]], c, step_t,
-                   torch.tensor(offset + lo, dtype=torch.int64))  # fmt: skip
-
-        _over_chunks(chunk, -(-n // EAGER_CHUNK))
+        _rounded_eager(update, p, g.contiguous(), states, c, step_t, offset_t)
         return
     key = (rule, flags, safe, maximize, stored)
     graph = _ROUNDED.get(key)
     if graph is None:
         variant = f"{rule.name}_bf16_states{'_safe' if safe else ''}{'_max' if maximize else ''}_" + "_".join(
             map(str, map(int, flags + stored)))  # fmt: skip
-        graph = _ROUNDED[key] = compiled_per_dtypes(own_code(update, variant))
-    graph(p, g, list(states), c, step_t, torch.tensor(offset, dtype=torch.int64))
+        graph = _ROUNDED[key] = compiled_per_dtypes(own_code(update, variant), fallback=functools.partial(_rounded_eager, update))
+    graph(p, g, list(states), c, step_t, offset_t)
+
+
+def _rounded_eager(update: Callable[..., Any], p: Tensor, g: Tensor, states: Sequence[Tensor], c: list[Tensor],
+                   step: Tensor, offset: Tensor) -> None:  # fmt: skip
+    """:func:`leanopt.kernels.graphs.rounded_update` over chunks, each with its own global offset."""
+    flat = [t.view(-1) for t in (p, g, *states)]
+    n, first = flat[0].numel(), int(offset)
+
+    def chunk(k: int) -> None:
+        lo, hi = k * EAGER_CHUNK, min((k + 1) * EAGER_CHUNK, n)
+        update(flat[0][lo:hi], flat[1][lo:hi], [t[lo:hi] for t in flat[2:]], c, step,
+               torch.tensor(first + lo, dtype=torch.int64))  # fmt: skip
+
+    _over_chunks(chunk, -(-n // EAGER_CHUNK))
 
 
 def _fusable(rule: Rule, safe: bool, p: Tensor, g: Tensor, states: Sequence[Tensor]) -> bool:
@@ -191,26 +199,37 @@ def _quantized_graph(rule: Rule, flags: tuple, maximize: bool, bits: int, kinds:
     graph = _QUANTIZED.get(key)
     if graph is None:
         variant = f"{rule.name}_quantized_{bits}bit{'_max' if maximize else ''}_{len(_QUANTIZED)}"
-        graph = compiled(own_code(graphs.quantized_update(rule, flags, maximize, bits, kinds, zeros, lasts), variant), dynamic=None)
-        _QUANTIZED[key] = graph
+        update = graphs.quantized_update(rule, flags, maximize, bits, kinds, zeros, lasts)
+
+        def fallback(p2: Tensor, g2: Tensor, *rest: Tensor) -> None:
+            n = len(kinds) * graphs.PER_STATE
+            _quantized_chunks(update, update, p2, g2, list(rest[:n]), rest[n], int(rest[n + 1]), list(rest[n + 2 :]))
+
+        graph = _QUANTIZED[key] = compiled(own_code(update, variant), dynamic=None, fallback=fallback)
     return graph
 
 
 def _quantized_eager(rule: Rule, flags: tuple, maximize: bool, bits: int, kinds: tuple, zeros: tuple, lasts: tuple,
                      p2: Tensor, g2: Tensor, tensors: list[Tensor], step: int, offset: int, c: list[Tensor]) -> None:  # fmt: skip
-    """:func:`leanopt.kernels.graphs.quantized_update` over chunks of whole blocks; the decay rounding only in chunks
-    whose gradient holds an exact 0 (elsewhere it changes nothing)."""
-    rows, block = p2.shape
-    per_chunk = max(1, EAGER_CHUNK // block)
+    """:func:`leanopt.kernels.graphs.quantized_update` over chunks of whole blocks; the decay
+    rounding only in chunks whose gradient holds an exact 0 (elsewhere it changes nothing)."""
     plain = graphs.quantized_update(rule, flags, maximize, bits, (False,) * len(kinds), zeros, lasts)
     rounding = graphs.quantized_update(rule, flags, maximize, bits, kinds, zeros, lasts) if any(kinds) else plain
-    step_t = torch.tensor(step, dtype=torch.int64)
+    _quantized_chunks(plain, rounding, p2, g2, tensors, torch.tensor(step, dtype=torch.int64), offset, c)
+
+
+def _quantized_chunks(plain: Callable[..., Any], rounding: Callable[..., Any], p2: Tensor, g2: Tensor,
+                      tensors: list[Tensor], step: Tensor, offset: int, c: list[Tensor]) -> None:  # fmt: skip
+    """``plain`` (or ``rounding``, where a chunk's gradient holds an exact 0) over chunks of
+    whole blocks of ``p2``/``g2`` ([blocks, block]), each with its global offset."""
+    rows, block = p2.shape
+    per_chunk = max(1, EAGER_CHUNK // block)
 
     def chunk(k: int) -> None:
         lo, hi = k * per_chunk, min((k + 1) * per_chunk, rows)
         views = _row_views(p2, g2, tensors, lo, hi)
         update = rounding if rounding is not plain and bool((views[1] == 0).any()) else plain
-        update(*views, step_t, torch.tensor(offset + lo * block, dtype=torch.int64), *c)
+        update(*views, step, torch.tensor(offset + lo * block, dtype=torch.int64), *c)
 
     _over_chunks(chunk, -(-rows // per_chunk))
 
