@@ -18,7 +18,9 @@ recorded and the next one still runs; the exit status is 1 if any stage failed):
 ``plan_check``      ``python3 -m leanopt.memory.plan_check``, only if that module exists;
 ``host_step``       the CPU step at 1 and N threads (issue 23);
 ``offload``         ``offload="cpu"`` on the GPU (issue 21): bit identity against the CPU
-                    reference, step time with and without offload, host bytes.
+                    reference, step time with and without offload, host bytes;
+``twins``           every registered rule's Triton twin, its Inductor-compiled graphs and the
+                    reference against each other (benchmarks/backend_parity.py).
 
 Results go to ``$OUT`` (default ``./gpu_check_out``): results.json, results.md (with the GPU
 targets of issue #11, pass/fail), gpu_check.log (everything printed) and cuda_tests.xml (the
@@ -87,13 +89,18 @@ STAGES = [
     # Issue 21: offload="cpu" on the GPU -- pinned buffers, side streams, events -- bit for bit
     # against the CPU reference, and the training step with and without offload.
     Stage("offload", 60, 30, "benchmarks/offload_step.py: offload='cpu' vs on-device, TinyLlama-1.1B shapes, bf16"),
+    # Every registered rule's Triton twin, its graphs compiled by Inductor for the GPU (what a rule
+    # without a twin runs there) and the reference, held against each other; dry: fp32 params,
+    # the graphs traced by dynamo and run eagerly (an Inductor compile per rule is 20-60 s on 2 cores).
+    Stage("twins", 150, 60, "benchmarks/backend_parity.py: Triton twins, compiled graphs and the reference"),
 ]
 # Whole run: issue #11 asks for <= 6 minutes on the GPU (<= 3 minutes dry), start to finish, for
 # its stages (335 s, 160 s dry); plan_check (issue #12) comes on top.
 PLAN_CHECK_EXTRA_S = 90.0 - 10.0  # plan_check's budget over the 10 s (10 s dry) it had in those totals
 DRY_PLAN_CHECK_EXTRA_S = 150.0 - 10.0
-TOTAL_BUDGET_S = 345.0 + PLAN_CHECK_EXTRA_S + 90.0 + 60.0  # + host_step + offload (575 s: one 600 s device call)
-DRY_TOTAL_BUDGET_S = 170.0 + DRY_PLAN_CHECK_EXTRA_S + 30.0 + 30.0
+# + host_step + offload (575 s: one 600 s device call) + twins (150 s: `--only twins` as a second call)
+TOTAL_BUDGET_S = 345.0 + PLAN_CHECK_EXTRA_S + 90.0 + 60.0 + 150.0
+DRY_TOTAL_BUDGET_S = 170.0 + DRY_PLAN_CHECK_EXTRA_S + 30.0 + 30.0 + 60.0
 GRACE_S = 5.0  # after a stage's budget, before it is killed (it stops itself at the budget)
 # Multiplies every budget (a loaded CI machine running the dry run); 1 on the GPU.
 BUDGET_SCALE = float(os.environ.get("GPU_CHECK_BUDGET_SCALE") or 1.0)
@@ -505,6 +512,24 @@ def markdown(res: dict[str, Any]) -> str:
             lines.append("```")
             lines.extend(plan["output_tail"][-15:])
             lines.append("```")
+    twins = st.get("twins", {})
+    if twins.get("rows"):
+        lines.append("")
+        lines.append(f"## Twins: max |a - b| / max |reference| after {twins.get('steps')} steps on {twins.get('device')}"
+                     + (" (compiled graphs traced by dynamo, run eagerly)" if twins.get("dynamo_only") else ""))  # fmt: skip
+        lines.append("")
+        pairs = ("compiled~reference", "twin~reference", "twin~compiled")
+        lines.append("| case | params | Triton twin | " + " | ".join(pairs) + " | within tolerance |")
+        lines.append("| --- | --- | --- | " + " | ".join("---:" for _ in pairs) + " | --- |")
+        for r in twins["rows"]:
+            cells = [_fmt((r.get("pairs", {}).get(k) or {}).get("max"), ".2e") for k in pairs]
+            verdict = "yes" if r.get("ok") else "NO: " + (r.get("error") or "; ".join(p for v in r.get("pairs", {}).values() for p in v.get("problems", []))[:160])
+            lines.append(f"| {r['case']} | {r['dtype']} | {'yes' if r.get('twin') else 'none'} | " + " | ".join(cells) + f" | {verdict} |")
+        if twins.get("not_run"):
+            lines.append("")
+            lines.append(f"Not run (stage budget): {', '.join(twins['not_run'])}")
+        lines.append("")
+        lines.append(f"Cases and tolerances: {twins.get('source')} (tests/test_rules.py's, doubled for twin~compiled).")
     failures = [(n, r) for n, r in st.items() if r.get("status") not in ("ok", "skipped") and r.get("log_tail")]
     for name, r in failures:
         lines.append("")
@@ -550,6 +575,7 @@ def stage_main(argv: list[str]) -> int:
         "plan_check": stage_plan_check,
         "host_step": stage_host_step,
         "offload": stage_offload,
+        "twins": stage_twins,
     }[args.name]
     try:
         return fn(args, part, deadline) or 0
@@ -1217,6 +1243,50 @@ def stage_offload(args: argparse.Namespace, part: Part, deadline: float) -> int:
     if r.returncode != 0 or not check["bit_identical_to_cpu_reference"]:
         part.update(status="failed", error="offloaded params differ from the CPU reference" if r.returncode == 1 else
                     f"exit status {r.returncode}")  # fmt: skip
+        return 1
+    part.update(status="ok")
+    return 0
+
+
+# ---- twins: the Triton kernels, the compiled graphs and the reference ---------------------------
+
+
+def stage_twins(args: argparse.Namespace, part: Part, deadline: float) -> int:
+    """benchmarks/backend_parity.py on the device: every registered elementwise rule (tests/registry.py)
+    on its Triton twin, its compiled graphs and the reference, fp32 then bf16 params (dry: fp32,
+    toy shapes, Triton interpreted, the graphs traced by dynamo and run eagerly)."""
+    import torch
+
+    parity = benchmark("backend_parity")
+    dry = args.dry_run
+    if dry:
+        parity.dynamo_only()
+    device = torch.device("cpu" if dry else "cuda")
+    steps = parity.TOY_STEPS if dry else parity.STEPS
+    dtypes = (torch.float32,) if dry else parity.DTYPES
+    rows: list[dict[str, Any]] = []
+    not_run: list[str] = []
+    part.update(device=str(device), steps=steps, dynamo_only=dry, source="benchmarks/backend_parity.py", rows=rows, not_run=not_run)
+    for dtype in dtypes:
+        for case in parity.cases():
+            label = f"{case.name} {str(dtype).removeprefix('torch.')}"
+            if time.time() > deadline - 5:
+                not_run.append(label)
+                continue
+            try:
+                row = parity.compare(case, device, dtype, steps=steps, toy=dry)
+            except Exception as err:  # noqa: BLE001 - recorded as this case's failure; the next runs
+                row = {"case": case.name, "dtype": str(dtype).removeprefix("torch."), "ok": False, "error": first_line(err), "pairs": {}}
+            rows.append(row)
+            cells = "  ".join(f"{k} {v['max']:.2e}" if v.get("max") is not None else f"{k} -" for k, v in row["pairs"].items())
+            log(f"{label:32s} {'ok' if row['ok'] else 'FAIL ' + str(row.get('error', ''))}  {cells}")
+            part.update(rows=rows, not_run=not_run)
+    failed = [f"{r['case']} {r['dtype']}" for r in rows if not r["ok"]]
+    part.update(summary=f"{len(rows) - len(failed)} of {len(rows)} cases within tolerance" + (f", {len(not_run)} not run (budget)" if not_run else ""))
+    if failed or not_run:
+        why = ([f"outside tolerance: {', '.join(failed)}"] if failed else []) + (
+            [f"not run in the stage budget: {len(not_run)} (run --only twins alone)"] if not_run else [])  # fmt: skip
+        part.update(status="failed", error="; ".join(why))
         return 1
     part.update(status="ok")
     return 0

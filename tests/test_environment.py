@@ -136,3 +136,60 @@ def test_no_compile_refuses_what_is_not_a_boolean(monkeypatch, compile_calls) ->
     with pytest.raises(ValueError, match="LEANOPT_NO_COMPILE='nope' is not a boolean"):
         _two_rules()[0](torch.ones(2))
     assert not compile_calls
+
+
+# ---- LEANOPT_CPU_SPREAD ---------------------------------------------------------------------------
+def _ways(monkeypatch, value: str | None) -> set[str]:
+    """Which threads ran a spread()'s items: Python worker threads ("spread") or the caller ("in order")."""
+    import threading
+
+    if value is None:
+        monkeypatch.delenv("LEANOPT_CPU_SPREAD", raising=False)
+    else:
+        monkeypatch.setenv("LEANOPT_CPU_SPREAD", value)
+    monkeypatch.setattr(cpu, "_choices", {})
+    seen: set[str] = set()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for _ in range(8):
+            cpu.spread(lambda item: seen.add("in order" if threading.current_thread() is threading.main_thread() else "spread"),
+                       range(4), choose="test-environment")  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    return seen
+
+
+@pytest.mark.parametrize("value", ["1", "true", "On", " yes "])
+def test_cpu_spread_on_spreads(monkeypatch, value: str) -> None:
+    assert _ways(monkeypatch, value) == {"spread"}
+
+
+@pytest.mark.parametrize("value", ["0", "false", "off", "NO"])
+def test_cpu_spread_off_runs_in_order(monkeypatch, value: str) -> None:
+    assert _ways(monkeypatch, value) == {"in order"}
+
+
+@pytest.mark.parametrize("value", [None, "", "  "])
+def test_cpu_spread_unset_measures_both_ways(monkeypatch, value: str | None) -> None:
+    assert _ways(monkeypatch, value) == {"spread", "in order"}  # the first calls alternate (cpu.Choice)
+
+
+def test_cpu_spread_refuses_what_is_not_a_boolean(monkeypatch) -> None:
+    with pytest.raises(ValueError, match="LEANOPT_CPU_SPREAD='sometimes' is not a boolean"):
+        _ways(monkeypatch, "sometimes")
+
+
+# ---- every variable documented ------------------------------------------------------------------
+def test_every_leanopt_variable_read_in_src_is_in_docs_environment_md() -> None:
+    """A variable name is a whole string literal ``"LEANOPT_..."`` in src/ (read through
+    os.environ, environment.flag or setting, or a constant holding its name)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    literal = re.compile(r"""["'](LEANOPT_[A-Z0-9_]+)["']""")
+    read = {m for path in (root / "src").rglob("*.py") for m in literal.findall(path.read_text())}
+    documented = set(re.findall(r"`(LEANOPT_[A-Z0-9_]+)", (root / "docs" / "environment.md").read_text()))
+    assert {"LEANOPT_NO_NATIVE", "LEANOPT_NO_COMPILE", "LEANOPT_CACHE", "LEANOPT_CPU_SPREAD"} <= read, read
+    assert read <= documented, f"read in src/ but not in docs/environment.md: {sorted(read - documented)}"

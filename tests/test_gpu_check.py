@@ -209,3 +209,27 @@ def test_every_cuda_case_passes_on_the_cpu() -> None:
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert " passed" in proc.stdout and " failed" not in proc.stdout
+
+
+def test_dry_run_twins(dry_run) -> None:
+    """benchmarks/backend_parity.py in the dry run: every registered elementwise rule (tests/registry.py)
+    on its Triton twin (interpreted), its compiled graphs and the reference, within tolerance;
+    a rule without a twin checked to run the compiled graphs under backend='triton'."""
+    from leanopt.kernels import rules
+    from leanopt.optim.elementwise import ElementwiseOptimizer
+    from registry import GENERIC
+
+    stage = _results(dry_run)["stages"]["twins"]
+    assert stage["status"] == "ok" and not stage["not_run"], stage.get("error")
+    rows = {r["case"]: r for r in stage["rows"]}
+    assert set(rows) == {c.name for c in GENERIC if issubclass(c.cls, ElementwiseOptimizer)}
+    for case in GENERIC:
+        if case.name not in rows:
+            continue
+        row = rows[case.name]
+        assert row["ok"] and row["dtype"] == "float32", row
+        assert row["twin"] == (rules.rule_id(case.cls.rule) is not None), row  # every shipped rule has its twin
+        expected = {"compiled~reference", "twin~reference", "twin~compiled"} if row["twin"] else {"compiled~reference", "triton-backend~compiled"}
+        assert set(row["pairs"]) == expected and all(p["ok"] for p in row["pairs"].values()), row
+    md = (dry_run[1] / "results.md").read_text()
+    assert "## Twins" in md and "| rmsprop | float32 | none |" in md

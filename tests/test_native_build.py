@@ -4,7 +4,8 @@
   extensions cache: no later process may wait on it forever.
 * A damaged cached ``.so`` (an interrupted copy of ``~/.cache``, a full disk) must be rebuilt,
   not loaded (loading a truncated one is a SIGBUS).
-* The cache key follows what the compiler targets with ``-march=native``, on any architecture.
+* The cache key follows what the compiler targets with ``-march=native``, on any architecture,
+  the compiler, and the torch installation and Python it builds against.
 
 Processes that build run as subprocesses with their own ``TORCH_EXTENSIONS_DIR``; one build per
 module (``built``), restored to the same path for each test that damages it (a copy elsewhere
@@ -254,3 +255,46 @@ def test_the_cache_key_falls_back_to_the_cpu_when_the_probe_fails(monkeypatch, t
         assert all(set(words) <= set(keys[0].split()) for words in features)  # the ISA extensions
         assert "MHz" not in keys[0]  # varies from one read to the next
     assert cpu_native._target_key() == keys[1]  # the same process, the same answer
+
+
+def test_the_cache_key_follows_the_torch_installation_and_python(monkeypatch) -> None:
+    """Two virtual environments with the same torch version build with other include and library
+    folders (and possibly another Python): each gets its own folder, so neither rebuilds what
+    the other built; the same installation, the same folder."""
+    import sysconfig
+
+    import torch.utils.cpp_extension as ext
+
+    monkeypatch.setattr(cpu_native, "_target_key", lambda: "one CPU")  # no compiler probe
+
+    def venv(root: str, python_include: str = "/usr/include/python3.11", suffix: str = ".cpython-311-x86_64-linux-gnu.so"):
+        monkeypatch.setattr(ext, "include_paths", lambda device_type="cpu", **kw: [f"{root}/torch/include", f"{root}/torch/include/api"])
+        monkeypatch.setattr(ext, "library_paths", lambda device_type="cpu", **kw: [f"{root}/torch/lib"])
+        monkeypatch.setattr(sysconfig, "get_path", lambda name, scheme=None, **kw: python_include if name == "include" else "")
+        real = sysconfig.get_config_var
+        monkeypatch.setattr(sysconfig, "get_config_var", lambda name: suffix if name == "EXT_SUFFIX" else real(name))
+        return cpu_native._name()
+
+    a = venv("/home/u/venv-a/lib/python3.11/site-packages")
+    b = venv("/home/u/venv-b/lib/python3.11/site-packages")
+    assert a != b, "two torch installations of one version share a build folder"
+    assert venv("/home/u/venv-a/lib/python3.11/site-packages") == a
+    assert venv("/home/u/venv-a/lib/python3.11/site-packages", python_include="/opt/py312/include/python3.12") != a
+    assert venv("/home/u/venv-a/lib/python3.11/site-packages", suffix=".cpython-312-x86_64-linux-gnu.so") != a
+    assert a.startswith("leanopt_cpu_native_")
+
+
+def test_the_cache_key_names_the_compiler_where_it_cannot_be_asked(monkeypatch, tmp_path) -> None:
+    """A compiler that does not answer ``-###`` is keyed by its resolved path: two of them never
+    share a build; a compiler that answers is keyed by its answer (its version and programs)."""
+    keys = []
+    for name in ("c++-a", "c++-b"):
+        _fake_compiler(tmp_path, name, "error: unrecognized option", rc=1)
+        monkeypatch.setenv("CXX", str(tmp_path / name))
+        inputs = cpu_native.build_inputs()
+        assert inputs["compiler"] == str(tmp_path / name)
+        keys.append(cpu_native._name())
+    assert keys[0] != keys[1]
+    answering = _fake_compiler(tmp_path, "gcc-13", ' "-march=znver4" gcc version 13.2.0')
+    monkeypatch.setenv("CXX", str(answering))
+    assert cpu_native.build_inputs()["compiler"] == "" and "gcc version 13.2.0" in cpu_native.build_inputs()["target"]

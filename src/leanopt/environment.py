@@ -17,8 +17,17 @@ def flag(name: str) -> bool:
     """The boolean environment variable ``name``: 1/true/yes/on or 0/false/no/off, in any case
     and with surrounding blanks; unset is False. Anything else is a ``ValueError`` naming the
     variable and its value (a typo must not pick a side silently)."""
+    return bool(setting(name))
+
+
+def setting(name: str) -> bool | None:
+    """The boolean environment variable ``name`` as :func:`flag` reads it, or None where it is
+    unset or blank: for a switch whose default is neither side (``LEANOPT_CPU_SPREAD``: chosen by
+    measurement unless fixed)."""
     raw = os.environ.get(name, "")
     value = raw.strip().lower()
+    if not value:
+        return None
     if value in TRUE:
         return True
     if value in FALSE:

@@ -2,7 +2,10 @@
 
 ``reference`` is plain tensor maths, one parameter at a time, and the oracle every other
 backend is tested against. ``cpu`` is the fast CPU path, ``triton`` the GPU kernels (also
-runnable on the CPU under ``TRITON_INTERPRET=1``, which is how CI tests them).
+runnable on the CPU under ``TRITON_INTERPRET=1``, which is how CI tests them), ``compiled`` a
+rule's own function compiled by Inductor over lists of params on any device
+(:mod:`leanopt.kernels.graphs`): what a rule without a Triton twin runs on a GPU, and a second,
+independently generated path to hold the Triton kernels against.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch
 
 from leanopt import tracing
 
-BACKENDS = ("auto", "reference", "cpu", "triton")
+BACKENDS = ("auto", "reference", "cpu", "triton", "compiled")
 
 
 def triton_available() -> bool:
@@ -43,7 +46,14 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         check_backend(backend)
         if backend == "cpu":
             raise RuntimeError("backend='cpu' got tensors on cuda")
-        return "triton" if backend in ("auto", "triton") else backend
+        return "triton" if backend == "auto" else backend
+    if backend == "compiled":
+        # Inductor writes Triton kernels for a GPU: the same needs as backend="triton" there.
+        if device.type == "cuda" and not triton_available():
+            raise RuntimeError("backend='compiled' on cuda tensors needs the triton package (pip install triton)")
+        if device.type == "cuda" and triton_interpreted():
+            raise RuntimeError("backend='compiled' on cuda tensors needs TRITON_INTERPRET unset (it is 1)")
+        return "compiled"
     if backend == "auto":
         # Under TRITON_INTERPRET=1 (how the tests run kernels on the CPU) Triton's interpreter
         # would read CUDA addresses on the host: CUDA tensors take the reference instead.
@@ -130,6 +140,8 @@ IMPLEMENTATIONS = (
     "triton-quantized",  # triton_elementwise.quantized
     "cpu-adafactor",  # cpu_adafactor.adafactor
     "triton-adafactor",  # triton_adafactor.adafactor
+    "compiled-dense",  # graphs.dense: the rule compiled by Inductor, several params per call, any device
+    "compiled-quantized",  # graphs.quantized: dequantize -> rule -> requantize, the same way
 )
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -143,36 +155,40 @@ def select(backend: str, rule: Any, p: torch.Tensor, g: torch.Tensor, states: Se
     chosen, and it routes around each backend's limits instead of running past them: the
     Triton kernels take a rule only where it has a Triton twin taking that many states
     (:data:`leanopt.kernels.twins.TRITON`; a rule defined outside leanopt has none), else the
-    next backend that can run it does -- the CPU paths for CPU tensors (under
-    ``TRITON_INTERPRET=1``), which compile any rule with any number of states (the C++ kernel
-    takes its own twins only, :data:`~leanopt.kernels.twins.NATIVE`), or the reference.
-    Anything else a fast path does not take runs the reference. Inside a trace
+    next backend that can run it does -- on a GPU the rule's own function compiled by Inductor
+    (``compiled-*``, :mod:`leanopt.kernels.graphs`), on CPU tensors (under
+    ``TRITON_INTERPRET=1``) the CPU paths, which compile any rule with any number of states
+    (the C++ kernel takes its own twins only, :data:`~leanopt.kernels.twins.NATIVE`).
+    ``backend="compiled"`` takes the compiled graphs on any device (Adafactor, not a rule: its
+    own fast path). Anything else a fast path does not take runs the reference. Inside a trace
     (:mod:`leanopt.tracing`) it decides for fake tensors what it decides for plain ones of
-    their shapes and dtypes.
+    their shapes and dtypes on the traced device.
     """
-    from leanopt.kernels import twins
+    from leanopt.kernels import graphs, twins
     from leanopt.quant import QuantizedState
 
-    if tracing.active() is not None:
+    trace = tracing.active()
+    if trace is not None:
         p, g, states = tracing.as_if_real(p), tracing.as_if_real(g), [tracing.as_if_real(s) for s in states]
+    device_type = "cuda" if trace is not None and trace.device == "cuda" else p.device.type
     resolved = resolve_backend(backend, p.device)
     plain = type(p) in (torch.Tensor, torch.nn.Parameter) and type(g) is torch.Tensor
     if resolved == "reference" or not plain or p.numel() == 0 or g.shape != p.shape:
         return "reference"
-    dtypes = _KERNEL_DTYPES + ((torch.float64,) if resolved == "cpu" else ())
+    dtypes = _KERNEL_DTYPES + ((torch.float64,) if resolved in ("cpu", "compiled") else ())
     if p.dtype not in dtypes or g.dtype not in dtypes:
         return "reference"
     present = [s for s in states if s is not None]
     if rule == "adafactor":
+        if resolved == "compiled":
+            return "cpu-adafactor" if device_type == "cpu" else "triton-adafactor"
         return f"{resolved}-adafactor"
     if hp is None:
         raise TypeError("select: an elementwise rule needs its hyper-parameters (hp)")
-    # No Triton twin for this rule and number of states: on CPU tensors (the interpreter) the
-    # CPU paths run it, on a GPU the reference.
+    # No Triton twin for this rule and number of states: on a GPU its compiled graph, on CPU
+    # tensors (the interpreter) the CPU paths.
     if resolved == "triton" and not twins.takes(twins.TRITON, rule, hp, len(present)):
-        if p.device.type != "cpu":
-            return "reference"
-        resolved = "cpu"
+        resolved = "cpu" if device_type == "cpu" else "compiled"
     if all(type(s) is QuantizedState for s in present) and present:
         # A sharded (FSDP2) param's quantized states share scales across shard edges and are
         # another type: the reference handles them.
@@ -183,9 +199,10 @@ def select(backend: str, rule: Any, p: torch.Tensor, g: torch.Tensor, states: Se
         (bs,) = block
         if resolved == "triton":
             return "triton-quantized" if bs % 2 == 0 and 2048 % bs == 0 else "reference"
-        from leanopt.kernels import cpu_elementwise
-
-        return "cpu-quantized" if cpu_elementwise.quantized_takes(present, p.device) else "reference"
+        if resolved == "compiled" and bits == {4} and bs % 2:
+            return "reference"  # 4-bit codes are packed in pairs within a block
+        takes = graphs.quantized_takes(present, p.device)
+        return ("compiled-quantized" if resolved == "compiled" else "cpu-quantized") if takes else "reference"
     if not all(isinstance(s, torch.Tensor) and type(s) is torch.Tensor for s in present):
         return "reference"
     compute = torch.float64 if p.dtype == torch.float64 else torch.float32
@@ -194,9 +211,11 @@ def select(backend: str, rule: Any, p: torch.Tensor, g: torch.Tensor, states: Se
         # have no Triton kernel (dtypes above).
         stored = {s.dtype for s in present}
         return "triton-dense" if stored <= {torch.float32} or stored == {torch.bfloat16} else "reference"
-    # bf16 states in any mix: the CPU path writes each with the stochastic rounding of
-    # leanopt.quant.bf16 (never torch's fused AdamW or the native kernel, which round to nearest).
-    return "cpu-dense" if all(s.dtype in (compute, p.dtype, torch.bfloat16) for s in present) else "reference"
+    # bf16 states in any mix: the CPU and compiled paths write each with the stochastic rounding
+    # of leanopt.quant.bf16 (never torch's fused AdamW or the native kernel, which round to nearest).
+    if not all(s.dtype in (compute, p.dtype, torch.bfloat16) for s in present):
+        return "reference"
+    return "compiled-dense" if resolved == "compiled" else "cpu-dense"
 
 
 def step(backend: str, rule, tables, key: str, params, grads, states, steps: Sequence[int], hp: Mapping[str, Any], *,
@@ -208,9 +227,13 @@ def step(backend: str, rule, tables, key: str, params, grads, states, steps: Seq
     the rule's hyper-parameters; ``safe``: the low-bit optimizers' mode (floors, skipped
     elements); ``offsets[i]`` (default 0): the flat index of param ``i``'s element 0 in its
     whole tensor (a shard's start), which keys the decay rounding's dither. Each param goes to
-    the implementation :func:`select` picks, in row-major form.
+    the implementation :func:`select` picks, in row-major form, once the rule's results were
+    held to its declaration for the param's signature (:meth:`~leanopt.kernels.rules.Rule.check`).
     """
     offsets = [0] * len(params) if offsets is None else list(offsets)
+    if tracing.active() is None:  # a memory trace plans the steps that the real ones check
+        for i, p in enumerate(params):
+            rule.check(hp, safe, p, len(states[i]), steps[i])
     n = max((len(s) for s in states), default=0)
     columns = [[s[j] for s in states] for j in range(n)]
     updated = list(params)
@@ -227,6 +250,13 @@ def step(backend: str, rule, tables, key: str, params, grads, states, steps: Seq
 
                 for i in idx:
                     reference.rule_step_(rule, params[i], grads[i], states[i], steps[i], hp, safe=safe, offset=offsets[i])
+            elif impl.startswith("compiled"):
+                from leanopt.kernels import graphs
+
+                if impl == "compiled-dense":
+                    graphs.dense(rule, pick(params), pick(grads), pick(states), pick(steps), hp, safe=safe, offsets=pick(offsets))
+                else:
+                    graphs.quantized(rule, pick(params), pick(grads), pick(states), pick(steps), hp, pick(offsets))
             elif impl.startswith("cpu"):
                 from leanopt.kernels import cpu_elementwise
 

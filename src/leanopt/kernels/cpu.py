@@ -3,7 +3,8 @@
 The CPU paths themselves are one module per kind of rule: ``cpu_elementwise`` (AdamW, Lion,
 AdEMAMix -- any rule of :mod:`leanopt.kernels.rules` -- on dense or block-quantized states)
 and ``cpu_adafactor`` (Adafactor's factored second moment). Without a working compiler a
-compiled function runs eagerly; :func:`compiled` records why (``kernels.describe()``).
+compiled function runs eagerly; a graph whose compile failed runs eagerly by itself and
+:func:`compile_failures` says why.
 """
 
 from __future__ import annotations
@@ -23,12 +24,18 @@ import torch
 from torch import Tensor
 
 from leanopt import tracing
-from leanopt.environment import flag
+from leanopt.environment import flag, setting
 
 log = logging.getLogger(__name__)
 
-# Why compiling failed (None while it works): reported by leanopt.kernels.describe().
-COMPILE_ERROR: str | None = None
+# Why compiling a graph failed, by the graph's name (reported by :func:`compile_failures`):
+# each such graph runs eagerly; every other graph is still compiled.
+_FAILED: dict[str, str] = {}
+
+
+def compile_failures() -> dict[str, str]:
+    """The graphs whose compile failed in this process, by name, with why (one line each)."""
+    return dict(_FAILED)
 
 
 def compile_disabled() -> bool:
@@ -57,14 +64,13 @@ def tell_once(key: str, message: str, *args: Any) -> None:
 
 
 def can_compile() -> bool:
-    """Whether the rules are compiled: not turned off, a C++ compiler present, no compile failed
-    before. Otherwise every graph runs eagerly (the same functions, the same results), said once."""
+    """Whether the rules are compiled: not turned off and a C++ compiler present. Otherwise every
+    graph runs eagerly (the same functions, the same results), said once. A graph whose own
+    compile failed runs eagerly by itself (:func:`compiled`)."""
     if compile_disabled():
         # Silence here once cost a 5-7x slower low-bit step nobody could see (issue 20).
         tell_once("disabled", "leanopt: LEANOPT_NO_COMPILE is set: the CPU update rules run eagerly, several "
                   "times slower than compiled (unset it, or set it to 0, to compile them)")  # fmt: skip
-        return False
-    if COMPILE_ERROR is not None:
         return False
     if cxx_compiler() is None:
         tell_once("no-compiler", "leanopt: no C++ compiler (%s not found): the native CPU kernel cannot be built and "
@@ -74,30 +80,62 @@ def can_compile() -> bool:
     return True
 
 
-def compiled(fn: Callable[..., Any], dynamic: bool | None = True) -> Callable[..., Any]:
-    """``fn`` compiled on first call (``dynamic=True``: every size symbolic; ``None``: static
-    except dims the caller marks dynamic); ``fn`` itself where the rules are not compiled
-    (:func:`can_compile`) or compiling fails."""
-    state: dict[str, Any] = {}
+class Graph:
+    """``fn`` compiled on its first call (``dynamic=True``: every size symbolic; ``None``: static
+    except dims the caller marks dynamic); where the rules are not compiled (:func:`can_compile`)
+    or compiling this graph failed, ``fallback`` runs instead (the same results: ``fn`` itself by
+    default; the CPU paths give ``fn`` run over cache-sized chunks).
 
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        global COMPILE_ERROR
-        impl = state.get("impl")
+    A compile that fails is told apart from an error of the function itself by running the
+    fallback on the same arguments (a failed compile has run nothing, and ``fn`` writes its
+    results last): if that raises too, the error is the function's -- a user rule's typo -- and
+    it propagates as itself, the graph still compiled on the next call and nothing else touched;
+    if it runs, the compile failed (an unsupported platform, a broken toolchain, an op dynamo
+    cannot trace), and this graph alone runs the fallback from then on, said once with its name.
+    Other graphs -- other rules, dtypes, bf16 states, the low-bit paths -- are compiled as
+    before."""
+
+    def __init__(self, fn: Callable[..., Any], dynamic: bool | None = True, fallback: Callable[..., Any] | None = None) -> None:
+        functools.update_wrapper(self, fn)
+        self.fn, self.dynamic = fn, dynamic
+        self.eager = fallback or fn
+        self.impl: Callable[..., Any] | None = None
+        self.failed: str | None = None
+
+    @property
+    def name(self) -> str:
+        return getattr(self.fn, "__name__", repr(self.fn))
+
+    def status(self) -> str:
+        """``"not run"``, ``"compiled"``, ``"eager"`` (the rules are not compiled here) or
+        ``"failed: <why>"`` (this graph's compile failed: it runs the fallback)."""
+        if self.failed is not None:
+            return f"failed: {self.failed}"
+        if self.impl is None:
+            return "not run"
+        return "eager" if self.impl is self.eager else "compiled"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        impl = self.impl
         if impl is None:
-            impl = state["impl"] = torch.compile(fn, dynamic=dynamic, fullgraph=True) if can_compile() else fn
-        if impl is fn:
-            return fn(*args, **kwargs)
+            impl = self.impl = torch.compile(self.fn, dynamic=self.dynamic, fullgraph=True) if can_compile() else self.eager
+        if impl is self.eager:
+            return self.eager(*args, **kwargs)
         try:
             return impl(*args, **kwargs)
-        except Exception as err:  # an unsupported platform, a broken toolchain...
-            COMPILE_ERROR = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-            tell_once("compile-failed", "leanopt: compiling the CPU update rules failed; they run eagerly, several "
-                      "times slower (%s)", COMPILE_ERROR)  # fmt: skip
-            state["impl"] = fn
-            return fn(*args, **kwargs)
+        except Exception as err:  # told apart below, outside this handler: the function's own error stands alone
+            failure = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        result = self.eager(*args, **kwargs)  # raises the function's own error, if it has one
+        self.failed = _FAILED[self.name] = failure
+        self.impl = self.eager
+        log.warning("leanopt: compiling the update graph %s failed; it runs eagerly, several times slower (%s)",
+                    self.name, failure)  # fmt: skip
+        return result
 
-    return run
+
+def compiled(fn: Callable[..., Any], dynamic: bool | None = True, fallback: Callable[..., Any] | None = None) -> Graph:
+    """``fn`` as a :class:`Graph`: compiled on first call, ``fallback`` (default ``fn``) where it cannot be."""
+    return Graph(fn, dynamic, fallback)
 
 
 def own_code(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
@@ -114,11 +152,11 @@ def own_code(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     return copy
 
 
-def compiled_per_dtypes(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``compiled(fn)`` once per combination of its tensor arguments' dtypes, called with flat,
-    detached tensors: each graph then only meets a few guard variants (a view or not, a
-    one-element tensor or not) and never dynamo's recompile limit, which a model's many ranks,
-    dtypes and ``requires_grad`` flags would hit in one graph (then the reference would run)."""
+def compiled_per_dtypes(fn: Callable[..., Any], fallback: Callable[..., Any] | None = None) -> Callable[..., Any]:
+    """``compiled(fn, fallback=fallback)`` once per combination of its tensor arguments' dtypes,
+    called with flat, detached tensors: each graph then only meets a few guard variants (a view
+    or not, a one-element tensor or not) and never dynamo's recompile limit, which a model's many
+    ranks, dtypes and ``requires_grad`` flags would hit in one graph (then the reference would run)."""
     graphs: dict[tuple, Callable[..., Any]] = {}
 
     def flat(a: Any) -> Any:
@@ -138,9 +176,10 @@ def compiled_per_dtypes(fn: Callable[..., Any]) -> Callable[..., Any]:
         graph = graphs.get(key)
         if graph is None:
             name = f"{fn.__name__}_" + "_".join(str(d).removeprefix("torch.") for d in key)
-            graph = graphs[key] = compiled(own_code(fn, name))
+            graph = graphs[key] = compiled(own_code(fn, name), fallback=fallback)
         return graph(*args)
 
+    run.graphs = graphs  # type: ignore[attr-defined]  # each dtype combination's Graph (its status)
     return run
 
 
@@ -215,7 +254,8 @@ def spread(run: Callable[[Any], None], items: Sequence[Any], *, choose: Hashable
     machine the GIL hand-offs of the Python threads cost more than they save (Adafactor on
     TinyLlama-shaped params, 2 threads: 23-27 ms spread, 15-22 ms in order), on a busy one the
     OpenMP barriers cost far more (34-38 ms spread, 111-161 ms in order at load 3).
-    ``LEANOPT_CPU_SPREAD=1`` / ``0`` fixes the choice."""
+    ``LEANOPT_CPU_SPREAD`` (a boolean, :func:`leanopt.environment.setting`: on spreads, off runs in
+    order, unset measures) fixes the choice; a value that is not a boolean is a ``ValueError``."""
     workers = min(torch.get_num_threads(), len(items))
     if workers <= 1 or tracing.active() is not None or getattr(_in_spread, "on", False):
         for item in items:
@@ -224,9 +264,9 @@ def spread(run: Callable[[Any], None], items: Sequence[Any], *, choose: Hashable
     if choose is None:
         _spread(run, items)
         return
-    fixed = os.environ.get("LEANOPT_CPU_SPREAD", "").strip()
-    if fixed in ("0", "1"):
-        (_spread if fixed == "1" else _in_order)(run, items)
+    fixed = setting("LEANOPT_CPU_SPREAD")
+    if fixed is not None:
+        (_spread if fixed else _in_order)(run, items)
         return
     choice = _choices.get(choose)
     if choice is None:

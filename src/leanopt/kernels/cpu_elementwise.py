@@ -19,6 +19,7 @@ does not recompile.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -27,87 +28,31 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
 from leanopt import tracing
-from leanopt.kernels import cpu_native, reference
+from leanopt.kernels import cpu_native, graphs, reference
 from leanopt.kernels.cpu import can_compile, compiled, compiled_per_dtypes, own_code, spread
-from leanopt.kernels.rules import ADAMW, Rule, skipped_elements
-from leanopt.quant import codebooks
-from leanopt.quant.bf16 import stochastic_bf16
-from leanopt.quant.formats import decay_rounded, dither, may_hold_true
 
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _as_tensors(values: Sequence[float]) -> list[Tensor]:
-    return [torch.tensor(v, dtype=torch.float64) for v in values]
-
-
-def _safe_result(g: Tensor, p: Tensor, new_p: Tensor, new: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
-    # reference.rule_step_'s skip: param kept, states zeroed where the element is skipped.
-    bad = skipped_elements(g, new)
-    return torch.where(bad, p, new_p), [torch.where(bad, 0.0, s) for s in new]
-
-
-# ---- inside a memory trace (leanopt.tracing) ------------------------------------------------
-# Bytes per param element the compiled quantized update allocates while it runs, by code bits.
-# Measured here (torch 2.13 Inductor, 2 cores; VmHWM over one step of one param,
-# MALLOC_MMAP_THRESHOLD_=65536) for the graph of _quantized_graph: 8-bit 7.96 and 8.02, 4-bit
-# 12.03 and 12.05 B/element for 4.2M- and 22.3M-element params, fp32 or bf16 params (the previous
-# AdamW-only kernel: 8.97 and 13.03). Re-measure when that graph changes. The dense graph
-# allocates nothing of the param's size (measured: 0.00 B per element, fp32 and bf16 params).
-QUANTIZED_TEMP_BYTES = {8: 8, 4: 12}
-
-
-def _traced_dense(*args: Any) -> None:
-    """The dense graph on fake tensors: fused and in place, it allocates nothing."""
-
-
-def _traced_quantized(bits: int) -> Callable[..., None]:
-    def temporaries(p: Tensor, *args: Any) -> None:
-        # p as [blocks, block]: what the fused dequantize -> update -> requantize loop holds.
-        temp = torch.empty(p.numel() * QUANTIZED_TEMP_BYTES[bits], dtype=torch.uint8)
-        del temp
-
-    return temporaries
-
+# What the planner and tests read here: the compiled quantized update's temporaries, the lookup
+# tables and their cache, the nearest-code gather (leanopt.kernels.graphs holds them).
+from leanopt.kernels.graphs import _ENCODE_TABLES as _ENCODE_TABLES
+from leanopt.kernels.graphs import QUANTIZED_TEMP_BYTES as QUANTIZED_TEMP_BYTES
+from leanopt.kernels.graphs import _nearest_code as _nearest_code
+from leanopt.kernels.graphs import encode_tables as encode_tables
+from leanopt.kernels.rules import ADAMW, Rule
+from leanopt.quant.formats import may_hold_true
 
 # ---- dense states ---------------------------------------------------------------------------
 _DENSE: dict[tuple, Callable[..., Any]] = {}
-_DENSE_UPDATES: dict[tuple, Callable[..., Any]] = {}
-
-
-def _dense_update(rule: Rule, flags: tuple, safe: bool, maximize: bool, n: int) -> Callable[..., Any]:
-    """The dense update as a function of tensors: what the compiled graph compiles and the
-    eager path runs (in chunks)."""
-    key = (rule, flags, safe, maximize, n)
-    update = _DENSE_UPDATES.get(key)
-    if update is None:
-
-        def update(p: Tensor, g: Tensor, states: list[Tensor], c: list[Tensor]) -> None:
-            pf = p.to(_compute_dtype(p.dtype))
-            gf = g.to(pf.dtype)
-            if maximize:
-                gf = -gf
-            new_p, new = rule.apply(pf, gf, states, c, flags, safe)
-            if safe:
-                new_p, new = _safe_result(gf, pf, new_p, new)
-            p.copy_(new_p)
-            for s, v in zip(states, new):
-                s.copy_(v)
-
-        _DENSE_UPDATES[key] = update
-    return update
 
 
 def _dense_graph(rule: Rule, flags: tuple, safe: bool, maximize: bool, n: int) -> Callable[..., Any]:
     if tracing.active() is not None:  # a compiled graph cannot take fake tensors
-        return _traced_dense
+        return graphs.traced_dense
     key = (rule, flags, safe, maximize, n)
     graph = _DENSE.get(key)
     if graph is None:
         variant = f"{rule.name}_dense{'_safe' if safe else ''}{'_max' if maximize else ''}_" + "_".join(map(str, map(int, flags)))
-        graph = _DENSE[key] = compiled_per_dtypes(own_code(_dense_update(rule, flags, safe, maximize, n), variant))
+        update = graphs.dense_update(rule, flags, safe, maximize, n)
+        graph = _DENSE[key] = compiled_per_dtypes(own_code(update, variant), fallback=functools.partial(_dense_eager, update))
     return graph
 
 
@@ -160,36 +105,6 @@ def _dense_eager(update: Callable[..., Any], p: Tensor, g: Tensor, states: Seque
 # state written back through the shared dither, compiled once per (rule, flags, which states are
 # bf16) and dtypes, or eagerly over chunks (the same bits: the dither is keyed on global indices).
 _ROUNDED: dict[tuple, Callable[..., Any]] = {}
-_ROUNDED_UPDATES: dict[tuple, Callable[..., Any]] = {}
-
-
-def _rounded_update(rule: Rule, flags: tuple, safe: bool, maximize: bool, stored: tuple) -> Callable[..., Any]:
-    """The dense update of a param whose states ``j`` with ``stored[j]`` are bf16, as a function
-    of flat tensors; ``step`` and ``offset`` (0-dim int64) key the dither."""
-    key = (rule, flags, safe, maximize, stored)
-    update = _ROUNDED_UPDATES.get(key)
-    if update is None:
-        n = len(stored)
-
-        def update(p: Tensor, g: Tensor, states: list[Tensor], c: list[Tensor], step: Tensor, offset: Tensor) -> None:
-            pf = p.to(_compute_dtype(p.dtype))
-            gf = g.to(pf.dtype)
-            if maximize:
-                gf = -gf
-            read = [s.to(pf.dtype) if bf16 else s for s, bf16 in zip(states, stored)]
-            new_p, new = rule.apply(pf, gf, read, c, flags, safe)
-            if safe:
-                new_p, new = _safe_result(gf, pf, new_p, new)
-            p.copy_(new_p)
-            index = torch.arange(p.numel(), dtype=torch.int64) + offset
-            for j, (s, v, bf16) in enumerate(zip(states, new, stored)):
-                if bf16:
-                    s.copy_(stochastic_bf16(v.float(), dither(index * n + j, step)))
-                else:
-                    s.copy_(v)
-
-        _ROUNDED_UPDATES[key] = update
-    return update
 
 
 def _dense_rounded(rule: Rule, flags: tuple, safe: bool, maximize: bool, p: Tensor, g: Tensor, states: Sequence[Tensor],
@@ -197,26 +112,32 @@ def _dense_rounded(rule: Rule, flags: tuple, safe: bool, maximize: bool, p: Tens
     if tracing.active() is not None:
         return  # taken to allocate nothing of the param's size, as the dense graph (not measured)
     stored = tuple(s.dtype == torch.bfloat16 for s in states)
-    update = _rounded_update(rule, flags, safe, maximize, stored)
-    step_t = torch.tensor(step, dtype=torch.int64)
+    update = graphs.rounded_update(rule, flags, safe, maximize, stored)
+    step_t, offset_t = torch.tensor(step, dtype=torch.int64), torch.tensor(offset, dtype=torch.int64)
     if not can_compile():
-        flat = [t.view(-1) for t in (p, g.contiguous(), *states)]
-        n = flat[0].numel()
-
-        def chunk(k: int) -> None:
-            lo, hi = k * EAGER_CHUNK, min((k + 1) * EAGER_CHUNK, n)
-            update(flat[0][lo:hi], flat[1][lo:hi], [t[lo:hi] for t in flat[2:]], c, step_t,
-                   torch.tensor(offset + lo, dtype=torch.int64))  # fmt: skip
-
-        _over_chunks(chunk, -(-n // EAGER_CHUNK))
+        _rounded_eager(update, p, g.contiguous(), states, c, step_t, offset_t)
         return
     key = (rule, flags, safe, maximize, stored)
     graph = _ROUNDED.get(key)
     if graph is None:
         variant = f"{rule.name}_bf16_states{'_safe' if safe else ''}{'_max' if maximize else ''}_" + "_".join(
             map(str, map(int, flags + stored)))  # fmt: skip
-        graph = _ROUNDED[key] = compiled_per_dtypes(own_code(update, variant))
-    graph(p, g, list(states), c, step_t, torch.tensor(offset, dtype=torch.int64))
+        graph = _ROUNDED[key] = compiled_per_dtypes(own_code(update, variant), fallback=functools.partial(_rounded_eager, update))
+    graph(p, g, list(states), c, step_t, offset_t)
+
+
+def _rounded_eager(update: Callable[..., Any], p: Tensor, g: Tensor, states: Sequence[Tensor], c: list[Tensor],
+                   step: Tensor, offset: Tensor) -> None:  # fmt: skip
+    """:func:`leanopt.kernels.graphs.rounded_update` over chunks, each with its own global offset."""
+    flat = [t.view(-1) for t in (p, g, *states)]
+    n, first = flat[0].numel(), int(offset)
+
+    def chunk(k: int) -> None:
+        lo, hi = k * EAGER_CHUNK, min((k + 1) * EAGER_CHUNK, n)
+        update(flat[0][lo:hi], flat[1][lo:hi], [t[lo:hi] for t in flat[2:]], c, step,
+               torch.tensor(first + lo, dtype=torch.int64))  # fmt: skip
+
+    _over_chunks(chunk, -(-n // EAGER_CHUNK))
 
 
 def _fusable(rule: Rule, safe: bool, p: Tensor, g: Tensor, states: Sequence[Tensor]) -> bool:
@@ -235,7 +156,7 @@ def dense(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mapping[s
         if p.numel() == 0:
             continue
         if any(s.dtype == torch.bfloat16 for s in states[i]):
-            scalars = _as_tensors(rule.scalar_values(hp, steps[i], safe))
+            scalars = graphs.as_tensors(rule.scalar_values(hp, steps[i], safe))
             _dense_rounded(rule, flags, safe, hp["maximize"], p, grads[i], states[i], scalars, steps[i],
                            0 if offsets is None else offsets[i])  # fmt: skip
             continue
@@ -246,9 +167,9 @@ def dense(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mapping[s
         if eligible and cpu_native.usable():  # takes_dense, without checking the tensors twice
             cpu_native.dense(rule, p, grads[i], states[i], steps[i], hp, safe)
             continue
-        scalars = _as_tensors(rule.scalar_values(hp, steps[i], safe))
+        scalars = graphs.as_tensors(rule.scalar_values(hp, steps[i], safe))
         if _eager(eligible) and tracing.active() is None:
-            update = _dense_update(rule, flags, safe, hp["maximize"], len(states[i]))
+            update = graphs.dense_update(rule, flags, safe, hp["maximize"], len(states[i]))
             _dense_eager(update, p, grads[i].contiguous(), states[i], scalars)
             continue
         graph = _dense_graph(rule, flags, safe, hp["maximize"], len(states[i]))
@@ -265,96 +186,7 @@ def dense(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mapping[s
 
 
 # ---- block-quantized states -----------------------------------------------------------------
-_ENCODE_TABLES: dict[tuple[str, torch.device], Tensor | None] = {}
-
-
-def encode_tables(book, device: torch.device) -> Tensor | None:
-    """A lookup table that replaces the code book's binary search, or ``None`` if it can't.
-
-    The top 16 bits of an fp32 (sign, exponent, 7 mantissa bits) name a bucket of values
-    spanning 2^-7 relative; ``below[bucket]`` is the number of midpoints below the bucket. When
-    no bucket holds more than one midpoint (true for every code whose neighbouring values
-    differ by more than 0.8%), the nearest code of ``y`` is
-    ``below[bucket] + (midpoints[below[bucket]] < y)``: ``torch.searchsorted``'s answer. The
-    table is int64, ``below | bits(midpoints[below]) << 32`` (``+inf`` past the last), so that
-    this takes one gather instead of eight dependent ones (two, before issue #11: 15% of the
-    compiled 8-bit step).
-    """
-    key = (book.name, device)
-    tables = tracing.cache(_ENCODE_TABLES)
-    if key not in tables:
-        thresholds = book.thresholds.to(device="cpu", dtype=torch.float32)
-        below, _, usable = codebooks.midpoints_below_buckets(thresholds)
-        padded = torch.cat([thresholds, torch.tensor([float("inf")])])
-        packed = (padded[below].view(torch.int32).to(torch.int64) << 32) | below
-        tables[key] = packed.to(device) if usable else None
-    return tables[key]
-
-
-def _nearest_code(y: Tensor, table: Tensor) -> Tensor:
-    entry = table[(y.view(torch.int32) >> 16) & 0xFFFF]
-    midpoint = (entry >> 32).to(torch.int32).view(torch.float32)
-    return (entry & 0xFFFF) + (midpoint < y).long()
-
-
-def _unpack(codes: Tensor, rows: int, block: int, bits: int) -> Tensor:
-    if bits == 8:
-        return codes.long()
-    return torch.stack([codes & 15, codes >> 4], -1).view(rows, block).long()
-
-
-def _pack(index: Tensor, rows: int, block: int, bits: int) -> Tensor:
-    if bits == 8:
-        return index.to(torch.uint8)
-    pairs = index.to(torch.uint8).view(rows, block // 2, 2)
-    return pairs[..., 0] | (pairs[..., 1] << 4)
-
-
-# Per quantized state, the tensors a graph takes: codes [blocks, block bytes], scales [blocks],
-# code values, lookup table. Then the dither's key (0-dim int64: the step and
-# the flat index of element 0 in the whole tensor), then the rule's scalars.
-_PER_STATE = 4
 _QUANTIZED: dict[tuple, Callable[..., Any]] = {}
-_QUANTIZED_UPDATES: dict[tuple, Callable[..., Any]] = {}
-
-
-def _quantized_update(rule: Rule, flags: tuple, maximize: bool, bits: int, kinds: tuple, zeros: tuple,
-                      lasts: tuple) -> Callable[..., Any]:  # fmt: skip
-    """The block-quantized update as a function of tensors (``p``/``g`` as [blocks, block]):
-    what the compiled graph compiles and the eager path runs (in chunks of whole blocks)."""
-    key = (rule, flags, maximize, bits, kinds, zeros, lasts)
-    update = _QUANTIZED_UPDATES.get(key)
-    if update is None:
-        n = len(kinds)
-
-        def update(p: Tensor, g: Tensor, *rest: Tensor) -> None:
-            rows, block = p.shape
-            per_state = [rest[k * _PER_STATE : (k + 1) * _PER_STATE] for k in range(n)]
-            step, offset = rest[n * _PER_STATE], rest[n * _PER_STATE + 1]
-            c = rest[n * _PER_STATE + 2 :]
-            pf = p.float()
-            gf = -g.float() if maximize else g.float()
-            dense = [values[_unpack(codes, rows, block, bits)] * absmax.unsqueeze(1) for codes, absmax, values, _ in per_state]
-            new_p, new = rule.apply(pf, gf, dense, c, flags, True)
-            new_p, new = _safe_result(gf, pf, new_p, new)
-            p.copy_(new_p)
-            for (codes, absmax, values, table), decays, zero, last, old, x in zip(
-                per_state, kinds, zeros, lasts, dense, new
-            ):
-                scale = x.abs().amax(1)
-                safe_scale = torch.where(scale > 0, scale, 1.0).unsqueeze(1)
-                y = x / safe_scale
-                index = _nearest_code(y, table)
-                if decays:
-                    # Where the gradient is 0: the reference's decay rounding, same dither bits.
-                    flat = torch.arange(rows * block, dtype=torch.int64).view(rows, block) + offset
-                    u = dither(flat, step)
-                    index = decay_rounded(index, y, values, zero, last, gf == 0, old.abs() / safe_scale, u)
-                codes.copy_(_pack(index, rows, block, bits))
-                absmax.copy_(scale)
-
-        _QUANTIZED_UPDATES[key] = update
-    return update
 
 
 def _quantized_graph(rule: Rule, flags: tuple, maximize: bool, bits: int, kinds: tuple, zeros: tuple,
@@ -362,37 +194,54 @@ def _quantized_graph(rule: Rule, flags: tuple, maximize: bool, bits: int, kinds:
     # One graph per (rule, flags, bits, state kinds, zero codes); the block size is a static
     # dimension of the 2-D inputs and only the number of blocks is dynamic, so loops vectorise.
     if tracing.active() is not None:  # a compiled graph cannot take fake tensors
-        return _traced_quantized(bits)
+        return graphs.traced_quantized(bits)
     key = (rule, flags, maximize, bits, kinds, zeros, lasts)
     graph = _QUANTIZED.get(key)
     if graph is None:
         variant = f"{rule.name}_quantized_{bits}bit{'_max' if maximize else ''}_{len(_QUANTIZED)}"
-        graph = compiled(own_code(_quantized_update(rule, flags, maximize, bits, kinds, zeros, lasts), variant), dynamic=None)
-        _QUANTIZED[key] = graph
+        update = graphs.quantized_update(rule, flags, maximize, bits, kinds, zeros, lasts)
+
+        def fallback(p2: Tensor, g2: Tensor, *rest: Tensor) -> None:
+            n = len(kinds) * graphs.PER_STATE
+            _quantized_chunks(update, update, p2, g2, list(rest[:n]), rest[n], int(rest[n + 1]), list(rest[n + 2 :]))
+
+        graph = _QUANTIZED[key] = compiled(own_code(update, variant), dynamic=None, fallback=fallback)
     return graph
 
 
 def _quantized_eager(rule: Rule, flags: tuple, maximize: bool, bits: int, kinds: tuple, zeros: tuple, lasts: tuple,
                      p2: Tensor, g2: Tensor, tensors: list[Tensor], step: int, offset: int, c: list[Tensor]) -> None:  # fmt: skip
-    """:func:`_quantized_update` over chunks of whole blocks; the decay rounding only in chunks
-    whose gradient holds an exact 0 (elsewhere it changes nothing)."""
+    """:func:`leanopt.kernels.graphs.quantized_update` over chunks of whole blocks; the decay
+    rounding only in chunks whose gradient holds an exact 0 (elsewhere it changes nothing)."""
+    plain = graphs.quantized_update(rule, flags, maximize, bits, (False,) * len(kinds), zeros, lasts)
+    rounding = graphs.quantized_update(rule, flags, maximize, bits, kinds, zeros, lasts) if any(kinds) else plain
+    _quantized_chunks(plain, rounding, p2, g2, tensors, torch.tensor(step, dtype=torch.int64), offset, c)
+
+
+def _quantized_chunks(plain: Callable[..., Any], rounding: Callable[..., Any], p2: Tensor, g2: Tensor,
+                      tensors: list[Tensor], step: Tensor, offset: int, c: list[Tensor]) -> None:  # fmt: skip
+    """``plain`` (or ``rounding``, where a chunk's gradient holds an exact 0) over chunks of
+    whole blocks of ``p2``/``g2`` ([blocks, block]), each with its global offset."""
     rows, block = p2.shape
     per_chunk = max(1, EAGER_CHUNK // block)
-    plain = _quantized_update(rule, flags, maximize, bits, (False,) * len(kinds), zeros, lasts)
-    rounding = _quantized_update(rule, flags, maximize, bits, kinds, zeros, lasts) if any(kinds) else plain
-    step_t = torch.tensor(step, dtype=torch.int64)
 
     def chunk(k: int) -> None:
         lo, hi = k * per_chunk, min((k + 1) * per_chunk, rows)
-        views = []
-        for j in range(0, len(tensors), _PER_STATE):
-            codes, absmax, values, table = tensors[j : j + _PER_STATE]
-            views += [codes[lo:hi], absmax[lo:hi], values, table]
-        g = g2[lo:hi]
-        update = rounding if rounding is not plain and bool((g == 0).any()) else plain
-        update(p2[lo:hi], g, *views, step_t, torch.tensor(offset + lo * block, dtype=torch.int64), *c)
+        views = _row_views(p2, g2, tensors, lo, hi)
+        update = rounding if rounding is not plain and bool((views[1] == 0).any()) else plain
+        update(*views, step, torch.tensor(offset + lo * block, dtype=torch.int64), *c)
 
     _over_chunks(chunk, -(-rows // per_chunk))
+
+
+def _row_views(p2: Tensor, g2: Tensor, tensors: Sequence[Tensor], lo: int, hi: int) -> list[Tensor]:
+    """Rows ``lo:hi`` of the param, the gradient and each state's codes and scales, with each
+    state's code values and lookup table: a quantized update's tensor arguments."""
+    views = [p2[lo:hi], g2[lo:hi]]
+    for j in range(0, len(tensors), graphs.PER_STATE):
+        codes, absmax, values, table = tensors[j : j + graphs.PER_STATE]
+        views += [codes[lo:hi], absmax[lo:hi], values, table]
+    return views
 
 
 def _any_zero(g: Tensor) -> Tensor:
@@ -432,7 +281,7 @@ def quantized(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mappi
         qs = states[i]
         fmt = qs[0].format
         books = [q.format.book(p.device) for q in qs]
-        tables = [encode_tables(b, p.device) for b in books]
+        tables = [graphs.encode_tables(b, p.device) for b in books]
         bs = fmt.block_size
         full = (n // bs) * bs
         if full:
@@ -446,27 +295,24 @@ def quantized(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mappi
             g2 = grads[i].reshape(-1)[:full].view(rows, bs)
             zeros_ = tuple(b.zero_index for b in books)
             lasts = tuple(b.thresholds.numel() for b in books)
-            scalars = _as_tensors(rule.scalar_values(hp, steps[i], True))
+            scalars = graphs.as_tensors(rule.scalar_values(hp, steps[i], True))
             if _eager(cpu_native.eligible(rule, p, grads[i], qs, hp)) and tracing.active() is None:
                 _quantized_eager(rule, flags, hp["maximize"], fmt.bits, kinds, zeros_, lasts, p2, g2, tensors, steps[i],
                                  offsets[i], scalars)  # fmt: skip
                 if full < n:
                     reference.partial_block(rule, p.view(-1), grads[i].reshape(-1), qs, steps[i], hp, offsets[i], full)
                 continue
-            # The views the graph takes, not their bases: a base's size would be traced as a
-            # constant and the first graph compiled for one shape only (then a second, dynamic one).
-            for t in (p2, g2, *tensors[0::_PER_STATE], *tensors[1::_PER_STATE]):
-                torch._dynamo.maybe_mark_dynamic(t, 0)
             # The decay rounding changes only elements whose gradient is exactly 0: without any,
             # the graph without it stores the same codes (and skips the dither: ~30% of the step).
             decays = kinds if not any(kinds) or _has_zero(g2) else (False,) * len(kinds)
             graph = _quantized_graph(rule, flags, hp["maximize"], fmt.bits, decays, zeros_, lasts)
-            key = [torch.tensor(steps[i], dtype=torch.int64), torch.tensor(offsets[i], dtype=torch.int64)]
-            graph(p2, g2, *tensors, *key, *scalars)
+            step_t = torch.tensor(steps[i], dtype=torch.int64)
+            for lo, hi in graphs.row_spans(rows, max(1, graphs.QUANTIZED_CHUNK // bs)):
+                views = _row_views(p2, g2, tensors, lo, hi)
+                # The views the graph takes, not their bases: a base's size would be traced as a
+                # constant and the first graph compiled for one shape only (then a second, dynamic one).
+                for t in (*views[:2], *views[2 :: graphs.PER_STATE], *views[3 :: graphs.PER_STATE]):
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
+                graph(*views, step_t, torch.tensor(offsets[i] + lo * bs, dtype=torch.int64), *scalars)
         if full < n:
             reference.partial_block(rule, p.view(-1), grads[i].reshape(-1), qs, steps[i], hp, offsets[i], full)
-
-
-def quantized_takes(states: Sequence[Any], device: torch.device) -> bool:
-    """Whether :func:`quantized` runs these states (each code book has a lookup table)."""
-    return all(encode_tables(q.format.book(device), device) is not None for q in states)

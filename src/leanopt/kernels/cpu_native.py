@@ -26,9 +26,10 @@ an ulp (tests/test_cpu_native.py).
 
 Built on first use with :func:`torch.utils.cpp_extension.load` (``-O3 -march=native``; the
 source includes pybind11 and ``ATen/Parallel.h`` only, so a cold build takes ~8 s) and cached
-under a name keyed on the source and what the compiler makes of ``-march=native`` here
-(:func:`_name`). The build survives its own failures (issue 20): a build killed mid-way never
-blocks the next process (:func:`_build_lock`), a damaged cached library is rebuilt, not loaded
+under a name keyed on everything the build depends on (:func:`build_inputs`: the source,
+the flags, what the compiler makes of ``-march=native`` here, the compiler, this torch
+installation's headers and libraries, Python's). The build survives its own failures (issue
+20): a build killed mid-way never blocks the next process (:func:`_build_lock`), a damaged cached library is rebuilt, not loaded
 (its size and hash are recorded at build time), and no process waits more than
 ``_BUILD_WAIT_S`` for another's build. If anything fails (no compiler, no headers, that wait),
 :func:`available` is False and :func:`build_error` says why: importing this module never builds
@@ -58,6 +59,7 @@ import logging
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 import threading
@@ -212,11 +214,38 @@ def _target_key() -> str:
     return _cpu_description() if target is None else target
 
 
+def build_inputs() -> dict[str, str]:
+    """Everything the build's command and result depend on, by what it is: the source, leanopt's
+    flags, what ``-march=native`` means here (:func:`_target_key`: its code must not be loaded on
+    another CPU sharing the cache folder, an NFS home or a docker volume), the compiler (its
+    resolved path), torch (its version, and the include and library folders of this
+    installation: two virtual environments with the same torch version build with different
+    ``-isystem`` and ``-L`` paths, and sharing one folder made each process rebuild what the
+    other had built), and Python (its include folder, the extension suffix and the ABI tag). The
+    compiler's own answer to ``-###`` names its version and programs; where it cannot be asked,
+    its resolved path stands for it."""
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    compiler = list(_compiler())
+    compiler[0] = shutil.which(compiler[0]) or compiler[0]
+    return {
+        "source": _SOURCE,
+        "flags": " ".join(_CFLAGS + _LDFLAGS),
+        "target": _target_key(),
+        "compiler": "" if _compiler_target(_compiler()) is not None else " ".join(compiler),
+        "torch": torch.__version__,
+        "torch_include": os.pathsep.join(include_paths("cpu")),
+        "torch_lib": os.pathsep.join(library_paths("cpu")),
+        "python_include": str(sysconfig.get_path("include", scheme="nt" if os.name == "nt" else "posix_prefix")),
+        "python_abi": f"{sys.implementation.cache_tag} {sysconfig.get_config_var('EXT_SUFFIX')}",
+    }
+
+
 def _name() -> str:
-    """Extension name keyed on the source, the flags, what ``-march=native`` means here
-    (:func:`_target_key`: its code must not be loaded on another CPU sharing the cache
-    directory, an NFS home or a docker volume), torch and the Python ABI."""
-    key = "\0".join([_SOURCE, " ".join(_CFLAGS + _LDFLAGS), _target_key(), torch.__version__, sys.implementation.cache_tag])
+    """Extension name keyed on :func:`build_inputs`: one cached build per distinct build."""
+    key = "\0".join(f"{k}={v}" for k, v in build_inputs().items())
     return f"leanopt_cpu_native_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 

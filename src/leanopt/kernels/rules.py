@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -80,6 +80,9 @@ class Rule:
     elementwise: Callable[..., tuple[Tensor, list[Tensor]]]
     flags: tuple[str, ...] = ()
     max_states: int = 3
+    # The signatures (flags, safe mode, number of states, shape, compute dtype) whose results
+    # :meth:`check` has held to the rule's declaration: each is checked once per process.
+    _checked: set[tuple] = field(default_factory=set, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         for kind, names in (("scalars", self.scalars), ("flags", self.flags)):
@@ -94,7 +97,11 @@ class Rule:
 
     def scalar_values(self, hp: Mapping[str, Any], step: int, safe: bool) -> tuple[float, ...]:
         """The step's numbers in :attr:`scalars` order (what the compiled backends receive)."""
-        named = self.schedule(hp, step, safe)
+        try:
+            named = self.schedule(hp, step, safe)
+        except Exception as err:
+            name_rule(err, self, "schedule")
+            raise
         if len(named) != len(self.scalars):
             raise ValueError(f"Rule {self.name!r}: schedule gave {sorted(named)}, the rule declares {list(self.scalars)}")
         try:
@@ -105,11 +112,76 @@ class Rule:
 
     def apply(self, p, g, states, c: Sequence[Any], flags: Sequence[bool], safe: bool):
         """``elementwise`` with the scalars ``c`` (in :attr:`scalars` order: floats or 0-dim
-        tensors) and ``flags`` (in :attr:`flags` order) passed by name."""
-        return self.elementwise(p, g, list(states), dict(zip(self.scalars, c)), dict(zip(self.flags, flags)), safe)
+        tensors) and ``flags`` (in :attr:`flags` order) passed by name. An error of
+        ``elementwise`` propagates as itself, naming the rule."""
+        if torch.compiler.is_compiling():  # traced: an error is the compile's, told apart by kernels.cpu.Graph
+            return self.elementwise(p, g, list(states), dict(zip(self.scalars, c)), dict(zip(self.flags, flags)), safe)
+        try:
+            return self.elementwise(p, g, list(states), dict(zip(self.scalars, c)), dict(zip(self.flags, flags)), safe)
+        except Exception as err:
+            name_rule(err, self, "elementwise")
+            raise
+
+    def check(self, hp: Mapping[str, Any], safe: bool, p: Tensor, n_states: int, step: int) -> None:
+        """Refuse, naming the rule, what no backend can run right: more states under ``hp``
+        than :attr:`max_states`; ``n_states`` states given where :meth:`states` declares
+        another number; an ``elementwise`` that returns another number of states, or a param
+        or state not of the param's shape (a backend would drop the extra state, broadcast a
+        wrong shape into the param, or hand a Triton twin the wrong number of states). Once
+        per signature (flags, ``safe``, number of states, ``p``'s shape and dtype): the
+        function runs on meta tensors, which hold no memory and compute nothing."""
+        key = (self.flag_values(hp), safe, n_states, tuple(p.shape), p.dtype)
+        if key in self._checked:
+            return
+        declared = [kind.key for kind in self.states(hp)]
+        if len(declared) > self.max_states:
+            raise ValueError(f"Rule {self.name!r}: states() gives {len(declared)} states {declared}, more than its "
+                             f"max_states={self.max_states}")  # fmt: skip
+        if n_states != len(declared):
+            raise ValueError(f"Rule {self.name!r}: {n_states} states given for the {len(declared)} it declares {declared}")
+        ct = torch.float64 if p.dtype == torch.float64 else torch.float32
+        shape = tuple(p.shape)
+
+        def meta() -> Tensor:
+            return torch.empty(shape, dtype=ct, device="meta")
+
+        try:
+            result = self.apply(meta(), meta(), [meta() for _ in declared], self.scalar_values(hp, step, safe),
+                                self.flag_values(hp), safe)  # fmt: skip
+        except NotImplementedError:  # an op without a meta kernel: the rule runs unchecked
+            self._checked.add(key)
+            return
+        if not (isinstance(result, (tuple, list)) and len(result) == 2 and isinstance(result[1], (tuple, list))):
+            raise TypeError(f"Rule {self.name!r}: elementwise must return (param, [states]), got {_kind(result)}")
+        new_p, new = result
+        if len(new) != len(declared):
+            raise ValueError(f"Rule {self.name!r}: elementwise returned {len(new)} states for the {len(declared)} the "
+                             f"rule declares {declared}")  # fmt: skip
+        for what, t in [("param", new_p), *zip((f"state {k!r}" for k in declared), new)]:
+            if not isinstance(t, Tensor) or tuple(t.shape) != shape:
+                got = f"shape {tuple(t.shape)}" if isinstance(t, Tensor) else _kind(t)
+                raise ValueError(f"Rule {self.name!r}: elementwise returned a {what} of {got} for a param of shape "
+                                 f"{shape} (each must have the param's shape)")  # fmt: skip
+        self._checked.add(key)
 
     def __repr__(self) -> str:
         return f"Rule({self.name!r})"
+
+
+def name_rule(err: BaseException, rule: Rule, function: str) -> None:
+    """Add to ``err`` (once) which rule's ``function`` raised it: the exception stays itself."""
+    note = f"raised by the {function} function of Rule {rule.name!r}"
+    if hasattr(err, "add_note"):
+        if note not in getattr(err, "__notes__", ()):
+            err.add_note(note)
+    elif err.args and isinstance(err.args[0], str) and note not in err.args[0]:  # Python 3.10: no notes
+        err.args = (f"{err.args[0]} ({note})", *err.args[1:])
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return f"a {type(value).__name__}"
 
 
 def adam_moment_bound(beta1: float, beta2: float, step: int) -> float:
