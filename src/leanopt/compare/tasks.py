@@ -145,6 +145,14 @@ class Workload(ABC):
         optimizer.step()
         if released is not None:
             released.remove()
+        if torch.device(self.device).type == "cpu":
+            # The native kernel of the low-bit states builds in the background while the steps
+            # run an eager path of thousands of small ops; measured under the profiler that
+            # path's events made a cold-cache 8-bit run's process peak 2,105 MiB against 266
+            # once the build is waited for here (benchmarks/compare_peak.py).
+            from leanopt.kernels import cpu_native
+
+            cpu_native.available()
 
     @abstractmethod
     def run(self, contender: Contender, plan: Plan, recorder: Recorder) -> Trained: ...

@@ -23,9 +23,10 @@ ARGS = {
     "``\"reference\"`` backend; see :func:`leanopt.optim.base.backend_for_torch_flags`.",
     "capturable": "capturable, differentiable: accepted as False; True is a ``ValueError`` (not supported).",
     "differentiable": "differentiable: accepted as False; True is a ``ValueError`` (not supported).",
-    "backend": "backend: ``\"auto\"`` (Triton on CUDA, the fast CPU path on CPU), ``\"reference\"`` (plain tensor "
-    "maths, the oracle every fast path is tested against), ``\"cpu\"`` or ``\"triton\"``. How to compute, not what: "
-    "not saved.",
+    "backend": "backend: ``\"auto\"`` (Triton on CUDA, the fast CPU path on CPU; a rule without a Triton twin runs "
+    "compiled on CUDA), ``\"reference\"`` (plain tensor maths, the oracle every fast path is tested against), "
+    "``\"cpu\"``, ``\"triton\"`` or ``\"compiled\"`` (the rule compiled by Inductor, any device). How to compute, "
+    "not what: not saved.",
     "state_dtype": "state_dtype: how dense states are stored: ``torch.float32`` (default) or ``torch.bfloat16`` (half "
     "the bytes, written with stochastic rounding; see :mod:`leanopt.quant.bf16`). Saved in each param group.",
     "offload": "offload: ``None`` (default: states with the params) or ``\"cpu\"``: the states (low-bit ones stay "
