@@ -14,7 +14,7 @@ from leanopt.cli import main
 README = Path(__file__).resolve().parents[1] / "README.md"
 FIRST_COMMANDS = [
     "bash scripts/install.sh && leanopt estimate distilbert-base-cased",
-    "bash scripts/install.sh --test && python3 -m pytest -q -n 2 --dist loadfile",
+    "bash scripts/install.sh --test && python3 -m pytest -q -n 2 --dist loadfile --durations=25",
 ]
 
 
