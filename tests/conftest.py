@@ -12,9 +12,33 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     _share = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
     os.environ.setdefault("OMP_NUM_THREADS", str(_share))
+    # Inductor compiles in a pool of subprocesses sized to the machine's cores, each importing
+    # torch (seconds of CPU, once per worker and per subprocess a test starts); with every core
+    # already running a worker, compiling in the worker itself is as fast and starts nothing.
+    if _share == 1:
+        os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     import torch as _torch
 
     _torch.set_num_threads(_share)
+
+
+# ---- the order pytest-xdist hands out files ---------------------------------------------------
+# `--dist loadfile` (the README's command) runs each file on one worker, so that its module
+# fixtures, imports and compiled graphs are paid once; by default xdist hands out the files with
+# the most tests first, which can leave a file of a few long tests (the GPU check's dry run, the
+# compare runs) for the end while the other worker idles. The files below, the longest first
+# (worker seconds on 2 cores; measured with --durations=0), go first instead: longest-first
+# scheduling ends the two workers within about the last files' time of each other. Any file not
+# listed follows in collection order; a plain run without xdist keeps the collection order.
+LONGEST_FIRST = [
+    "tests/test_rules.py", "tests/test_plan.py", "tests/test_generic.py", "tests/test_compare.py", "tests/test_gpu_check.py",
+    "tests/test_rounding.py", "tests/test_contract.py", "tests/test_trainer_features.py", "tests/test_plan_offload.py",
+    "tests/test_release.py", "tests/test_quantized.py", "tests/test_offload.py",
+]
+
+
+def _xdist_worker() -> bool:
+    return bool(os.environ.get("PYTEST_XDIST_WORKER"))
 
 
 # ---- the `cuda` marker: the suite's GPU cases (tests/test_cuda.py; scripts/gpu_check.sh runs them)
@@ -27,11 +51,19 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "cuda: needs a CUDA GPU (TRITON_INTERPRET=0 python3 -m pytest tests -m cuda); skipped without one"
     )
+    if LONGEST_FIRST and getattr(config.option, "dist", "no") == "loadfile":
+        # xdist's controller: hand the files out in the collection order the workers send
+        # (pytest_collection_modifyitems below), not sorted by their number of tests.
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config, items):
     import pytest
     import torch
+
+    if LONGEST_FIRST and _xdist_worker():
+        rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+        items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: files keep their order
 
     if CUDA_TESTS_ON_CPU or torch.cuda.is_available():
         return
