@@ -12,11 +12,6 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     _share = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
     os.environ.setdefault("OMP_NUM_THREADS", str(_share))
-    # Inductor compiles in a pool of subprocesses sized to the machine's cores, each importing
-    # torch (seconds of CPU, once per worker and per subprocess a test starts); with every core
-    # already running a worker, compiling in the worker itself is as fast and starts nothing.
-    if _share == 1:
-        os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     import torch as _torch
 
     _torch.set_num_threads(_share)
