@@ -121,6 +121,8 @@ TARGETS = [
 
 # In a dry run, a few CUDA cases run on the CPU (LEANOPT_CUDA_TESTS_ON_CPU=1) after the real
 # `pytest -m cuda` (all skipped there): one of each test function, so tests/test_cuda.py is run.
+# With GPU_CHECK_CPU_CASES=all, every one of them (tests/test_gpu_check.py: its check that every
+# CUDA case passes on the CPU reads them from its dry run instead of running them a second time).
 DRY_TEST_SELECTION = (
     "(adamw_matches and float32 and defaults) or (quantized_matches and bfloat16 and AdamW4bit) or "
     "(adafactor_matches and float32 and beta1) or (many_shapes and AdamW8bit) or "
@@ -861,13 +863,15 @@ def stage_tests(args: argparse.Namespace, part: Part, deadline: float) -> int:
     part.update(junit=junit)
     ok = _cases_ok(junit[label])
     if args.dry_run:
-        # ... and one case of each test function on the CPU, Triton interpreted.
+        # ... and one case of each test function on the CPU (every case: GPU_CHECK_CPU_CASES=all), Triton interpreted.
         env_cpu = env | {"LEANOPT_CUDA_TESTS_ON_CPU": "1", "TRITON_INTERPRET": "1"}
-        _, junit["on the CPU (LEANOPT_CUDA_TESTS_ON_CPU=1), a selection"] = _pytest(
-            "cuda cases on the CPU", ["tests/test_cuda.py", "-k", DRY_TEST_SELECTION], env_cpu, work / "cuda_tests_cpu.xml",
-            deadline - time.time() - 2,
+        every = os.environ.get("GPU_CHECK_CPU_CASES") == "all"
+        cpu_label = "on the CPU (LEANOPT_CUDA_TESTS_ON_CPU=1), " + ("every case" if every else "a selection")
+        _, junit[cpu_label] = _pytest(
+            "cuda cases on the CPU", ["tests/test_cuda.py"] + ([] if every else ["-k", DRY_TEST_SELECTION]), env_cpu,
+            work / "cuda_tests_cpu.xml", deadline - time.time() - 2,
         )  # fmt: skip
-        ok = ok and _cases_ok(junit["on the CPU (LEANOPT_CUDA_TESTS_ON_CPU=1), a selection"])
+        ok = ok and _cases_ok(junit[cpu_label])
         part.update(junit=junit)
         # Informational: on the GPU the kernels are compiled for real by the tests above.
         hopper = _hopper_compile_check(deadline - 1)

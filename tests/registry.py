@@ -13,6 +13,26 @@ what tests add to the class's defaults to get a state.
 :data:`EXTERNAL` holds optimizers defined outside leanopt with its public API
 (tests/external_optimizer.py): the generic suite (:data:`GENERIC`) runs them too, each
 registered only while its own tests run (:func:`registered`).
+
+Families. Each case names its ``family``: the code path its state and its step take, which is
+what a mechanism that does not depend on the update rule (hooks, strided layouts, tensor
+learning rates, check-before-change, ``torch.compile``, schedulers) can differ by, and one case
+per family ``represents`` it: tests of such a mechanism iterate :func:`representatives` of a
+list, and a rule's own behaviour (its parity with the reference and its peer, its hyper-
+parameters, its state, save and load, its integrations) stays checked for every case. The
+families (not the rule families of ``cls.family``, which group optimizers that share a rule):
+
+- ``"fused-adamw"``: AdamW, two dense states, stepped on the CPU by torch's fused AdamW kernel;
+- ``"dense"``: the other rules with dense fp32 states (Lion, one state, represents them;
+  AdEMAMix, SGD), stepped on the CPU by the native C++ loop or a compiled graph;
+- ``"quantized"``: block-quantized 8- and 4-bit states (AdamW8bit represents them);
+- ``"factored"``: Adafactor, row and column factors and its own kernels;
+- ``"external"``: rules defined outside leanopt with its public API, registered while their
+  tests run, without a Triton or C++ twin (RMSprop represents them);
+- ``"bf16-states"``: the storage variants, dense states stored in bf16 with stochastic
+  rounding (:data:`BF16_STATES`; AdamW's represents them).
+
+``tests/test_rules.py::test_every_family_has_one_representative`` keeps one per family.
 """
 
 from __future__ import annotations
@@ -80,6 +100,10 @@ class OptimizerCase:
     rounding_drift: dict[str, float] = field(default_factory=lambda: {"stochastic": 0.6, "kahan": 0.25})
     # Defined outside leanopt (tests/external_optimizer.py): registered only while its tests run.
     external: bool = False
+    # The code path its state and step take (module docstring); ``represents``: the case that
+    # runs its family's rule-independent mechanism tests.
+    family: str = ""
+    represents: bool = False
 
     def __str__(self) -> str:  # pytest ids
         return self.name
@@ -201,12 +225,12 @@ SGD_ROUNDING_DRIFT = {"stochastic": 0.95, "kahan": 0.65}
 OPTIMIZERS: list[OptimizerCase] = [
     OptimizerCase("adamw", leanopt.AdamW, {"lr": 1e-2}, ADAM_INVALID, supports_complex=True,
                   reference=Reference("torch.optim.AdamW", ({}, {"amsgrad": True, "maximize": True})),
-                  bytes_per_param=8.0, from_training_args=_adam_args),  # fmt: skip
+                  bytes_per_param=8.0, from_training_args=_adam_args, family="fused-adamw", represents=True),  # fmt: skip
     # The generic model's first weight (8192 elements) is quantized, the rest keep fp32 states.
     OptimizerCase("adamw8bit", leanopt.AdamW8bit, {"lr": 1e-2}, LOWBIT_INVALID, bytes_per_param=2.04,
-                  from_training_args=_adam_args),  # fmt: skip
+                  from_training_args=_adam_args, family="quantized", represents=True),  # fmt: skip
     OptimizerCase("adamw4bit", leanopt.AdamW4bit, {"lr": 1e-2}, LOWBIT_INVALID, bytes_per_param=1.07,
-                  from_training_args=_adam_args),  # fmt: skip
+                  from_training_args=_adam_args, family="quantized"),  # fmt: skip
     OptimizerCase(
         "adafactor",
         leanopt.Adafactor,
@@ -218,30 +242,33 @@ OPTIMIZERS: list[OptimizerCase] = [
         # exp_avg (4 B/param) and the row/column factors: 4 (1024 + 1024) / 1024^2.
         bytes_per_param=4.01,
         from_training_args=ADAFACTOR_ARGS,
+        family="factored",
+        represents=True,
     ),
     OptimizerCase("lion", leanopt.Lion, {"lr": 1e-3}, LION_INVALID, bytes_per_param=4.0, from_training_args=LION_ARGS,
-                  reference=Reference("bitsandbytes.optim.Lion", ({}, {"weight_decay": 0.1}), {"optim_bits": 32})),  # fmt: skip
+                  reference=Reference("bitsandbytes.optim.Lion", ({}, {"weight_decay": 0.1}), {"optim_bits": 32}),
+                  family="dense", represents=True),  # fmt: skip
     OptimizerCase("lion8bit", leanopt.Lion8bit, {"lr": 1e-3}, LION_INVALID + STORAGE_INVALID, bytes_per_param=1.02,
-                  from_training_args=LION_ARGS, peer_drift=EIGHT_BIT_DRIFT),  # fmt: skip
+                  from_training_args=LION_ARGS, peer_drift=EIGHT_BIT_DRIFT, family="quantized"),  # fmt: skip
     # Lion4bit has no 4-bit peer and is held to bitsandbytes' Lion8bit: its 15-level momentum
     # drifts 12x as far on dense gradients and 4x on sparse ones (measured), so the bound only
     # guards that figure against regressions.
     OptimizerCase("lion4bit", leanopt.Lion4bit, {"lr": 1e-3}, LION_INVALID + STORAGE_INVALID, bytes_per_param=0.54,
-                  from_training_args=LION_ARGS, peer_drift={"dense": 13.0, "sparse": 4.5, "max": None}),  # fmt: skip
+                  from_training_args=LION_ARGS, peer_drift={"dense": 13.0, "sparse": 4.5, "max": None}, family="quantized"),  # fmt: skip
     OptimizerCase("ademamix", leanopt.AdEMAMix, {"lr": 1e-2}, ADEMAMIX_INVALID, bytes_per_param=12.0,
                   from_training_args=ADEMAMIX_ARGS,
                   reference=Reference("bitsandbytes.optim.AdEMAMix", ({"t_alpha": 10, "t_beta3": 10},),
-                                      {"optim_bits": 32})),  # fmt: skip
+                                      {"optim_bits": 32}), family="dense"),  # fmt: skip
     OptimizerCase("ademamix8bit", leanopt.AdEMAMix8bit, {"lr": 1e-2, "t_alpha": 10, "t_beta3": 10},
                   ADEMAMIX_INVALID + STORAGE_INVALID, bytes_per_param=3.05, from_training_args=ADEMAMIX_ARGS,
-                  peer_drift=EIGHT_BIT_DRIFT),  # fmt: skip
+                  peer_drift=EIGHT_BIT_DRIFT, family="quantized"),  # fmt: skip
     # Trainer passes lr only: SGD's default momentum 0 would keep no state to save and resume.
     OptimizerCase("sgd", leanopt.SGD, {"lr": 1e-2, "momentum": 0.9}, SGD_INVALID, supports_complex=True,
                   state_kwargs={"momentum": 0.9}, rounding_drift=SGD_ROUNDING_DRIFT,
-                  reference=Reference("torch.optim.SGD", SGD_VARIANTS), bytes_per_param=4.0),  # fmt: skip
+                  reference=Reference("torch.optim.SGD", SGD_VARIANTS), bytes_per_param=4.0, family="dense"),  # fmt: skip
     OptimizerCase("sgd8bit", leanopt.SGD8bit, {"lr": 1e-2, "momentum": 0.9}, SGD_INVALID + STORAGE_INVALID,
                   bytes_per_param=1.02, peer_drift=EIGHT_BIT_DRIFT, state_kwargs={"momentum": 0.9},
-                  rounding_drift=SGD_ROUNDING_DRIFT,
+                  rounding_drift=SGD_ROUNDING_DRIFT, family="quantized",
                   reference_differences={"bitsandbytes.optim.SGD8bit": {
                       "lr": "bitsandbytes' SGD8bit has no default lr; leanopt keeps torch.optim.SGD's 1e-3"}}),  # fmt: skip
 ]
@@ -249,9 +276,9 @@ OPTIMIZERS: list[OptimizerCase] = [
 EXTERNAL: list[OptimizerCase] = [
     OptimizerCase("rmsprop", RMSprop, {"lr": 1e-3}, RMSPROP_INVALID, backends=("reference", "cpu"), external=True,
                   reference=Reference("torch.optim.RMSprop", ({}, {"weight_decay": 0.01, "maximize": True})),
-                  bytes_per_param=4.0),  # fmt: skip
+                  bytes_per_param=4.0, family="external", represents=True),  # fmt: skip
     OptimizerCase("rmsprop8bit", RMSprop8bit, {"lr": 1e-3}, RMSPROP_INVALID + STORAGE_INVALID,
-                  backends=("reference", "cpu"), external=True, bytes_per_param=1.02),  # fmt: skip
+                  backends=("reference", "cpu"), external=True, bytes_per_param=1.02, family="external"),  # fmt: skip
 ]
 
 
@@ -260,7 +287,8 @@ def _bf16_states(case: OptimizerCase) -> OptimizerCase:
     rounded (leanopt.quant.bf16). Its published reference keeps fp32 states: the bf16 rule is
     held to leanopt's own reference backend instead (tests/test_bf16_states.py)."""
     return dataclasses.replace(case, name=f"{case.name}-bf16-states", kwargs={**case.kwargs, "state_dtype": torch.bfloat16},
-                               reference=None, bytes_per_param=case.bytes_per_param / 2, supports_complex=False)  # fmt: skip
+                               reference=None, bytes_per_param=case.bytes_per_param / 2, supports_complex=False,
+                               family="bf16-states", represents=case.represents and case.family == "fused-adamw")  # fmt: skip
 
 
 # Storage variants: every elementwise optimizer with dense states, its states stored in bf16
@@ -307,3 +335,9 @@ def registered(case: OptimizerCase) -> Iterator[None]:
 # tests run, tests/conftest.py), each under its own name, which Trainer, Accelerate and Lightning
 # are given. GENERIC's storage variants are no optimizer of their own and have no such name.
 REGISTERED: list[OptimizerCase] = OPTIMIZERS + EXTERNAL
+
+
+def representatives(cases: list[OptimizerCase]) -> list[OptimizerCase]:
+    """The cases of ``cases`` that represent their family (module docstring): what a test of a
+    mechanism that does not depend on the update rule iterates."""
+    return [c for c in cases if c.represents]

@@ -1,6 +1,11 @@
 """leanopt in an Accelerate loop: prepare, accumulate, bf16 autocast on the CPU, save_state/load_state,
 for every optimizer of the registry (``tests/registry.py``).
 
+Every optimizer trains, accumulates, saves and resumes through Accelerate
+(``test_bf16_accumulated_run_resumes_exactly_from_save_state``). What Accelerate does to the
+gradients before ``step`` (accumulation), the dtypes a save keeps, and gradient release with
+rounding do not depend on the rule: one optimizer per family runs them (``registry.representatives``).
+
 The loop under test is the one in ``examples/accelerate_train.py``: running it here is what keeps
 the example honest.
 """
@@ -14,7 +19,7 @@ import pytest
 import torch
 
 from leanopt.memory import resolve_optimizer
-from registry import REGISTERED
+from registry import REGISTERED, representatives
 
 pytest.importorskip("accelerate")
 from accelerate import Accelerator  # noqa: E402
@@ -27,6 +32,7 @@ _spec.loader.exec_module(example)
 
 
 names = pytest.mark.parametrize("name", [case.name for case in REGISTERED])
+family_names = pytest.mark.parametrize("name", [case.name for case in representatives(REGISTERED)])
 # What each optimizer takes besides lr (tests/registry.py: SGD's momentum, so there is a state to resume).
 EXTRA = {case.name: case.state_kwargs for case in REGISTERED}
 CASES = {case.name: case for case in REGISTERED}
@@ -71,14 +77,17 @@ def test_prepared_model_runs_in_bf16_autocast_on_the_cpu() -> None:
     assert next(model.parameters()).dtype == torch.float32
 
 
-@names
+# One per family: Accelerate sums the micro-batches' gradients before step, whatever the rule.
+@family_names
 def test_accumulating_two_micro_batches_matches_one_double_batch(name: str) -> None:
     _, _, accumulated = example.train(name, steps=4, grad_accum=2, batch_size=16, mixed_precision="no")
     _, _, whole = example.train(name, steps=4, grad_accum=1, batch_size=32, mixed_precision="no")
     assert torch.allclose(torch.tensor(accumulated), torch.tensor(whole), rtol=1e-5, atol=0)
 
 
-@names
+# One per family: the state dtype for bf16 params is the family's layout (every case's through a
+# plain save and load: tests/test_generic.py::test_low_precision_params_keep_fp32_state_through_save_load).
+@family_names
 def test_bf16_params_keep_fp32_state_through_save_and_load_state(name: str, tmp_path) -> None:
     def prepared(seed: int):
         accelerator = Accelerator(mixed_precision="bf16", cpu=True)
@@ -111,8 +120,7 @@ def _accelerate_run(name: str, *, release: bool, rounding: str, steps: int = 6) 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.Tanh(), torch.nn.Linear(256, 1)).to(torch.bfloat16)
     cls = resolve_optimizer(name)
-    fixed = {"relative_step": False, "scale_parameter": False} if name == "adafactor" else {}
-    opt = cls(model.parameters(), lr=1e-3, rounding=rounding, **fixed)
+    opt = cls(model.parameters(), **{**CASES[name].kwargs, "lr": 1e-3}, rounding=rounding)  # the registry's (Adafactor: a plain lr)
     accelerator = Accelerator(cpu=True)
     model, opt = accelerator.prepare(model, opt)
     import leanopt
@@ -131,7 +139,8 @@ def _accelerate_run(name: str, *, release: bool, rounding: str, steps: int = 6) 
     return model
 
 
-@names
+# One per family: release steps each param through the same rounding code as step(), whatever the rule.
+@family_names
 @pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
 def test_released_gradients_and_bf16_rounding_through_accelerate(name: str, rounding: str) -> None:
     # Both training modes of issue 13 in Accelerate's loop: pure bf16 weights with the rounding

@@ -12,6 +12,16 @@ that autograd sees as an in-place update (version counters).
 Where a check applies to ``torch.optim.AdamW`` as well, the same test also runs it (id
 ``torch_adamw_sanity``): it must pass there, which shows the harness itself is right.
 
+Which cases. A check of what the update rule decides (its hyper-parameters, its loaded groups,
+its defaults, its state) runs on every registered optimizer; a check of a mechanism that the
+rule does not enter runs on one optimizer per family (``registry.representatives``: the code
+path a step takes, module docstring of tests/registry.py), on each of its backends. Each test
+says which, and why. Every backend's arithmetic for every rule is held to the reference by
+tests/test_rules.py (``test_backend_matches_reference``), tests/test_backends_adafactor.py and
+tests/test_bf16_states.py: a fast backend here only adds what its plumbing does (strided
+copies, groups, tensor learning rates, version counters, a load), which is the rule's no more
+than the reference's is.
+
 Tolerances (see :func:`parity_tol`): a run compared with a run on the reference backend is
 bitwise when it runs on the reference backend too (a strided param must give exactly what its
 contiguous copy gives). The fused backends (``cpu``, ``triton``) evaluate the same expressions
@@ -41,7 +51,7 @@ import torch
 import leanopt
 from leanopt.optim.identity import IDENTITY_KEY
 from leanopt.quant import QuantizedState
-from registry import REGISTERED, OptimizerCase
+from registry import REGISTERED, OptimizerCase, representatives
 
 
 def _triton_importable() -> bool:
@@ -58,9 +68,9 @@ HAS_TRITON = _triton_importable()
 TORCH_ADAMW = OptimizerCase("torch_adamw_sanity", torch.optim.AdamW, {"lr": 1e-2}, supports_complex=True, backends=())
 
 
-def _backend_params(with_torch: bool = False) -> list[Any]:
+def _backend_params(with_torch: bool = False, cases: list[OptimizerCase] = REGISTERED) -> list[Any]:
     out = []
-    for case in REGISTERED:
+    for case in cases:
         for backend in case.backends:
             marks = [pytest.mark.skip(reason="triton is not installed")] if backend == "triton" and not HAS_TRITON else []
             out.append(pytest.param(case, backend, id=f"{case.name}-{backend}", marks=marks))
@@ -69,17 +79,30 @@ def _backend_params(with_torch: bool = False) -> list[Any]:
     return out
 
 
-def _case_params(with_torch: bool = False) -> list[Any]:
-    out = [pytest.param(case, id=case.name) for case in REGISTERED]
+def _case_params(with_torch: bool = False, cases: list[OptimizerCase] = REGISTERED) -> list[Any]:
+    out = [pytest.param(case, id=case.name) for case in cases]
     if with_torch:
         out.append(pytest.param(TORCH_ADAMW, id=TORCH_ADAMW.name))
     return out
 
 
-every_backend = pytest.mark.parametrize("case,backend", _backend_params())
-every_backend_and_torch = pytest.mark.parametrize("case,backend", _backend_params(with_torch=True))
+def _rule_params(with_torch: bool = False) -> list[Any]:
+    """Every case on its CPU backend (the rule), and each family's representative on its other
+    backends (the backend's plumbing)."""
+    return [p for p in _backend_params(with_torch) if p.values[1] in ("cpu", None) or p.values[0].represents]
+
+
+REPRESENTATIVES = representatives(REGISTERED)
+# A check of what the rule decides: every case.
 every_case = pytest.mark.parametrize("case", _case_params())
 every_case_and_torch = pytest.mark.parametrize("case", _case_params(with_torch=True))
+# A check of a mechanism the rule does not enter: one case per family.
+every_family = pytest.mark.parametrize("case", _case_params(cases=REPRESENTATIVES))
+every_family_and_torch = pytest.mark.parametrize("case", _case_params(with_torch=True, cases=REPRESENTATIVES))
+every_family_backend_and_torch = pytest.mark.parametrize("case,backend", _backend_params(with_torch=True, cases=REPRESENTATIVES))
+# What the rule reads (its hyper-parameters, its state) on the CPU backend for every case, and
+# the same through each other backend's plumbing for one case per family.
+every_rule_and_family_backend_and_torch = pytest.mark.parametrize("case,backend", _rule_params(with_torch=True))
 
 
 # ---- helpers ---------------------------------------------------------------------------------
@@ -259,8 +282,9 @@ def noncontiguous(layout: str, seed: int) -> tuple[torch.Tensor, list[torch.Tens
         grads = [torch.randn(64, 80, 2, generator=g)[..., 0] for _ in range(NONCONTIG_STEPS)]
         return base[..., 0], grads, base
     if layout == "transposed":
-        p = torch.nn.Parameter(torch.randn(40, 300, generator=g).t())  # 12000 elements
-        grads = [torch.randn(40, 300, generator=g).t() for _ in range(NONCONTIG_STEPS)]
+        # 4800 elements: quantized, 2.3 Triton chunks of 2048, a partial last block of 256 and of 128.
+        p = torch.nn.Parameter(torch.randn(40, 120, generator=g).t())
+        grads = [torch.randn(40, 120, generator=g).t() for _ in range(NONCONTIG_STEPS)]
         return p, grads, None
     # A channels_last conv weight, 4608 elements. 8x4 filters of 12x12 rather than 64x8 of 3x3:
     # Adafactor's Triton kernels take ~10 s a step on 512 3x3 slices in the interpreter.
@@ -270,7 +294,10 @@ def noncontiguous(layout: str, seed: int) -> tuple[torch.Tensor, list[torch.Tens
     return p, grads, None
 
 
-@every_backend_and_torch
+# One per family: kernels.row_major hands every implementation (the reference's too) row-major
+# copies of strided tensors, and states are allocated from the param's logical shape; the
+# rule never sees a stride. What differs is the implementation a family's step takes on each backend.
+@every_family_backend_and_torch
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_noncontiguous_param_matches_contiguous_reference(case: OptimizerCase, backend: str | None, layout: str) -> None:
     p, grads, base = noncontiguous(layout, seed=LAYOUTS.index(layout))
@@ -426,8 +453,12 @@ CORRUPTIONS = {
 }
 
 
-@every_case
-@pytest.mark.parametrize("corruption", list(CORRUPTIONS))
+# A corrupt group option: every case, each class validates its own options. A corrupt step:
+# one per family, LeanOptimizer.load_state_dict checks every saved step (_check_step) whatever the rule.
+@pytest.mark.parametrize("corruption,case", [
+    pytest.param(corruption, case, id=f"{corruption}-{case.name}")
+    for corruption in CORRUPTIONS for case in (REPRESENTATIVES if corruption.startswith("step=") else REGISTERED)
+])  # fmt: skip
 def test_bad_loaded_group_or_step_raises_and_changes_nothing(case: OptimizerCase, corruption: str) -> None:
     params = weights(3)
     opt = make(case, params)
@@ -460,7 +491,9 @@ def _lockstep(a: torch.optim.Optimizer, pa: list, b: torch.optim.Optimizer, pb: 
             after()
 
 
-@every_backend_and_torch
+# Each rule's hyperparameters() turns the group's lr into the number its kernels take: every
+# case; the other backends take that number through the same plumbing: one per family.
+@every_rule_and_family_backend_and_torch
 def test_tensor_lr_matches_float_lr(case: OptimizerCase, backend: str | None) -> None:
     lr = _lr(case)
     pa, pb = weights(2), weights(2)
@@ -472,7 +505,9 @@ def test_tensor_lr_matches_float_lr(case: OptimizerCase, backend: str | None) ->
     assert isinstance(opt.param_groups[0][case.lr_key], torch.Tensor), "the tensor lr was replaced"
 
 
-@every_case_and_torch
+# One per family: the scheduler writes group["lr"] in place (torch's LRScheduler), and each rule
+# reads a tensor lr as test_tensor_lr_matches_float_lr checks for every case.
+@every_family_and_torch
 @pytest.mark.parametrize("scheduler", ["StepLR", "LambdaLR"])
 def test_tensor_lr_with_scheduler(case: OptimizerCase, scheduler: str) -> None:
     lr = _lr(case)
@@ -502,7 +537,8 @@ def test_tensor_lr_with_two_elements_raises(case: OptimizerCase) -> None:
 
 
 # ---- 6. check before change --------------------------------------------------------------------
-@every_case
+# One per family: LeanOptimizer.step checks every gradient (_check_grads) before any rule runs.
+@every_family
 @pytest.mark.parametrize("groups", ["one_group", "two_groups"])
 @pytest.mark.parametrize("stepped_before", [False, True], ids=["fresh", "after_a_step"])
 def test_sparse_grad_on_last_param_raises_and_changes_nothing(case: OptimizerCase, groups: str, stepped_before: bool) -> None:
@@ -523,7 +559,9 @@ def test_sparse_grad_on_last_param_raises_and_changes_nothing(case: OptimizerCas
 
 
 # ---- 7. non-param keys in optimizer.state -------------------------------------------------------
-@every_case_and_torch
+# One per family: LeanOptimizer.state_dict / load_state_dict carry non-param keys as they are;
+# every rule's own state round trips in test_weights_only_load_continues_bitwise_on_every_backend.
+@every_family_and_torch
 def test_non_param_key_in_state_survives_save_and_load(case: OptimizerCase) -> None:
     params = weights(2)
     opt = make(case, params)
@@ -605,7 +643,9 @@ def test_state_dict_is_deterministic(case: OptimizerCase) -> None:
     assert_same(opt.state_dict(), first, f"{case.name}: state_dict() twice on the same optimizer differs")
 
 
-@every_backend_and_torch
+# The rule's state is saved and loaded: every case; a backend continues from the loaded tensors
+# through the same plumbing whatever the rule: one per family on the other backends.
+@every_rule_and_family_backend_and_torch
 def test_weights_only_load_continues_bitwise_on_every_backend(case: OptimizerCase, backend: str | None) -> None:
     params = weights(3)
     groups = lambda ps: [{"params": ps[:2]}, {"params": ps[2:], "weight_decay": 0.0}]  # noqa: E731
@@ -629,7 +669,8 @@ def test_weights_only_load_continues_bitwise_on_every_backend(case: OptimizerCas
     assert_same(snapshot(twin)["state"], snapshot(opt)["state"], f"{case.name} backend={backend}: state after a weights_only round trip")
 
 
-@every_case_and_torch
+# One per family: torch.optim.Optimizer's hooks wrap LeanOptimizer.step, whatever the rule.
+@every_family_and_torch
 def test_step_hooks_run_once_per_step_in_order(case: OptimizerCase) -> None:
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
@@ -670,7 +711,8 @@ def test_step_hooks_run_once_per_step_in_order(case: OptimizerCase) -> None:
     assert len(calls) == 12, f"{case.name}: removed hooks still ran"
 
 
-@every_case_and_torch
+# One per family: the hooks run around LeanOptimizer.state_dict, whatever the rule.
+@every_family_and_torch
 def test_state_dict_hooks(case: OptimizerCase) -> None:
     params = weights(2)
     opt = make(case, params)
@@ -703,7 +745,9 @@ def test_state_dict_hooks(case: OptimizerCase) -> None:
     assert opt.state_dict().get("replaced") is True, f"{case.name}: a post hook's returned state_dict was not used"
 
 
-@every_backend_and_torch
+# Each rule reads its group's lr: every case; a backend launches each group's params apart
+# through the same plumbing whatever the rule: one per family on the other backends.
+@every_rule_and_family_backend_and_torch
 def test_param_groups_with_different_lr_act_as_separate_optimizers(case: OptimizerCase, backend: str | None) -> None:
     lr = _lr(case)
     pa, pb = weights(3), weights(3)
@@ -720,9 +764,23 @@ def test_param_groups_with_different_lr_act_as_separate_optimizers(case: Optimiz
         assert torch.equal(a, b), f"{case.name} backend={backend}: param {i} in a two-group optimizer vs its own optimizer"
 
 
-@every_backend_and_torch
-# channels_last is left to the parity test above: Adafactor on 4-D params is slow in the Triton interpreter.
-@pytest.mark.parametrize("layout", ["contiguous", "view", "transposed"])
+def _direction_params() -> list[Any]:
+    """Contiguous: every case on its CPU backend (the rule's direction) and each family's
+    representative on its other backends; strided (row-major copies whatever the rule, as in
+    test_noncontiguous_param_matches_contiguous_reference): one per family on each backend.
+    channels_last is left to the parity test: Adafactor on 4-D params is slow in the Triton interpreter."""
+    out = []
+    for layout, params in [("contiguous", _rule_params(with_torch=True)),
+                           ("view", _backend_params(with_torch=True, cases=REPRESENTATIVES)),
+                           ("transposed", _backend_params(with_torch=True, cases=REPRESENTATIVES))]:  # fmt: skip
+        out += [pytest.param(*p.values, layout, id=f"{layout}-{p.id}", marks=p.marks) for p in params]
+    return out
+
+
+DIRECTION_STEPS = 5  # each step takes the same kernel path; a descent shows in the first ones
+
+
+@pytest.mark.parametrize("case,backend,layout", _direction_params())
 def test_goes_right_direction(case: OptimizerCase, backend: str | None, layout: str) -> None:
     if layout == "contiguous":
         x = torch.nn.Parameter(torch.randn(64, 80, generator=torch.Generator().manual_seed(3)))
@@ -735,15 +793,16 @@ def test_goes_right_direction(case: OptimizerCase, backend: str | None, layout: 
         return (x.detach() - target).square().sum().item()
 
     start = f()
-    for _ in range(10):
+    for _ in range(DIRECTION_STEPS):
         # d/dx ||x - target||^2, in a gradient with the param's strides (as autograd gives it)
         x.grad = torch.empty_like(x).copy_(2 * (x.detach() - target))
         opt.step()
     end = f()
-    assert end < start, f"{case.name} backend={backend} {layout}: f(x) = ||x - target||^2 went from {start:.6g} to {end:.6g} in 10 steps"
+    assert end < start, f"{case.name} backend={backend} {layout}: f(x) = ||x - target||^2 went from {start:.6g} to {end:.6g} in {DIRECTION_STEPS} steps"
 
 
-@every_backend_and_torch
+# One per family: LeanOptimizer.step leaves params without a gradient out before any rule runs.
+@every_family_backend_and_torch
 def test_step_without_grads_is_a_noop(case: OptimizerCase, backend: str | None) -> None:
     params = weights(3)
     opt = make(case, params, backend)
@@ -759,7 +818,8 @@ def test_step_without_grads_is_a_noop(case: OptimizerCase, backend: str | None) 
     assert_same(snapshot(opt), before, f"{case.name}: a step after zero_grad(set_to_none=True) changed something")
 
 
-@every_case_and_torch
+# One per family: LeanOptimizer.zero_grad, whatever the rule.
+@every_family_and_torch
 def test_zero_grad(case: OptimizerCase) -> None:
     model = mlp()
     opt = make(case, model.parameters())
@@ -781,9 +841,11 @@ COMPILE_REL = 1e-6
 
 
 def _compile_params() -> list[Any]:
-    out = [pytest.param(case, dict(case.kwargs), id=case.name) for case in REGISTERED]
+    # One per family: kernels.eager runs every LeanOptimizer.step eagerly inside a compiled
+    # region, whatever the rule (the compiled caller is the test's, not the rule's).
+    out = [pytest.param(case, dict(case.kwargs), id=case.name) for case in REPRESENTATIVES]
     # Adafactor's defaults (relative_step, scale_parameter): its step size changes every step.
-    out += [pytest.param(case, {}, id=f"{case.name}-defaults") for case in REGISTERED if issubclass(case.cls, leanopt.Adafactor)]
+    out += [pytest.param(case, {}, id=f"{case.name}-defaults") for case in REPRESENTATIVES if issubclass(case.cls, leanopt.Adafactor)]
     return out
 
 
@@ -852,7 +914,9 @@ def test_compiled_training_step_matches_eager_every_step(case: OptimizerCase, kw
         _assert_same_as_eager(case, f"{kwargs} compiled forward+backward+step", step, model, eager)
 
 
-@every_backend_and_torch
+# One per family: kernels.step and kernels.adafactor bump the params' versions after whichever
+# implementation ran, whatever the rule.
+@every_family_backend_and_torch
 def test_step_is_an_in_place_update_autograd_sees(case: OptimizerCase, backend: str | None) -> None:
     # torch's optimizers update params with in-place ops, which bump their version counters, so
     # a backward through a graph that saved a param the step has changed raises instead of

@@ -123,15 +123,17 @@ def _run(tmp_path: Path, env: dict[str, str], how: str) -> tuple[dict, str]:
 
 @pytest.mark.slow
 def test_the_first_steps_never_wait_for_the_build(tmp_path: Path) -> None:
-    """A fresh extensions cache and a compiler that takes 10 s more than it should: the steps
-    run (eagerly, ~0.1 s here) while the kernel builds, then natively, with the bits of a run
-    that had the kernel from its first step."""
+    """A fresh extensions cache and a compiler that takes 10 s more than it should to say what
+    ``-march=native`` means (the cache key) and 10 s more to compile: the steps run (eagerly,
+    ~0.1 s here) while the kernel builds, then natively, with the bits of a run that had the
+    kernel from its first step. Its version queries and the link are not slowed: waiting on
+    them as well (50 s in all) would show nothing more."""
     if not cpu_native.available():
         pytest.skip(f"native CPU kernel unavailable: {cpu_native.build_error()}")
     from leanopt.kernels.cpu import cxx_compiler
 
     slow = tmp_path / "slow-c++"
-    slow.write_text(f"#!/bin/sh\nsleep 10\nexec {cxx_compiler()} \"$@\"\n")
+    slow.write_text(f"#!/bin/sh\ncase \" $* \" in *\" -### \"*|*\" -c \"*) sleep 10;; esac\nexec {cxx_compiler()} \"$@\"\n")
     slow.chmod(0o755)
     fresh, stderr = _run(tmp_path, {"TORCH_EXTENSIONS_DIR": str(tmp_path / "cache"), "CXX": str(slow)}, "wait")
     assert fresh["pending"][:3] == [True, True, True], fresh  # three steps done before the build was

@@ -1,4 +1,9 @@
-"""The same suite over every optimizer in ``registry.GENERIC``: the library's and those defined outside it."""
+"""The same suite over every optimizer in ``registry.GENERIC``: the library's and those defined outside it.
+
+A test of what the rule decides (the loss it reaches, its state through save, load and copies,
+its hyper-parameters, its memory) runs on every case (``cases``); a test of a mechanism of
+LeanOptimizer that the rule does not enter runs on one case per family (``families``,
+``registry.representatives``), and says why."""
 
 from __future__ import annotations
 
@@ -12,9 +17,10 @@ import pytest
 import torch
 
 import leanopt
-from registry import GENERIC, OptimizerCase
+from registry import GENERIC, OptimizerCase, representatives
 
 cases = pytest.mark.parametrize("case", GENERIC, ids=str)
+families = pytest.mark.parametrize("case", representatives(GENERIC), ids=str)
 
 
 def make_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -95,7 +101,8 @@ def test_deepcopy_continues_bit_identically(case: OptimizerCase) -> None:
     assert len(copied.state) == len([p for p in model.parameters()])
 
 
-@cases
+# One per family: LeanOptimizer.step leaves params without a gradient out (_stepped_params) before any rule runs.
+@families
 def test_params_without_grad_untouched_and_stateless(case: OptimizerCase) -> None:
     torch.manual_seed(1)
     used = torch.nn.Parameter(torch.randn(64, 80))
@@ -111,7 +118,9 @@ def test_params_without_grad_untouched_and_stateless(case: OptimizerCase) -> Non
     assert used in opt.state
 
 
-@cases
+# One per family: kernels.select sends empty params to the reference, whose loops do nothing;
+# states of a zero-size shape are allocated by the family's state layout.
+@families
 def test_zero_size_params(case: OptimizerCase) -> None:
     empty = [torch.nn.Parameter(torch.zeros(0)), torch.nn.Parameter(torch.zeros(0, 5)), torch.nn.Parameter(torch.zeros(3, 0, 2))]
     w = torch.nn.Parameter(torch.randn(4, 4))
@@ -124,7 +133,8 @@ def test_zero_size_params(case: OptimizerCase) -> None:
     assert torch.isfinite(w).all()
 
 
-@cases
+# One per family: LeanOptimizer.step runs the closure (_closure_loss) before any rule runs.
+@families
 def test_closure_runs_with_grad_and_returns_loss(case: OptimizerCase) -> None:
     model = make_model()
     opt = case.cls(model.parameters(), **case.kwargs)
@@ -156,7 +166,8 @@ def test_tiny_lr_group_leaves_params_unchanged(case: OptimizerCase) -> None:
     assert not torch.equal(before[2], after[2])
 
 
-@cases
+# One per family: LeanOptimizer.add_param_group fills the group from the defaults, whatever the rule.
+@families
 def test_add_param_group(case: OptimizerCase) -> None:
     model = make_model()
     params = list(model.parameters())
@@ -182,7 +193,9 @@ def test_invalid_hyperparameters_raise_value_error(case: OptimizerCase) -> None:
             case.cls([w], **{**case.kwargs, **bad})
 
 
-@cases
+# One per family: LeanOptimizer.load_state_dict checks each saved state against the param's
+# layout before loading anything; the layouts differ by family (dense, quantized, factored).
+@families
 def test_mismatched_state_dict_names_the_parameter(case: OptimizerCase) -> None:
     a = torch.nn.Parameter(torch.randn(64, 80))
     b = torch.nn.Parameter(torch.randn(5))
@@ -196,13 +209,22 @@ def test_mismatched_state_dict_names_the_parameter(case: OptimizerCase) -> None:
     assert len(other.state) == 0  # nothing was half-loaded
 
 
+# A step allocates the state (LeanOptimizer._init_state, from the layout estimate reads too)
+# before any backend runs, and no backend writes a state entry (they update in place): bf16
+# params step on the reference backend here, which compiles nothing. Each rule's bf16 step on
+# the fast backends is held to the reference by tests/test_rules.py::test_backend_matches_reference,
+# and estimate = measure after it by tests/test_lesson_helper.py (one optimizer per family).
+BF16_STEP = {"backend": "reference"}
+
+
 @cases
 def test_estimate_equals_measure_to_the_byte(case: OptimizerCase) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         model = make_model(dtype=dtype)
         whole = torch.nn.ModuleDict({"net": model, "frozen": torch.nn.Linear(3, 3).to(dtype)})
         whole.frozen.requires_grad_(False)  # no grad -> no state, and not in the estimate
-        opt = case.cls([p for p in whole.parameters() if p.requires_grad], **case.kwargs)
+        backend = BF16_STEP if dtype == torch.bfloat16 else {}
+        opt = case.cls([p for p in whole.parameters() if p.requires_grad], **case.kwargs, **backend)
         train(model, opt, 1)
         measured = leanopt.measure(opt)
         predicted = leanopt.estimate(whole, case.cls, **case.kwargs)
@@ -213,13 +235,14 @@ def test_estimate_equals_measure_to_the_byte(case: OptimizerCase) -> None:
 
 @cases
 def test_low_precision_params_keep_fp32_state_through_save_load(case: OptimizerCase) -> None:
+    # The state's dtype is decided where it is allocated, before any backend runs (BF16_STEP).
     model = make_model(dtype=torch.bfloat16)
-    opt = case.cls(model.parameters(), **case.kwargs)
+    opt = case.cls(model.parameters(), **case.kwargs, **BF16_STEP)
     train(model, opt, 2)
     buf = io.BytesIO()
     torch.save(opt.state_dict(), buf)
     buf.seek(0)
-    twin = case.cls(model.parameters(), **case.kwargs)
+    twin = case.cls(model.parameters(), **case.kwargs, **BF16_STEP)
     twin.load_state_dict(torch.load(buf, weights_only=True))
     for p in model.parameters():
         for key, value in opt.state[p].items():
@@ -230,7 +253,8 @@ def test_low_precision_params_keep_fp32_state_through_save_load(case: OptimizerC
                 assert torch.equal(value, loaded), key
 
 
-@cases
+# One per family: torch's load_state_dict hooks run around LeanOptimizer.load_state_dict.
+@families
 def test_load_state_dict_hooks_see_the_full_state(case: OptimizerCase) -> None:
     model = make_model()
     opt = case.cls(model.parameters(), **case.kwargs)
@@ -260,7 +284,8 @@ def test_steps_on_the_meta_device_and_allocates_what_estimate_says(case: Optimiz
     assert leanopt.measure(opt).bytes == leanopt.estimate(model, case.cls, **case.kwargs).bytes
 
 
-@cases
+# One per family: LeanOptimizer.step checks every gradient (_check_grad) before any rule runs.
+@families
 def test_integer_params_with_a_gradient_are_refused_naming_them(case: OptimizerCase) -> None:
     # torch's AdamW raises for them; leanopt stepped them with truncation (5 -> 2 in 3 steps).
     w = torch.nn.Parameter(torch.randn(8, 8))

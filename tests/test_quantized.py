@@ -19,6 +19,7 @@ from leanopt.optim.adamw_lowbit import LowBitAdamW
 from leanopt.quant import BlockFormat, QuantizedState, codebook, format_by_name
 from leanopt.quant.codebooks import code_names, dynamic_tree_values
 import repo_modules
+from registry import OPTIMIZERS, representatives
 
 bench = repo_modules.benchmark("accuracy_vs_peers")
 
@@ -228,7 +229,10 @@ def test_moment_bound_is_the_exact_adam_supremum() -> None:
     assert rules.adam_moment_bound(0.99, 0.5, 10**6) == math.inf  # b1^2 > b2: no finite bound
 
 
-@low_bit
+# One per family (registry.representatives): a low-precision param is read into fp32, updated and
+# rounded back by the quantized family's plumbing, whatever the rule and the code width; every
+# quantized optimizer's bf16 step is held to the reference in tests/test_rules.py.
+@pytest.mark.parametrize("cls", [c.cls for c in representatives(OPTIMIZERS) if c.family == "quantized"], ids=lambda c: c.__name__)
 def test_bf16_and_fp16_params_update_in_fp32(cls: type) -> None:
     torch.manual_seed(0)
     for dtype in (torch.bfloat16, torch.float16):

@@ -18,7 +18,7 @@ DOCS = README.parent / "docs"
 RUNNABLE = [README, DOCS / "optimizers.md", DOCS / "memory.md"]
 FIRST_COMMANDS = [
     "bash scripts/install.sh && leanopt estimate distilbert-base-cased",
-    "bash scripts/install.sh --test && python3 -m pytest -q -n 2 --dist loadfile",
+    "bash scripts/install.sh --test && python3 -m pytest -q -n 2 --dist loadfile --durations=25",
 ]
 
 

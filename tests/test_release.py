@@ -14,7 +14,7 @@ import torch
 import leanopt
 from leanopt.optim import clipping
 import repo_modules
-from registry import OPTIMIZERS, OptimizerCase
+from registry import OPTIMIZERS, OptimizerCase, representatives
 
 try:
     import triton  # noqa: F401
@@ -31,12 +31,11 @@ def backends(case: OptimizerCase) -> list[str]:
 CASE_BACKENDS = [pytest.param(c, b, id=f"{c.name}-{b}") for c in OPTIMIZERS for b in backends(c)]
 
 # The mechanisms of release (hooks, the step cycle, reentrant backwards, clipping, the GradScaler
-# and DDP checks) do not depend on the update rule: they run on one optimizer of each rule
-# family and one with block-quantized states. What depends on the rule -- each optimizer's
+# and DDP checks) do not depend on the update rule: they run on the optimizer that represents
+# each family of state and step code paths (tests/registry.py). What depends on the rule -- each optimizer's
 # per-param step giving the bits of its group step -- runs for every optimizer and backend
 # (test_released_training_is_bit_identical_to_the_usual_loop).
-MECHANISMS = list({case.cls.family: case for case in reversed(OPTIMIZERS)}.values())
-MECHANISMS += [next(c for c in OPTIMIZERS if issubclass(c.cls, leanopt.LowBit))]
+MECHANISMS = representatives(OPTIMIZERS)
 
 
 def model(seed: int = 0) -> torch.nn.Module:

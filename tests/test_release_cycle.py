@@ -13,7 +13,8 @@ the usual loop as the reference, on every placement of a released gradient:
 Where the placement can follow the loop the params, states and step counts equal the usual
 loop's to the bit; where an update was already applied inside backward the loop gets a
 ``RuntimeError`` naming what was applied, and the run goes on from there. The mechanisms do not
-depend on the update rule: one optimizer of each family, and one with block-quantized states.
+depend on the update rule: they run on the optimizer that represents each family of state and
+step code paths (tests/registry.py).
 """
 
 from __future__ import annotations
@@ -28,10 +29,9 @@ import torch
 
 import leanopt
 from leanopt.optim import clipping
-from registry import OPTIMIZERS
+from registry import OPTIMIZERS, representatives
 
-CASES = list({case.cls.family: case for case in reversed(OPTIMIZERS)}.values())
-CASES += [next(c for c in OPTIMIZERS if issubclass(c.cls, leanopt.LowBit))]
+CASES = representatives(OPTIMIZERS)
 cases = pytest.mark.parametrize("case", CASES, ids=str)
 
 

@@ -1,6 +1,11 @@
 """bf16/fp16 params without fp32 master weights: rounding="nearest" | "stochastic" | "kahan".
 
-Every optimizer in the registry, every backend. Tolerances: "kahan" on a fast backend keeps
+The drift each rounding leaves is the rule's (every optimizer in the registry). The rounding
+itself is LeanOptimizer's (``_step_rounded``: the rule steps an fp32 copy of the param on the
+optimizer's backend, then the copy is written back rounded, with the compensation or the dither
+keyed by step, group and index): what only that code decides runs on one optimizer per family
+(``registry.representatives``), on every backend; the fp32 step on each backend is held to the
+reference for every rule by tests/test_rules.py. Tolerances: "kahan" on a fast backend keeps
 ``param + kahan_comp`` within 1e-5 relative of the reference's (the fp32 update differs by
 rounding, ~1e-7, and the split into bf16 + bf16 keeps ~16 bits; plus 1e-6 absolute, as for the
 quantized optimizers in test_contract.py); "stochastic" draws the same
@@ -17,7 +22,7 @@ import pytest
 import torch
 
 import leanopt
-from registry import OPTIMIZERS, OptimizerCase
+from registry import OPTIMIZERS, OptimizerCase, representatives
 
 try:
     import triton  # noqa: F401
@@ -27,8 +32,10 @@ except Exception:
     HAS_TRITON = False
 
 cases = pytest.mark.parametrize("case", OPTIMIZERS, ids=str)
-CASE_BACKENDS = [
-    pytest.param(c, b, id=f"{c.name}-{b}") for c in OPTIMIZERS for b in c.backends if b not in ("reference",) and (b != "triton" or HAS_TRITON)
+FAMILIES = representatives(OPTIMIZERS)
+families = pytest.mark.parametrize("case", FAMILIES, ids=str)
+FAMILY_BACKENDS = [
+    pytest.param(c, b, id=f"{c.name}-{b}") for c in FAMILIES for b in c.backends if b not in ("reference",) and (b != "triton" or HAS_TRITON)
 ]
 
 
@@ -79,8 +86,10 @@ def test_small_updates_survive_with_kahan_and_stochastic_rounding(case: Optimize
     assert dist["kahan"] < case.rounding_drift["kahan"] * dist["nearest"], dist
 
 
+# One per family: the backend steps the fp32 copy (held to the reference per rule in
+# tests/test_rules.py), LeanOptimizer._step_rounded rounds it, whatever the rule.
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("case,backend", CASE_BACKENDS)
+@pytest.mark.parametrize("case,backend", FAMILY_BACKENDS)
 def test_fast_backends_match_the_reference(case: OptimizerCase, backend: str, dtype: torch.dtype) -> None:
     for rounding in ("kahan", "stochastic"):
         runs = {}
@@ -99,7 +108,8 @@ def test_fast_backends_match_the_reference(case: OptimizerCase, backend: str, dt
                 assert (p == r).float().mean() >= 0.99, rounding
 
 
-@cases
+# One per family: the dither is keyed by step, group and index in _step_rounded, whatever the rule.
+@families
 def test_stochastic_rounding_is_reproducible_and_resumes_identically(case: OptimizerCase) -> None:
     def run(steps: int) -> torch.nn.Module:
         m = model(torch.bfloat16)
@@ -121,7 +131,9 @@ def test_stochastic_rounding_is_reproducible_and_resumes_identically(case: Optim
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), resumed.parameters()))
 
 
-@cases
+# One per family: kahan_comp is added to every layout by LeanOptimizer._param_layout, and fp32
+# params skip _step_rounded, whatever the rule.
+@families
 def test_kahan_state_is_estimated_to_the_byte_and_fp32_params_ignore_rounding(case: OptimizerCase) -> None:
     m = model(torch.bfloat16)
     opt = case.cls(m.parameters(), **kwargs(case, rounding="kahan"))
@@ -137,7 +149,8 @@ def test_kahan_state_is_estimated_to_the_byte_and_fp32_params_ignore_rounding(ca
     assert all("kahan_comp" not in st for st in opt.state.values())
 
 
-@cases
+# One per family: a released param goes through the same _update_group / _step_rounded, whatever the rule.
+@families
 def test_rounding_with_released_gradients_equals_the_usual_loop(case: OptimizerCase) -> None:
     usual, released = model(torch.bfloat16), model(torch.bfloat16)
     train(usual, case.cls(usual.parameters(), **kwargs(case, rounding="kahan")), 5)

@@ -30,12 +30,14 @@ from leanopt.kernels import cpu_native, rules
 from leanopt.optim.elementwise import ElementwiseOptimizer
 from leanopt.quant import QuantizedState
 import repo_modules
-from registry import GENERIC, OPTIMIZERS, OptimizerCase
+from registry import GENERIC, OPTIMIZERS, OptimizerCase, representatives
 
 drift = repo_modules.benchmark("lowbit_vs_bnb")
 
-# The library's elementwise optimizers and those defined outside it (tests/external_optimizer.py).
-ELEMENTWISE = [c for c in GENERIC if issubclass(c.cls, ElementwiseOptimizer)]
+# The library's elementwise optimizers and those defined outside it (tests/external_optimizer.py),
+# and of the bf16-state variants the one that represents them: every variant's rule is held to
+# the reference on every backend, fp32 and bf16 params, by tests/test_bf16_states.py.
+ELEMENTWISE = [c for c in GENERIC if issubclass(c.cls, ElementwiseOptimizer) and (c.family != "bf16-states" or c.represents)]
 BACKENDS = ["cpu"] + (["triton"] if importlib.util.find_spec("triton") else [])
 HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
 SHAPES = [(1,), (7,), (300,), (2049,), (33, 65), (0,)]
@@ -48,19 +50,48 @@ def test_registry_lists_every_registered_optimizer() -> None:
         assert leanopt.optim.REGISTRY[c.name] is c.cls and c.cls.name == c.name
 
 
+def test_every_family_has_one_representative() -> None:
+    # Tests of a mechanism the rule does not enter run on registry.representatives(...): each
+    # family (tests/registry.py) must have exactly one, of its own family, in every list.
+    cases = GENERIC
+    families = {c.family for c in cases}
+    assert "" not in families, [c.name for c in cases if not c.family]
+    for family in families:
+        assert [c.represents for c in cases if c.family == family].count(True) == 1, family
+    assert {c.family for c in representatives(cases)} == families
+
+
 def test_unknown_name_is_a_value_error_listing_the_known() -> None:
     with pytest.raises(ValueError, match="lion8bit"):
         leanopt.optim.optimizer_class("lion16bit")
     assert leanopt.optim.optimizer_class("Lion8bit") is leanopt.Lion8bit
 
 
-# (dtype, kwargs over the registry's): kept few, each cpu case compiles a graph once
-VARIANTS = [
+# (dtype, kwargs over the registry's): kept few, each cpu case compiles a graph once (a
+# quantized one: ~30-90 s on 2 cores). Every rule runs fp32 and bf16 params on every backend;
+# fp16 params and maximize are the kernels' plumbing around the rule (a conversion of the param
+# on load and store, a negated gradient before the rule runs), the same code for every rule of a
+# family: one case per family runs them. Decoupled weight decay is each rule's own and is held to
+# the published implementation on every backend (test_matches_its_reference's variants).
+RULE_VARIANTS = [
     (torch.float32, {}),
     (torch.bfloat16, {}),
+]
+FAMILY_VARIANTS = [
     (torch.float16, {"weight_decay": 0.0}),
     (torch.float32, {"maximize": True, "weight_decay": 0.1}),
 ]
+VARIANTS = RULE_VARIANTS + FAMILY_VARIANTS
+
+
+def _parity_params(cases: list[OptimizerCase], backends: list[str]) -> list:
+    """(case, backend, dtype, kwargs): RULE_VARIANTS for every case, FAMILY_VARIANTS too for
+    each family's representative."""
+    return [
+        pytest.param(case, backend, dtype, kwargs, id=f"{dtype}-{kwargs}-{backend}-{case.name}")
+        for case in cases for backend in backends
+        for dtype, kwargs in RULE_VARIANTS + (FAMILY_VARIANTS if case.represents else [])
+    ]  # fmt: skip
 
 
 def _ulp(x: torch.Tensor) -> torch.Tensor:
@@ -104,19 +135,20 @@ def _run(case: OptimizerCase, backend: str, dtype: torch.dtype, seed: int, kwarg
     return params, opt
 
 
-@pytest.mark.parametrize("case", ELEMENTWISE, ids=str)
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype,kwargs", VARIANTS, ids=lambda v: str(v))
+@pytest.mark.parametrize("case,backend,dtype,kwargs", _parity_params(ELEMENTWISE, BACKENDS))
 def test_backend_matches_reference(case: OptimizerCase, backend: str, dtype: torch.dtype, kwargs: dict) -> None:
     # "cpu" runs fp32 params with quantized states in the native C++ kernel where it builds.
     _matches_reference(case, backend, dtype, kwargs)
 
 
-@pytest.mark.parametrize("case", [c for c in ELEMENTWISE if hasattr(c.cls, "state_bits")], ids=str)
+@pytest.mark.parametrize("case", representatives([c for c in ELEMENTWISE if hasattr(c.cls, "state_bits")]), ids=str)
 @pytest.mark.parametrize("dtype,kwargs", [v for v in VARIANTS if v[0] == torch.float32], ids=lambda v: str(v))
 def test_compiled_cpu_path_matches_reference(case: OptimizerCase, dtype: torch.dtype, kwargs: dict) -> None:
     # The compiled graph, where the native kernel does not run (or does not build), for the
-    # cases the native kernel takes when it does.
+    # cases the native kernel takes when it does: fp32 params. One per family: every rule's
+    # compiled quantized graph is held to the reference with bf16 params (which the native
+    # kernel never takes) in test_backend_matches_reference; fp32 differs only in the param's
+    # conversion on load and store, the same for every rule.
     with cpu_native.disabled():
         _matches_reference(case, "cpu", dtype, kwargs)
 
@@ -272,8 +304,15 @@ def test_bytes_per_param(case: OptimizerCase) -> None:
     assert (nbytes - 4) / n <= case.bytes_per_param, (nbytes - 4) / n
 
 
-@pytest.mark.parametrize("case", [c for c in ELEMENTWISE if hasattr(c.cls, "state_bits")], ids=str)
-@pytest.mark.parametrize("backend", ["reference", *BACKENDS])
+def _nan_params() -> list:
+    """Every quantized case on the reference (its states' reset codes); the fast backends apply
+    the same skip mask (rules.skipped_elements) and are held to the reference, a NaN element included,
+    for every rule by test_backend_matches_reference: one per family on them."""
+    quantized = [c for c in ELEMENTWISE if hasattr(c.cls, "state_bits")]
+    return [pytest.param(c, b, id=f"{b}-{c.name}") for c in quantized for b in ["reference", *BACKENDS] if b == "reference" or c.represents]
+
+
+@pytest.mark.parametrize("case,backend", _nan_params())
 def test_lowbit_nan_element_skipped_without_touching_neighbours(case: OptimizerCase, backend: str) -> None:
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(1024))
