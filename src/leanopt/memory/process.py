@@ -16,7 +16,8 @@ more, and sees more (its resident set, or on a GPU what the driver hands out):
   allocator keeps of its heap is not in it: that is modelled for the row itself
   (:func:`glibc_heap_margin`, the part ``glibc_heap``; ``process_bytes_pinned`` is the figure
   without it, for a process that called :func:`leanopt.pin_allocator`). It is cached as JSON under ``$LEANOPT_CACHE/process/`` (default
-  ``~/.cache/leanopt/process/``; a probe takes ~10 s of 2 cores).
+  ``~/.cache/leanopt/process/``; a probe takes ~10 s of 2 cores). An entry there that is damaged
+  or implausible (:func:`read_cache_entry`) is a miss: measured again, one line on stderr says so.
 * **CUDA**: the CUDA context (measured once per device name and torch version by
   :func:`measure_cuda_context` where a GPU is present, and cached; otherwise
   :data:`ASSUMED_CUDA_CONTEXT`, said so in the source), cuBLAS's workspace
@@ -31,12 +32,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,6 +66,8 @@ MIN_LARGE_ALLOC, LARGE_BUFFER, ROUND_LARGE = 10 * MiB, 20 * MiB, 2 * MiB
 # CUDA 12 process with lazy module loading after its first kernels. An assumption, not a
 # measurement of this machine: rows say so, and gpu_check's plan_check stage measures it.
 ASSUMED_CUDA_CONTEXT = 512 * MiB
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -144,6 +149,74 @@ def _cache_file(key: dict[str, Any]) -> Path:
     return cache_dir() / "process" / f"cpu-{digest}.json"
 
 
+# ---- what the cache may hold ------------------------------------------------------------------------
+# A cache file is data another process (or a person) wrote: an entry that is damaged or implausible
+# (not JSON, another type, a missing field, a figure that is not a whole number of bytes between 0
+# and this machine's memory, another probe version) is a miss, said in one line, never trusted and
+# never fatal.
+def memory_limit() -> int:
+    """The most bytes a cached figure can be: this machine's physical memory (1 TiB where unknown)."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, OSError, ValueError):
+        return 2**40
+
+
+def _bytes_problem(value: Any, what: str, limit: int) -> str | None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        return f"{what} is {type(value).__name__} {str(value)[:40]}, not a whole number of bytes"
+    if not 0 <= value <= limit:
+        return f"{what} {value:,} is outside 0..{limit:,} bytes"
+    return None
+
+
+def read_cache_entry(path: Path, problem: Callable[[Any], str | None], then: str) -> Any:
+    """The JSON entry in ``path``, or None: no such file, or one that the JSON parser or
+    ``problem(entry)`` (a reason, or None) refuses, which is said in one line on stderr (the
+    ``leanopt.memory.process`` logger), ending with ``then``: what happens instead."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as err:
+        reason: str | None = f"unreadable ({type(err).__name__})"
+    else:
+        try:
+            entry = json.loads(text)
+        except ValueError:
+            reason = "not JSON"
+        else:
+            reason = problem(entry)
+            if reason is None:
+                return entry
+    log.warning("leanopt: ignoring the process cache entry %s (%s): %s", path, reason, then)
+    return None
+
+
+def _one_time_problem(entry: Any, key: dict[str, Any]) -> str | None:
+    """Why a cached one-time cost cannot be trusted, or None."""
+    if not isinstance(entry, dict):
+        return f"a JSON {type(entry).__name__}, not an object"
+    if entry.get("key") != json.loads(json.dumps(key)):
+        return "written for another probe version or setup"
+    limit = memory_limit()
+    problem = _bytes_problem(entry.get("bytes"), '"bytes"', limit)
+    if problem is not None:
+        return problem
+    parts = entry.get("parts")
+    if not isinstance(parts, dict):
+        return '"parts" is not an object'
+    for name, value in parts.items():
+        problem = _bytes_problem(value, f'"parts" {name!r}', limit)
+        if problem is not None:
+            return problem
+    if sum(parts.values()) != entry["bytes"]:
+        return '"parts" do not add up to "bytes"'
+    if not isinstance(entry.get("when"), str):
+        return '"when" is not a date'
+    return None
+
+
 def cpu_one_time(module: torch.nn.Module, precision: str, optimizer: str = "adamw", rounding: str | None = None, *,
                  measure: bool = True) -> OneTimeCost:  # fmt: skip
     """The one-time costs of a first step of ``module``'s class at ``precision`` with ``optimizer``
@@ -155,12 +228,9 @@ def cpu_one_time(module: torch.nn.Module, precision: str, optimizer: str = "adam
         return OneTimeCost(None, f"not measured: {err}")
     key = _key(spec)
     path = _cache_file(key)
-    try:
-        cached = json.loads(path.read_text())
-        if cached.get("key") == json.loads(json.dumps(key)) and isinstance(cached.get("bytes"), int):
-            return OneTimeCost(cached["bytes"], f"measured {cached.get('when', '?')}, cached in {path}", cached.get("parts", {}))
-    except (OSError, ValueError):
-        pass
+    cached = read_cache_entry(path, lambda entry: _one_time_problem(entry, key), "measured again" if measure else "not used")
+    if cached is not None:
+        return OneTimeCost(cached["bytes"], f"measured {cached['when']}, cached in {path}", dict(cached["parts"]))
     if not measure:
         return OneTimeCost(None, f"not measured yet for {key['model']} {precision} {optimizer} (no {path})")
     try:
@@ -418,12 +488,18 @@ def glibc_heap_margin(module: torch.nn.Module, **row: Any) -> int:
                "torch": torch.__version__, "transformers": transformers.__version__, "leanopt": leanopt.__version__}  # fmt: skip
         text = json.dumps(key, sort_keys=True, default=str)
         path = cache_dir() / "process" / f"heap-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
-        try:
-            cached = json.loads(path.read_text())
-            if cached.get("key") == json.loads(text) and isinstance(cached.get("bytes"), int):
-                return int(cached["bytes"])
-        except (OSError, ValueError):
-            pass
+        expected = json.loads(text)
+
+        def problem(entry: Any) -> str | None:
+            if not isinstance(entry, dict):
+                return f"a JSON {type(entry).__name__}, not an object"
+            if entry.get("key") != expected:
+                return "written for another version or row"
+            return _bytes_problem(entry.get("bytes"), '"bytes"', memory_limit())
+
+        cached = read_cache_entry(path, problem, "traced again")
+        if cached is not None:
+            return int(cached["bytes"])
     peak, live = glibc_resident_peak(allocation_sequence(module, **row))
     margin = max(0, peak - live)
     if path is not None:
@@ -466,17 +542,35 @@ def _cuda_context_file() -> Path:
     return cache_dir() / "process" / "cuda-context.json"
 
 
+def _context_table_problem(table: Any) -> str | None:
+    """Why ``cuda-context.json`` cannot be trusted, or None: an object of device entries, each an
+    object with a whole number of bytes no more than 1 TiB (more than any GPU holds)."""
+    if not isinstance(table, dict):
+        return f"a JSON {type(table).__name__}, not an object"
+    for key, entry in table.items():
+        if not isinstance(entry, dict):
+            return f"entry {key!r} is not an object"
+        problem = _bytes_problem(entry.get("bytes"), f"entry {key!r}'s \"bytes\"", 2**40)
+        if problem is not None:
+            return problem
+        if not isinstance(entry.get("when", ""), str):
+            return f"entry {key!r}'s \"when\" is not a date"
+    return None
+
+
+def _context_table(then: str) -> dict[str, Any]:
+    table = read_cache_entry(_cuda_context_file(), _context_table_problem, then)
+    return table if table is not None else {}
+
+
 def cuda_context(name: str | None = None) -> tuple[int, str]:
     """(bytes, source) of the CUDA context: measured on ``name`` (a device name) and cached, or
     :data:`ASSUMED_CUDA_CONTEXT`."""
-    try:
-        table = json.loads(_cuda_context_file().read_text())
-    except (OSError, ValueError):
-        table = {}
+    table = _context_table(f"the CUDA context is assumed ({ASSUMED_CUDA_CONTEXT // MiB} MiB)")
     key = f"{name}|torch {torch.__version__}" if name else None
     if key is None and len(table) == 1:
         key = next(iter(table))
-    if key is not None and key in table and isinstance(table[key].get("bytes"), int):
+    if key is not None and key in table:
         return table[key]["bytes"], f"CUDA context measured on {key.split('|')[0]} {table[key].get('when', '')}".strip()
     return ASSUMED_CUDA_CONTEXT, f"CUDA context not measured here: assumed {ASSUMED_CUDA_CONTEXT // MiB} MiB"
 
@@ -491,10 +585,7 @@ def measure_cuda_context() -> int:
     context = int(total - free - torch.cuda.memory_reserved())
     name = torch.cuda.get_device_name()
     path = _cuda_context_file()
-    try:
-        table = json.loads(path.read_text())
-    except (OSError, ValueError):
-        table = {}
+    table = _context_table("replaced by this measurement")
     table[f"{name}|torch {torch.__version__}"] = {"bytes": context, "when": time.strftime("%Y-%m-%d %H:%M")}
     try:
         from leanopt.writing import write_text_atomically
