@@ -65,6 +65,7 @@ from torch.utils._pytree import tree_leaves
 from leanopt import tracing
 from leanopt.kernels import cpu_elementwise
 from leanopt.memory.cuda_emulation import cuda_block_bytes, cuda_forward
+from leanopt.memory.optimizer_internals import init_state, step_param
 from leanopt.torch_patches import thread_patch
 
 KINDS = ("weights", "gradients", "optimizer_state", "activations", "other")
@@ -467,7 +468,7 @@ def traced_steps(tracker: LiveStorage, params: list[torch.nn.Parameter], optimiz
 
     The first step of a run makes the state and fills the optimizers' caches and workspaces; the
     trace needs only what it leaves. With ``fast`` and a leanopt optimizer it is not traced: the
-    state is allocated from the layout (``_init_state``, what the first step calls) and the caches
+    state is allocated from the layout (:func:`~leanopt.memory.optimizer_internals.init_state`, what the first step calls) and the caches
     are filled by a step of a second optimizer over one param of each distinct shape (for a 7B
     model, 6 params instead of 291). Otherwise (``fast=False``, or another optimizer) the step is
     simply run twice. Both give the same peak and breakdown, to the byte (tests/test_plan.py).
@@ -483,7 +484,7 @@ def traced_steps(tracker: LiveStorage, params: list[torch.nn.Parameter], optimiz
         tracker.phase = "setup"
         for group in opt.param_groups:
             for p in group["params"]:
-                opt._init_state(p, group)
+                init_state(opt, p, group)
         _track_state(tracker, opt)
         tracker.phase = "step"
         _fill_caches(optimizer_cls, [(tuple(p.shape), p.dtype) for p in params])
@@ -537,7 +538,7 @@ def traced_param_steps(shapes: list[tuple[tuple[int, ...], torch.dtype]], optimi
 
     Each is traced on one param of that shape: a first ``step()`` makes its state (and the
     optimizer's workspaces), as earlier steps have in a run; then the second, counted, is what the
-    hook of :func:`leanopt.release_gradients` runs, ``optimizer._step_param``, with the gradient
+    hook of :func:`leanopt.release_gradients` runs (:func:`~leanopt.memory.optimizer_internals.step_param`), with the gradient
     present, and the gradient is dropped after, as the hook drops it. A leanopt optimizer's
     ``step()`` with ``rounding="stochastic"|"kahan"`` on bf16/fp16 params runs this same
     ``_step_rounded`` for one param after the other, nothing shared between them, so its peak is
@@ -565,7 +566,7 @@ def traced_param_steps(shapes: list[tuple[tuple[int, ...], torch.dtype]], optimi
             tracker.phase = "step"
             tracker.reset_peak()
             before = tracker.current
-            opt._step_param(p, 0, 0)
+            step_param(opt, p)
             p.grad = None
             transient[shape, dtype] = tracker.peak().bytes - before
             del p, opt

@@ -67,6 +67,7 @@ from typing import Any
 import torch
 
 from leanopt.memory.estimate import MiB, StateEstimate, estimate, resolve_optimizer, unique_params
+from leanopt.memory.optimizer_internals import offload_host_bytes
 
 __all__ = ["PRECISIONS", "TRAINING_MODES", "TrainingMemory", "supports_training_modes", "training_memory"]
 
@@ -236,7 +237,7 @@ def training_memory(
         host_copies = 4 * n  # fp32 host copies: the params' own, or bf16 params' masters
         # The engine's own count, on the meta params (nothing allocated, no host memory checked).
         offloaded = resolve_optimizer(optimizer)(params, **optimizer_kwargs, offload="cpu")
-        host_gradients = offloaded._offload.host_bytes(released=grad_release) - host_copies - state.bytes
+        host_gradients = offload_host_bytes(offloaded, released=grad_release) - host_copies - state.bytes
     return TrainingMemory(
         optimizer=state.optimizer,
         precision=precision,
