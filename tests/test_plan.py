@@ -18,11 +18,11 @@ from leanopt.memory.estimate import estimate
 from leanopt.memory.plan import (
     PLAN_PRECISIONS,
     PlanRow,
-    _trace_step,
     parse_bytes,
     plan,
     recommend,
 )
+from leanopt.memory.plan_step import trace_step
 from leanopt.memory.plan_trace import KINDS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,7 +149,7 @@ def test_the_stochastic_step_counts_its_fp32_copies():
     largest = max(p.numel() for p in model.parameters())
     start = sum(4 * p.numel() for p in model.parameters())  # bf16 weights + bf16 gradients
     for rounding, per_element in (("stochastic", 39), ("kahan", 14)):
-        step = _trace_step(model, "adamw", torch.bfloat16, rounding=rounding)
+        step = trace_step(model, "adamw", torch.bfloat16, rounding=rounding)
         assert step.peak.bytes - start - step.kept["optimizer_state"] == per_element * largest
 
 
@@ -161,8 +161,8 @@ def test_the_fast_step_trace_equals_two_traced_steps(optimizer, dtype, rounding)
     """plan() makes the state from the layout instead of tracing a first step, and puts a rounded
     step together from one param of each shape; the plain trace runs two whole steps."""
     model = tiny_distilbert()
-    fast = _trace_step(model, optimizer, dtype, rounding=rounding)
-    plain = _trace_step(model, optimizer, dtype, rounding=rounding, fast=False)
+    fast = trace_step(model, optimizer, dtype, rounding=rounding)
+    plain = trace_step(model, optimizer, dtype, rounding=rounding, fast=False)
     assert (fast.peak.bytes, fast.peak.breakdown, fast.kept) == (plain.peak.bytes, plain.peak.breakdown, plain.kept)
 
 
@@ -174,9 +174,9 @@ def test_adafactor_traced_on_its_first_and_last_row_blocks_equals_the_full_walk(
     # 2000 x 64 embeddings: 33 blocks of 62 rows (the last of 16); 256 x 64 layers: 5 blocks
     monkeypatch.setattr(cpu_adafactor, "ADAFACTOR_BLOCK", 4000)
     model = tiny_distilbert()
-    trimmed = _trace_step(model, "adafactor", dtype)
+    trimmed = trace_step(model, "adafactor", dtype)
     monkeypatch.setattr(plan_trace, "TRIM_REPEATED_BLOCKS", False)
-    full = _trace_step(model, "adafactor", dtype)
+    full = trace_step(model, "adafactor", dtype)
     assert (trimmed.peak.bytes, trimmed.peak.breakdown, trimmed.kept) == (full.peak.bytes, full.peak.breakdown, full.kept)
 
 
@@ -185,16 +185,16 @@ def _released_direct(model, optimizer, precision, rounding, ckpt, batch, seq) ->
     """The released step traced as it runs: ``leanopt.release_gradients`` on the fake params, the
     optimizer stepping inside backward (its state made by a first, plain step)."""
     import leanopt
-    from leanopt.memory import plan as P
+    from leanopt.memory import plan_model as P
     from leanopt.memory.plan_trace import LiveStorage, state_tensors, traced_batch, traced_forward_backward, traced_kernels, track_module
 
-    fake_mode, tracker = P._fake_mode(), LiveStorage()
-    model, params = P._fake_copy(model, fake_mode, P._PARAM_DTYPE[precision])
-    with P._checkpointing(model, ckpt):
+    fake_mode, tracker = P.fake_mode(), LiveStorage()
+    model, params = P.fake_copy(model, fake_mode, P.PARAM_DTYPE[precision])
+    with P.checkpointing(model, ckpt):
         model.train()
         with traced_kernels(), fake_mode, tracker:
             track_module(tracker, model)
-            opt = P._optimizer_factory(optimizer, rounding)(params)
+            opt = P.optimizer_factory(optimizer, rounding)(params)
             for p in params:
                 p.grad = torch.empty_like(p)
             opt.step()
@@ -202,7 +202,7 @@ def _released_direct(model, optimizer, precision, rounding, ckpt, batch, seq) ->
             for st in opt.state.values():
                 for t in state_tensors(st):
                     tracker.track(t, "optimizer_state")
-            input_ids, labels = traced_batch(tracker, P._task(model), P._vocab_size(model), P._num_labels(model), batch, seq)
+            input_ids, labels = traced_batch(tracker, P.task_of(model), P.vocab_size(model), P.num_labels(model), batch, seq)
             tracker.reset_peak()
             with leanopt.release_gradients(params, opt):
                 loss = traced_forward_backward(tracker, model, input_ids, labels, params, precision == "bf16-mixed", "model")
@@ -242,7 +242,7 @@ def test_the_quantized_update_counts_its_temporaries():
 
     with torch.device("meta"):
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**TINY_GPT2))
-    step = _trace_step(model, "adamw8bit", torch.float32)
+    step = trace_step(model, "adamw8bit", torch.float32)
     largest = max(p.numel() for p in model.parameters())
     start = sum(8 * p.numel() for p in model.parameters())  # fp32 weights + gradients
     assert step.peak.bytes >= start + step.kept["optimizer_state"] + QUANTIZED_TEMP_BYTES[8] * (largest // 256 * 256)
@@ -251,7 +251,7 @@ def test_the_quantized_update_counts_its_temporaries():
 @pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit", "adamw4bit", "adafactor", "torch-adamw"])
 def test_steady_state_holds_exactly_the_estimated_state(optimizer):
     model = tiny_distilbert()
-    traced = _trace_step(model, optimizer, torch.float32)
+    traced = trace_step(model, optimizer, torch.float32)
     assert traced.kept["optimizer_state"] == estimate(model, optimizer).bytes
     assert traced.kept["gradients"] == 0  # zero_grad(set_to_none=True)
 

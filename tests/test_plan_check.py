@@ -21,7 +21,8 @@ from torch._subclasses import FakeTensorMode
 
 from leanopt.memory import plan_check
 from leanopt.memory.cuda_emulation import cuda_block_bytes, cuda_forward, sdpa_cuda_kernel
-from leanopt.memory.plan import _trace_step, plan
+from leanopt.memory.plan import plan
+from leanopt.memory.plan_step import trace_step
 from leanopt.memory.plan_trace import LiveStorage
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,8 +59,7 @@ def test_the_kernel_torch_picks_on_a_gpu():
 
 def _saved_by_attention(dtype, device: str) -> int:
     """Bytes live after one attention forward (dropout, causal), over its inputs."""
-    tracker = LiveStorage()
-    tracker.device = device
+    tracker = LiveStorage(device)
     with FakeTensorMode(), tracker, (cuda_forward(tracker) if device == "cuda" else contextlib.nullcontext()):
         q, k, v = (torch.empty(2, 4, 100, 64, dtype=dtype, requires_grad=True) for _ in range(3))
         for t in (q, k, v):
@@ -103,8 +103,8 @@ def test_cuda_autocast_runs_pow_and_softmax_in_fp32():
 @pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit", "adafactor"])
 def test_the_triton_update_allocates_nothing_of_the_params_size(optimizer):
     model = tiny_gpt2()
-    cpu = _trace_step(model, optimizer, torch.float32)
-    cuda = _trace_step(model, optimizer, torch.float32, device="cuda")
+    cpu = trace_step(model, optimizer, torch.float32)
+    cuda = trace_step(model, optimizer, torch.float32, device="cuda")
     weights = cuda.peak.breakdown["weights"]
     assert cuda.peak.breakdown["gradients"] == weights  # fp32 gradients, 512-byte blocks as the weights
     # Only small tables and Adafactor's scratch of row/column partial sums: not a param-sized temporary.

@@ -548,7 +548,8 @@ def build_and_diagnose(spec: str, *, batch: int, seq: int, optimizer: str = "ada
     import warnings
 
     from leanopt.memory.estimate import resolve_optimizer
-    from leanopt.memory.plan import PLAN_PRECISIONS, _check_positions, _num_labels, _task, _vocab_size
+    from leanopt.memory.plan import PLAN_PRECISIONS
+    from leanopt.memory.plan_model import check_positions, num_labels, task_of, vocab_size
     from leanopt.memory.presets import resolve_model
 
     for name, value in (("batch", batch), ("seq", seq)):
@@ -566,11 +567,11 @@ def build_and_diagnose(spec: str, *, batch: int, seq: int, optimizer: str = "ada
     if not source.exact_shapes:
         raise ValueError(f"{spec!r} is a bare parameter count: doctor needs the model (a preset, config.json or Hub id)")
     meta = source.params
-    task = _task(meta)
-    _check_positions(meta, seq)
+    task = task_of(meta)
+    check_positions(meta, seq)
     if checkpointing and not getattr(meta, "supports_gradient_checkpointing", False):
         raise ValueError(f"{type(meta).__name__} does not support activation checkpointing")
-    vocab, labels_n = _vocab_size(meta), _num_labels(meta)
+    vocab, labels_n = vocab_size(meta), num_labels(meta)
     baseline = status_kib("VmRSS")
     with torch.device(device):
         model = type(meta)(meta.config)

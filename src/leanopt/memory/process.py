@@ -49,7 +49,7 @@ import torch
 from leanopt.memory.resident import GLIBC_MMAP_THRESHOLD_MAX, GLIBC_MMAP_THRESHOLD_START, status_kib
 
 __all__ = ["OneTimeCost", "allocation_sequence", "cache_dir", "cpu_one_time", "cuda_one_time", "cuda_segment_margin", "glibc_heap_margin",
-           "glibc_resident_peak", "small_config"]
+           "glibc_resident_peak", "memory_limit", "one_time_cost", "planned_peak", "read_cache_entry", "small_config"]
 
 PROBE_VERSION = 2
 MALLOC_MMAP_THRESHOLD = 65536  # the probe's (and the check's) glibc setting: every block of 64 KiB+ its own mmap
@@ -249,6 +249,44 @@ def cpu_one_time(module: torch.nn.Module, precision: str, optimizer: str = "adam
     return OneTimeCost(result["bytes"], f"measured now, {where}", result["parts"])
 
 
+def one_time_cost(module: torch.nn.Module, precision: str, optimizer: str, rounding: str | None, *, device: str = "cpu",
+                  sizes: list[int] | None = None, gpus: int = 1, heap: dict[str, Any] | str | None = "pinned") -> OneTimeCost:  # fmt: skip
+    """What a plan row's process needs besides its step's tensors: on the CPU the one-time costs
+    of a first step (:func:`cpu_one_time`, cached on disk after their first measurement); on CUDA
+    the context, cuBLAS's workspace and the segment margin of ``sizes`` (the blocks live at the
+    step's peak). ``heap``: ``"pinned"``, no heap margin (for a process that calls
+    :func:`leanopt.pin_allocator`, which the source says); the row's batch, seq, checkpointing,
+    grad_release and accum, for the margin glibc's default heap keeps (:func:`glibc_heap_margin`);
+    None: not modelled for this row (offload), which the source says."""
+    from leanopt.memory.resident import allocator
+
+    if gpus > 1:
+        return OneTimeCost(None, "not measured for FSDP2 ranks (--gpus > 1): the budget is compared with the step's peak")
+    if device == "cuda":
+        return cuda_one_time(sizes or [])
+    cost = cpu_one_time(module, precision, optimizer, rounding)
+    if cost.bytes is None:
+        return cost
+    if heap == "pinned":
+        return OneTimeCost(cost.bytes, f"{cost.source}; for a process that calls leanopt.pin_allocator() (glibc's "
+                           "defaults keep more: allocator='glibc', --allocator glibc)", dict(cost.parts))  # fmt: skip
+    if not isinstance(heap, dict):
+        return OneTimeCost(cost.bytes, f"{cost.source}; glibc's heap margin not modelled for offloaded rows (the figure "
+                           "is for leanopt.pin_allocator())", dict(cost.parts))  # fmt: skip
+    if allocator() == "other":
+        return OneTimeCost(cost.bytes, f"{cost.source}; not glibc here: no heap margin modelled", dict(cost.parts))
+    try:
+        margin = glibc_heap_margin(module, precision=precision, optimizer=optimizer, rounding=rounding, **heap)
+    except Exception as err:  # the row keeps its pinned figure, and the source says why
+        from leanopt.memory.plan_model import one_line
+
+        return OneTimeCost(cost.bytes, f"{cost.source}; glibc's heap margin not modelled ({one_line(err)}): the figure "
+                           "is for leanopt.pin_allocator()", dict(cost.parts))  # fmt: skip
+    parts = {**cost.parts, "glibc_heap": margin}
+    return OneTimeCost(cost.bytes + margin, f"{cost.source}; glibc's default heap modelled (+{margin / 2**20:.0f} MiB; "
+                       "process_bytes_pinned: with leanopt.pin_allocator())", parts)  # fmt: skip
+
+
 def probe(spec: dict[str, Any]) -> dict[str, Any]:
     """Run the small step in a fresh process and subtract ``plan``'s peak of it: the one-time cost."""
     # A fixed mmap threshold: freed blocks go back to the system, so what is measured is the
@@ -261,19 +299,25 @@ def probe(spec: dict[str, Any]) -> dict[str, Any]:
     if out.returncode != 0:
         raise RuntimeError(out.stderr.strip()[-400:] or f"exit {out.returncode}")
     measured = json.loads(out.stdout.strip().splitlines()[-1])
-    from leanopt.memory.plan import plan
-
-    model = _build(spec, meta=True)
-    rounding = spec["rounding"]
-    (row,) = plan(model, batch=spec["batch"], seq=spec["seq"], optimizers=[spec["optimizer"]], precisions=[spec["precision"]],
-                  checkpointing=[False], grad_release=[False], roundings=[rounding] if rounding else None,
-                  process=False)  # fmt: skip
+    planned = planned_peak(spec)
     total = measured["peak"]
     build = max(0, measured["built"] - measured["param_bytes"])
-    one_time = max(0, total - row.peak_bytes)
+    one_time = max(0, total - planned)
     return {"bytes": one_time, "parts": {"model_build": min(build, one_time), "first_steps": one_time - min(build, one_time)},
-            "probe_peak": total, "probe_planned": row.peak_bytes, "probe_seconds": round(time.perf_counter() - t0, 1),
+            "probe_peak": total, "probe_planned": planned, "probe_seconds": round(time.perf_counter() - t0, 1),
             "spec": spec}  # fmt: skip
+
+
+def planned_peak(spec: dict[str, Any]) -> int:
+    """What ``plan`` predicts for the probe's small step (no checkpointing, no release): the
+    part of the probe's growth that is not one-time."""
+    from leanopt.memory.plan_model import task_of
+    from leanopt.memory.plan_step import Traces, combine
+
+    model = _build(spec, meta=True)
+    traces = Traces(model, type(model).__name__, task_of(model), batch=spec["batch"], seq=spec["seq"])
+    step, _ = traces.step(spec["optimizer"], spec["rounding"], spec["precision"], release=False)
+    return combine(traces.forward_backward(spec["precision"], False), step).bytes
 
 
 def _build(spec: dict[str, Any], *, meta: bool = False) -> torch.nn.Module:
@@ -415,7 +459,7 @@ def allocation_sequence(module: torch.nn.Module, *, batch: int, seq: int, precis
     model's weights as it is built, then ``steps`` steps of plan's loop (a new batch, forward and
     backward ``accum`` times, ``optimizer.step()`` -- the first makes the state --,
     ``zero_grad(set_to_none=True)``); ``(key, bytes)`` for an allocation, ``(key, -1)`` for a free."""
-    from leanopt.memory import plan as planner
+    from leanopt.memory import plan_model
     from leanopt.memory.plan_trace import LiveStorage, traced_batch, traced_forward_backward, traced_kernels, track_module
 
     class Sequence(LiveStorage):
@@ -423,30 +467,19 @@ def allocation_sequence(module: torch.nn.Module, *, batch: int, seq: int, precis
             super().__init__()
             self.events: list[tuple[Any, int]] = []
 
-        def track(self, t: torch.Tensor, kind: str | None = None) -> None:
-            count = len(self._live)
-            super().track(t, kind)
-            if len(self._live) > count:  # a new storage: the last one in (dicts keep their order)
-                key = next(reversed(self._live))
-                self.events.append((key, self._live[key].nbytes))
+        def _allocated(self, key: Any, nbytes: int) -> None:
+            self.events.append((key, nbytes))
 
-        def _free(self, key: int) -> None:
-            if key in self._live:
-                self.events.append((key, -1))
-            super()._free(key)
+        def _freed(self, key: Any) -> None:
+            self.events.append((key, -1))
 
-        def transient(self, nbytes: int) -> None:
-            mark = ("transient", len(self.events))
-            self.events += [(mark, nbytes), (mark, -1)]
-            super().transient(nbytes)
-
-    fake_mode = planner._fake_mode()
+    fake_mode = plan_model.fake_mode()
     tracker = Sequence()
-    task, vocab, labels_n = planner._task(module), planner._vocab_size(module), planner._num_labels(module)
-    model, params = planner._fake_copy(module, fake_mode, planner._PARAM_DTYPE[precision])
-    cls = planner._optimizer_factory(optimizer, rounding)
+    task, vocab, labels_n = plan_model.task_of(module), plan_model.vocab_size(module), plan_model.num_labels(module)
+    model, params = plan_model.fake_copy(module, fake_mode, plan_model.PARAM_DTYPE[precision])
+    cls = plan_model.optimizer_factory(optimizer, rounding)
     mixed = precision == "bf16-mixed"
-    with planner._checkpointing(model, checkpointing):
+    with plan_model.checkpointing(model, checkpointing):
         model.train()
         with traced_kernels("cpu"), fake_mode, tracker:
             track_module(tracker, model)
