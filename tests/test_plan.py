@@ -50,7 +50,8 @@ def _no_process_probe(monkeypatch):
     runs the probe and checks process_bytes."""
     from leanopt.memory import process
 
-    monkeypatch.setattr(process, "cpu_one_time", lambda *a, **k: process.OneTimeCost(None, "not measured in tests/test_plan.py"))
+    unmeasured, costs = process.OneTimeCost(None, "not measured in tests/test_plan.py"), process.OneTimeCosts
+    monkeypatch.setattr(process, "OneTimeCosts", lambda module, settings, **k: costs.of(dict.fromkeys(settings, unmeasured)))
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import transformers
 
 from leanopt import cli
 from leanopt.compare.meter import TensorPeak
-from leanopt.memory import process
+from leanopt.memory import probe, process
 from leanopt.memory.plan import plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -182,7 +182,7 @@ def test_cache_folder_follows_leanopt_cache(monkeypatch, tmp_path):
 def test_small_config_keeps_the_architecture():
     config = transformers.LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                                       num_attention_heads=32, num_key_value_heads=8, vocab_size=32000)  # fmt: skip
-    small = process.small_config(config)
+    small = probe.small_config(config)
     assert (small["hidden_size"], small["num_hidden_layers"], small["num_attention_heads"]) == (128, 2, 4)
     assert small["num_key_value_heads"] == 2 and small["vocab_size"] == 4000  # still grouped-query attention
     with torch.device("meta"):

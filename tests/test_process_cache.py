@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("transformers")
 import transformers
 
-from leanopt.memory import process
+from leanopt.memory import probe, process
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_GPT2 = {"vocab_size": 2000, "n_positions": 64, "n_embd": 64, "n_layer": 2, "n_head": 4}
@@ -35,7 +35,7 @@ def cache(tmp_path, monkeypatch):
 
 
 def _one_time_path(model: torch.nn.Module, precision: str, optimizer: str) -> tuple[Path, dict]:
-    key = process._key(process._probe_spec(model, precision, optimizer, None))
+    key = process._key(probe.probe_spec(model, precision, optimizer, None))
     return process._cache_file(key), key
 
 
@@ -155,6 +155,11 @@ def test_plan_measures_damaged_entries_again(tmp_path):
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stderr.splitlines() if "process cache entry" in line]
     assert len(lines) == 2 and all("measured again" in line for line in lines), out.stderr
+    # what is measured, by one probe process, each setup as it is done, where it is cached
+    said = out.stderr.splitlines()
+    assert any("of 2 setups of GPT2LMHeadModel in one probe process" in line and f"cached in {cache / 'process'}" in line
+               for line in said), out.stderr  # fmt: skip
+    assert [line.split()[1] for line in said if line.startswith("leanopt:   ")] == ["1/2", "2/2"], out.stderr
     rows = json.loads(out.stdout)
     assert len(rows) == 4
     for r in rows:

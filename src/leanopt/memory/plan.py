@@ -76,10 +76,10 @@ from typing import Any
 
 import torch
 
-from leanopt.memory import process
+from leanopt.memory import process as process_needs
 from leanopt.memory.estimate import resolve_optimizer
 from leanopt.memory.plan_model import PARAM_DTYPE, check_positions, load_model, param_shapes, task_of
-from leanopt.memory.plan_step import Traces, combine, combine_offloaded, combine_released
+from leanopt.memory.plan_step import StepPeak, Traces, combine, combine_offloaded, combine_released
 from leanopt.memory.plan_trace import KINDS
 from leanopt.optim.base import LeanOptimizer
 
@@ -98,6 +98,7 @@ __all__ = [
     "plan",
     "recommend",
     "setups",
+    "step_peak",
 ]
 
 # Ranked by precision kept: what a user gives up first is last. Pure bf16 keeps no fp32 master
@@ -353,31 +354,40 @@ def setups(request: PlanRequest) -> list[Setup]:
 
 
 # ---- one row -------------------------------------------------------------------------------------
-def evaluate(request: PlanRequest, setup: Setup, traces: Traces) -> PlanRow:
-    """The row of ``setup``: its step's peak from ``traces``, what its process needs
-    (:func:`leanopt.memory.process.one_time_cost`), and whether that fits the budget."""
+def step_peak(request: PlanRequest, setup: Setup, traces: Traces) -> StepPeak:
+    """The peak of ``setup``'s step, from ``traces``."""
     fb = traces.forward_backward(setup.precision, setup.checkpointing)
-    host = None
     if setup.offload:
         shapes = param_shapes(request.module, PARAM_DTYPE[setup.precision])
-        peak = combine_offloaded(fb, setup.grad_release, shapes, request.device)
+        return combine_offloaded(fb, setup.grad_release, shapes, request.device)
+    step, param_steps = traces.step(setup.optimizer, setup.step_rounding, setup.precision, release=setup.grad_release)
+    if not setup.grad_release:
+        return combine(fb, step)
+    assert param_steps is not None  # traced for every released setup
+    return combine_released(fb, step, param_steps)
+
+
+def probe_setting(setup: Setup) -> tuple[str, str, str | None]:
+    """What the CPU's one-time cost of ``setup`` is measured for: (precision, optimizer, the rounding it is built with)."""
+    return setup.precision, setup.optimizer, setup.rounding if setup.offload else setup.step_rounding
+
+
+def evaluate(request: PlanRequest, setup: Setup, peak: StepPeak, measured: dict[Any, process_needs.OneTimeCost] | None = None) -> PlanRow:
+    """The row of ``setup``: its step's ``peak``, what its process needs besides
+    (:func:`leanopt.memory.process.one_time_cost`; ``measured``: the CPU's one-time costs read or
+    measured for the plan), and whether that fits the budget."""
+    host = None
+    if setup.offload:
         host = _host_bytes(request.module, setup.optimizer, setup.precision, setup.grad_release)
         heap: Any = None  # glibc's heap margin is not modelled for offloaded rows
     else:
-        step, param_steps = traces.step(setup.optimizer, setup.step_rounding, setup.precision, release=setup.grad_release)
-        if setup.grad_release:
-            assert param_steps is not None  # traced for every released setup
-            peak = combine_released(fb, step, param_steps)
-        else:
-            peak = combine(fb, step)
         heap = "pinned" if request.allocator == "pinned" else {
             "batch": request.batch, "seq": request.seq, "checkpointing": setup.checkpointing,
             "grad_release": setup.grad_release, "accum": request.accum}  # fmt: skip
     cost = None
     if request.process:
-        rounding = setup.rounding if setup.offload else setup.step_rounding
-        cost = process.one_time_cost(request.module, setup.precision, setup.optimizer, rounding, device=request.device,
-                                     sizes=peak.sizes, gpus=request.gpus, heap=heap)  # fmt: skip
+        cost = process_needs.one_time_cost(request.module, *probe_setting(setup), device=request.device, sizes=peak.sizes,
+                                     gpus=request.gpus, heap=heap, measured=measured)  # fmt: skip
     needed = None if cost is None or cost.bytes is None else peak.bytes + cost.bytes
     fits = compared = None
     if request.budget is not None:
@@ -400,7 +410,7 @@ def _host_bytes(module: torch.nn.Module, optimizer: str, precision: str, release
     return training_memory(module, optimizer, precision=precision, grad_release=release, offload=True).host_bytes
 
 
-def _rank(row: PlanRow) -> tuple[bool, int, int, int, bool, bool]:
+def _rank(row: PlanRow | Setup) -> tuple[bool, int, int, int, bool, bool]:
     opt = _OPTIMIZER_RANK.index(row.optimizer) if row.optimizer in _OPTIMIZER_RANK else len(_OPTIMIZER_RANK)
     rounding = ROUNDINGS.index(row.rounding) if row.rounding in ROUNDINGS else -1
     return (row.offload, PLAN_PRECISIONS.index(row.precision), rounding, opt, row.grad_release, row.checkpointing)
@@ -467,10 +477,22 @@ def plan(
     request = check_request(model, batch=batch, seq=seq, budget=budget, gpus=gpus, optimizers=optimizers, precisions=precisions,
                             checkpointing=checkpointing, grad_release=grad_release, roundings=roundings, device=device,
                             accum=accum, process=process, offload=offload, allocator=allocator)  # fmt: skip
-    wanted = setups(request)
+    wanted = sorted(setups(request), key=_rank)
     traces = Traces(request.module, request.label, request.task, batch=batch, seq=seq, gpus=request.gpus, device=request.device,
                     accum=accum, released=frozenset(s.precision for s in wanted if s.grad_release))  # fmt: skip
-    return sorted((evaluate(request, s, traces) for s in wanted), key=_rank)
+    costs = None
+    if request.process and request.device == "cpu" and request.gpus == 1:
+        # One probe process for every setting not cached (the most precise rows' first), measuring
+        # while the traces run here.
+        costs = process_needs.OneTimeCosts(request.module, [probe_setting(s) for s in wanted])
+    try:
+        peaks = [step_peak(request, s, traces) for s in wanted]
+    except BaseException:
+        if costs is not None:
+            costs.cancel()
+        raise
+    measured = costs.result() if costs is not None else None
+    return [evaluate(request, s, peak, measured) for s, peak in zip(wanted, peaks)]
 
 
 def recommend(rows: Sequence[PlanRow]) -> PlanRow | None:

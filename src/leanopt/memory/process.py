@@ -7,17 +7,20 @@ more, and sees more (its resident set, or on a GPU what the driver hands out):
   built, the thread pools started and the library pages touched by the first forward, backward
   and optimizer step (oneDNN, MKL, the native kernel loaded). They are measured, not modelled:
   once per (torch, transformers and leanopt versions, Python, machine, thread count, model
-  class, precision -- the dtype set -- and optimizer) a fresh subprocess (:func:`probe`) imports
-  torch, transformers and leanopt, reads its resident set, builds a small model of the same
-  class (:func:`small_config`: two layers, 128 wide), trains three steps with that optimizer and
-  reads the resident-set high-water mark; the one-time cost is that growth less what ``plan``
-  predicts for the same small step. The probe runs with ``MALLOC_MMAP_THRESHOLD_=65536`` (every
-  block of 64 KiB or more mapped on its own and returned when freed), so what glibc's default
-  allocator keeps of its heap is not in it: that is modelled for the row itself
+  class, precision -- the dtype set -- and optimizer) the probe (:mod:`leanopt.memory.probe`)
+  measures, as a fresh process that has imported torch, transformers and leanopt sees it, the
+  resident-set growth while a small model of the same class (two layers, 128 wide) is built and
+  trained three steps with that optimizer; the one-time cost is that growth less what ``plan``
+  predicts for the same small step. Every setup of a plan that is not cached is measured by one
+  probe process (:func:`cpu_one_times`). The probe runs with ``MALLOC_MMAP_THRESHOLD_=65536``
+  (every block of 64 KiB or more mapped on its own and returned when freed), so what glibc's
+  default allocator keeps of its heap is not in it: that is modelled for the row itself
   (:func:`glibc_heap_margin`, the part ``glibc_heap``; ``process_bytes_pinned`` is the figure
-  without it, for a process that called :func:`leanopt.pin_allocator`). It is cached as JSON under ``$LEANOPT_CACHE/process/`` (default
-  ``~/.cache/leanopt/process/``; a probe takes ~10 s of 2 cores). An entry there that is damaged
-  or implausible (:func:`read_cache_entry`) is a miss: measured again, one line on stderr says so.
+  without it, for a process that called :func:`leanopt.pin_allocator`). It is cached as JSON
+  under ``$LEANOPT_CACHE/process/`` (default ``~/.cache/leanopt/process/``). An entry there that
+  is damaged or implausible (:func:`read_cache_entry`) is a miss: measured again, one line on
+  stderr says so. The measuring is said on the ``leanopt.memory.process`` logger (INFO: what is
+  measured, each setup as it is done; ``leanopt plan`` shows it on stderr).
 * **CUDA**: the CUDA context (measured once per device name and torch version by
   :func:`measure_cuda_context` where a GPU is present, and cached; otherwise
   :data:`ASSUMED_CUDA_CONTEXT`, said so in the source), cuBLAS's workspace
@@ -36,25 +39,21 @@ import logging
 import math
 import os
 import platform
-import subprocess
-import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from leanopt.memory.resident import GLIBC_MMAP_THRESHOLD_MAX, GLIBC_MMAP_THRESHOLD_START, status_kib
+from leanopt.memory.resident import GLIBC_MMAP_THRESHOLD_MAX, GLIBC_MMAP_THRESHOLD_START
 
-__all__ = ["OneTimeCost", "allocation_sequence", "cache_dir", "cpu_one_time", "cuda_one_time", "cuda_segment_margin", "glibc_heap_margin",
-           "glibc_resident_peak", "memory_limit", "one_time_cost", "planned_peak", "read_cache_entry", "small_config"]
+__all__ = ["OneTimeCost", "allocation_sequence", "cache_dir", "cpu_one_time", "OneTimeCosts", "cpu_one_times", "cuda_one_time", "cuda_segment_margin",
+           "glibc_heap_margin", "glibc_resident_peak", "memory_limit", "one_time_cost", "read_cache_entry"]
 
-PROBE_VERSION = 2
-MALLOC_MMAP_THRESHOLD = 65536  # the probe's (and the check's) glibc setting: every block of 64 KiB+ its own mmap
-PROBE_TIMEOUT_S = 600.0
-PROBE_BATCH, PROBE_SEQ = 4, 64
+PROBE_VERSION = 2  # what a cached one-time cost was measured by (leanopt.memory.probe); part of its key
 MiB = 2**20
 
 # The CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp): requests of at most kSmallSize
@@ -83,54 +82,6 @@ def cache_dir() -> Path:
     """``$LEANOPT_CACHE`` if set, else ``~/.cache/leanopt``."""
     root = os.environ.get("LEANOPT_CACHE", "").strip()
     return Path(root).expanduser() if root else Path.home() / ".cache" / "leanopt"
-
-
-# ---- the small model of the same class -----------------------------------------------------------
-_LAYERS = ("n_layers", "n_layer", "num_hidden_layers", "num_layers", "encoder_layers", "decoder_layers")
-_WIDTH = ("dim", "n_embd", "hidden_size", "d_model")
-_HEADS = ("n_heads", "n_head", "num_attention_heads", "encoder_attention_heads", "decoder_attention_heads")
-_INNER = ("hidden_dim", "intermediate_size", "n_inner", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "d_ff")
-
-
-def small_config(config: Any) -> dict[str, Any]:
-    """The config values of a small model of the same architecture: two layers, 128 wide, four
-    heads (two key/value heads where the model groups them), 512 inner, a 4,000-token vocabulary."""
-    values = config.to_dict()
-    grouped = isinstance(values.get("num_key_value_heads"), int) and values["num_key_value_heads"] < values.get("num_attention_heads", 0)
-    for key in _LAYERS:
-        if isinstance(values.get(key), int):
-            values[key] = min(values[key], 2)
-    for key in _WIDTH:
-        if isinstance(values.get(key), int):
-            values[key] = 128
-    for key in _HEADS:
-        if isinstance(values.get(key), int):
-            values[key] = 4
-    if isinstance(values.get("num_key_value_heads"), int):
-        values["num_key_value_heads"] = 2 if grouped else 4
-    if isinstance(values.get("head_dim"), int):
-        values["head_dim"] = 32
-    for key in _INNER:
-        if isinstance(values.get(key), int):
-            values[key] = 512
-    if isinstance(values.get("vocab_size"), int):
-        values["vocab_size"] = 4000
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id"):
-        if isinstance(values.get(key), int) and values[key] >= 4000:
-            values[key] = 0
-    return values
-
-
-def _probe_spec(module: torch.nn.Module, precision: str, optimizer: str, rounding: str | None) -> dict[str, Any]:
-    config = getattr(module, "config", None)
-    if config is None or not hasattr(config, "to_dict"):
-        raise ValueError(f"{type(module).__name__} has no transformers config to build a small one from")
-    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    seq = PROBE_SEQ if not isinstance(positions, int) else min(PROBE_SEQ, positions)
-    cls = type(module)
-    return {"model": [cls.__module__, cls.__qualname__], "config": [type(config).__module__, type(config).__qualname__],
-            "values": small_config(config), "precision": precision, "optimizer": optimizer, "rounding": rounding,
-            "batch": PROBE_BATCH, "seq": seq}  # fmt: skip
 
 
 def _key(spec: dict[str, Any]) -> dict[str, Any]:
@@ -217,54 +168,160 @@ def _one_time_problem(entry: Any, key: dict[str, Any]) -> str | None:
     return None
 
 
+Setting = tuple[str, str, "str | None"]  # (precision, optimizer, rounding): what a one-time cost is measured for
+
+
 def cpu_one_time(module: torch.nn.Module, precision: str, optimizer: str = "adamw", rounding: str | None = None, *,
                  measure: bool = True) -> OneTimeCost:  # fmt: skip
     """The one-time costs of a first step of ``module``'s class at ``precision`` with ``optimizer``
     (a registry name; ``rounding``: its ``rounding=`` for pure bf16), from the cache or
     (``measure``) a probe now; ``bytes`` None where neither can answer, ``source`` says why."""
-    try:
-        spec = _probe_spec(module, precision, optimizer, rounding)
-    except ValueError as err:
-        return OneTimeCost(None, f"not measured: {err}")
-    key = _key(spec)
-    path = _cache_file(key)
-    cached = read_cache_entry(path, lambda entry: _one_time_problem(entry, key), "measured again" if measure else "not used")
-    if cached is not None:
-        return OneTimeCost(cached["bytes"], f"measured {cached['when']}, cached in {path}", dict(cached["parts"]))
-    if not measure:
-        return OneTimeCost(None, f"not measured yet for {key['model']} {precision} {optimizer} (no {path})")
-    try:
-        result = probe(spec)
-    except (RuntimeError, subprocess.TimeoutExpired, ValueError) as err:
-        return OneTimeCost(None, f"not measured: the probe failed ({str(err).strip().splitlines()[-1][:200]})")
-    entry = {"key": key, "when": time.strftime("%Y-%m-%d %H:%M"), **result}
+    return cpu_one_times(module, [(precision, optimizer, rounding)], measure=measure)[precision, optimizer, rounding]
+
+
+def cpu_one_times(module: torch.nn.Module, settings: Sequence[Setting], *, measure: bool = True) -> dict[Setting, OneTimeCost]:
+    """:func:`cpu_one_time` of each (precision, optimizer, rounding) in ``settings``: the cached
+    ones read, the others (``measure``) measured by one probe process."""
+    return OneTimeCosts(module, settings, measure=measure).result()
+
+
+class OneTimeCosts:
+    """The CPU's one-time costs of ``settings`` for ``module``'s class: the cached ones read at once,
+    the others (``measure``) measured by one probe process (:func:`leanopt.memory.probe.measure`)
+    that runs while the caller goes on (``plan`` traces meanwhile); :meth:`result` waits for it and
+    caches what it measured. What is measured is said on this module's logger (INFO), each
+    setting as it is done, from :meth:`result` on (said before, it would stand in front of the
+    one-line error of a plan that fails meanwhile)."""
+
+    def __init__(self, module: torch.nn.Module, settings: Sequence[Setting], *, measure: bool = True) -> None:
+        from leanopt.memory import probe
+
+        self.known: dict[Setting, OneTimeCost] = {}
+        self._todo: list[tuple[Setting, dict[str, Any]]] = []
+        self._measured: list[dict[str, Any] | str] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._held: list[tuple[Any, ...]] | None = []  # what is said, held until result()
+        self._lock = threading.Lock()
+        try:
+            specs = {s: probe.probe_spec(module, *s) for s in dict.fromkeys(settings)}
+        except ValueError as err:
+            self.known = {s: OneTimeCost(None, f"not measured: {err}") for s in settings}
+            return
+        for setting, spec in specs.items():
+            key = _key(spec)
+            path = _cache_file(key)
+            cached = read_cache_entry(path, lambda entry: _one_time_problem(entry, key), "measured again" if measure else "not used")
+            if cached is not None:
+                self.known[setting] = OneTimeCost(cached["bytes"], f"measured {cached['when']}, cached in {path}", dict(cached["parts"]))
+            elif not measure:
+                self.known[setting] = OneTimeCost(None, f"not measured yet for {key['model']} {' '.join(filter(None, setting))} (no {path})")
+            else:
+                self._todo.append((setting, spec))
+        if self._todo:
+            self._say("leanopt: measuring the one-time costs of a first step (imports, thread pools, kernels) of %d setup%s of %s "
+                      "in one probe process, on a small model of the same class; once: cached in %s", len(self._todo),
+                      "s" if len(self._todo) > 1 else "", type(module).__name__, cache_dir() / "process")  # fmt: skip
+            self._t0 = time.perf_counter()
+            self._thread = threading.Thread(target=self._measure, name="leanopt-probe", daemon=True)
+            self._thread.start()
+
+    @classmethod
+    def of(cls, known: dict[Setting, OneTimeCost]) -> OneTimeCosts:
+        """Costs already known: nothing to measure."""
+        out = cls.__new__(cls)
+        out.known, out._todo, out._measured, out._stop, out._thread = dict(known), [], [], threading.Event(), None
+        out._held, out._lock = None, threading.Lock()
+        return out
+
+    def _say(self, *args: Any) -> None:
+        with self._lock:
+            if self._held is not None:
+                self._held.append(args)
+                return
+        log.info(*args)
+
+    def _measure(self) -> None:
+        from leanopt.memory import probe
+
+        done = [0]
+
+        def report(index: int, result: dict[str, Any] | str) -> None:
+            done[0] += 1
+            said = f"{result['seconds']:.0f} s" if isinstance(result, dict) else f"failed: {result}"
+            if not self._stop.is_set():
+                self._say("leanopt:   %d/%d %s (%s)", done[0], len(self._todo), " ".join(filter(None, self._todo[index][0])), said)
+
+        self._measured = probe.measure([spec for _, spec in self._todo], report, stop=self._stop)
+
+    def cancel(self) -> None:
+        """Stop the probe (the caller failed): nothing more is measured or cached."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread, self._todo = None, []
+
+    def result(self) -> dict[Setting, OneTimeCost]:
+        """Every setting's cost, once the probe (if any) is done; what it measured is cached."""
+        if self._thread is None:
+            return dict(self.known)
+        from leanopt.memory import probe
+
+        with self._lock:
+            held, self._held = self._held or [], None
+        for args in held:
+            log.info(*args)
+        self._thread.join()
+        self._thread = None
+        ok = [i for i, m in enumerate(self._measured) if isinstance(m, dict)]
+        planned = dict(zip(ok, probe.planned_peaks([self._todo[i][1] for i in ok])))
+        when = time.strftime("%Y-%m-%d %H:%M")
+        for i, ((setting, spec), m) in enumerate(zip(self._todo, self._measured)):
+            if not isinstance(m, dict):
+                self.known[setting] = OneTimeCost(None, f"not measured: the probe failed ({m})")
+                continue
+            build = max(0, m["built"] - m["param_bytes"])
+            one_time = max(0, m["peak"] - planned[i])
+            parts = {"model_build": min(build, one_time), "first_steps": one_time - min(build, one_time)}
+            key = _key(spec)
+            entry = {"key": key, "when": when, "bytes": one_time, "parts": parts, "probe_peak": m["peak"],
+                     "probe_planned": planned[i], "probe_seconds": m["seconds"], "spec": spec}  # fmt: skip
+            self.known[setting] = OneTimeCost(one_time, f"measured now, {_write_entry(_cache_file(key), entry)}", parts)
+        self._say("leanopt: measured in %.0f s", time.perf_counter() - self._t0)
+        self._todo = []
+        return dict(self.known)
+
+
+def _write_entry(path: Path, entry: dict[str, Any]) -> str:
     try:
         from leanopt.writing import write_text_atomically
 
         path.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomically(path, json.dumps(entry, indent=1) + "\n")
-        where = f"cached in {path}"
     except OSError as err:
-        where = f"not cached ({type(err).__name__})"
-    return OneTimeCost(result["bytes"], f"measured now, {where}", result["parts"])
+        return f"not cached ({type(err).__name__})"
+    return f"cached in {path}"
 
 
 def one_time_cost(module: torch.nn.Module, precision: str, optimizer: str, rounding: str | None, *, device: str = "cpu",
-                  sizes: list[int] | None = None, gpus: int = 1, heap: dict[str, Any] | str | None = "pinned") -> OneTimeCost:  # fmt: skip
+                  sizes: list[int] | None = None, gpus: int = 1, heap: dict[str, Any] | str | None = "pinned",
+                  measured: dict[Setting, OneTimeCost] | None = None) -> OneTimeCost:  # fmt: skip
     """What a plan row's process needs besides its step's tensors: on the CPU the one-time costs
     of a first step (:func:`cpu_one_time`, cached on disk after their first measurement); on CUDA
     the context, cuBLAS's workspace and the segment margin of ``sizes`` (the blocks live at the
     step's peak). ``heap``: ``"pinned"``, no heap margin (for a process that calls
     :func:`leanopt.pin_allocator`, which the source says); the row's batch, seq, checkpointing,
     grad_release and accum, for the margin glibc's default heap keeps (:func:`glibc_heap_margin`);
-    None: not modelled for this row (offload), which the source says."""
+    None: not modelled for this row (offload), which the source says. ``measured``: the CPU's
+    one-time costs already read or measured for the plan (:func:`cpu_one_times`), by setting."""
     from leanopt.memory.resident import allocator
 
     if gpus > 1:
         return OneTimeCost(None, "not measured for FSDP2 ranks (--gpus > 1): the budget is compared with the step's peak")
     if device == "cuda":
         return cuda_one_time(sizes or [])
-    cost = cpu_one_time(module, precision, optimizer, rounding)
+    setting = (precision, optimizer, rounding)
+    cost = measured[setting] if measured is not None and setting in measured else cpu_one_time(module, *setting)
     if cost.bytes is None:
         return cost
     if heap == "pinned":
@@ -285,93 +342,6 @@ def one_time_cost(module: torch.nn.Module, precision: str, optimizer: str, round
     parts = {**cost.parts, "glibc_heap": margin}
     return OneTimeCost(cost.bytes + margin, f"{cost.source}; glibc's default heap modelled (+{margin / 2**20:.0f} MiB; "
                        "process_bytes_pinned: with leanopt.pin_allocator())", parts)  # fmt: skip
-
-
-def probe(spec: dict[str, Any]) -> dict[str, Any]:
-    """Run the small step in a fresh process and subtract ``plan``'s peak of it: the one-time cost."""
-    # A fixed mmap threshold: freed blocks go back to the system, so what is measured is the
-    # one-time costs, not what glibc's default allocator would keep of this small model's heap.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    env.update(PYTHONWARNINGS="ignore", MALLOC_MMAP_THRESHOLD_=str(MALLOC_MMAP_THRESHOLD))
-    t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "leanopt.memory.process", "--probe", json.dumps(spec)], env=env,
-                         capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, check=False)  # fmt: skip
-    if out.returncode != 0:
-        raise RuntimeError(out.stderr.strip()[-400:] or f"exit {out.returncode}")
-    measured = json.loads(out.stdout.strip().splitlines()[-1])
-    planned = planned_peak(spec)
-    total = measured["peak"]
-    build = max(0, measured["built"] - measured["param_bytes"])
-    one_time = max(0, total - planned)
-    return {"bytes": one_time, "parts": {"model_build": min(build, one_time), "first_steps": one_time - min(build, one_time)},
-            "probe_peak": total, "probe_planned": planned, "probe_seconds": round(time.perf_counter() - t0, 1),
-            "spec": spec}  # fmt: skip
-
-
-def planned_peak(spec: dict[str, Any]) -> int:
-    """What ``plan`` predicts for the probe's small step (no checkpointing, no release): the
-    part of the probe's growth that is not one-time."""
-    from leanopt.memory.plan_model import task_of
-    from leanopt.memory.plan_step import Traces, combine
-
-    model = _build(spec, meta=True)
-    traces = Traces(model, type(model).__name__, task_of(model), batch=spec["batch"], seq=spec["seq"])
-    step, _ = traces.step(spec["optimizer"], spec["rounding"], spec["precision"], release=False)
-    return combine(traces.forward_backward(spec["precision"], False), step).bytes
-
-
-def _build(spec: dict[str, Any], *, meta: bool = False) -> torch.nn.Module:
-    import importlib
-
-    mod, name = spec["model"]
-    cmod, cname = spec["config"]
-    config = getattr(importlib.import_module(cmod), cname).from_dict(spec["values"])
-    cls = getattr(importlib.import_module(mod), name)
-    if meta:
-        with torch.device("meta"):
-            return cls(config)
-    return cls(config)
-
-
-def _status_kib(field: str) -> int:
-    """The probe runs on Linux only: a missing field is an error there."""
-    value = status_kib(field)
-    if value is None:
-        raise RuntimeError(f"/proc/self/status has no {field}")
-    return value
-
-
-def _probe_main(spec: dict[str, Any]) -> None:
-    """In the fresh process: the small model's three steps, as a user's script runs them."""
-    import transformers  # noqa: F401 - imported before the baseline, as a user's script does
-
-    import leanopt  # noqa: F401
-    from leanopt.memory.estimate import resolve_optimizer
-
-    torch.manual_seed(0)
-    before = _status_kib("VmRSS")
-    model = _build(spec)
-    built = _status_kib("VmRSS") - before
-    param_bytes = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in [*model.parameters(), *model.buffers()]}.values())
-    precision = spec["precision"]
-    if precision == "bf16":
-        model.to(torch.bfloat16)
-    model.train()
-    rounding = spec["rounding"]
-    opt = resolve_optimizer(spec["optimizer"])(model.parameters(), **({"rounding": rounding} if rounding not in (None, "nearest") else {}))
-    config: Any = model.config
-    vocab = int(config.vocab_size)
-    ids = torch.randint(0, vocab, (spec["batch"], spec["seq"]))
-    classify = type(model).__name__.endswith("ForSequenceClassification")
-    labels = torch.randint(0, int(getattr(config, "num_labels", 2) or 2), (spec["batch"],)) if classify else ids
-    for _ in range(3):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
-            loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    peak = _status_kib("VmHWM") - before
-    print(json.dumps({"peak": peak * 1024, "built": built * 1024, "param_bytes": param_bytes}))
 
 
 # ---- glibc's heap under its default settings -------------------------------------------------------
@@ -640,11 +610,3 @@ def cuda_one_time(sizes: list[int], device_name: str | None = None, capability: 
     parts = {"cuda_context": context, "cublas_workspace": cublas_workspace_bytes(capability),
              "allocator_margin": cuda_segment_margin(sizes)}  # fmt: skip
     return OneTimeCost(sum(parts.values()), f"{source}; cuBLAS workspace and allocator segments modelled", parts)
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--probe":
-        _probe_main(json.loads(sys.argv[2]))
-    else:
-        print("usage: python -m leanopt.memory.process --probe SPEC_JSON", file=sys.stderr)
-        raise SystemExit(2)
