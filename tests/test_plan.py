@@ -101,7 +101,7 @@ def test_json_keys(gpt2_rows):
     d = json.loads(json.dumps(gpt2_rows[0].as_dict()))
     assert set(d) == {"optimizer", "precision", "rounding", "checkpointing", "grad_release", "gpus", "accum", "peak_bytes",
                       "process_bytes", "process_bytes_pinned", "fits", "compared", "breakdown", "one_time", "process_source", "offload",
-                      "host_bytes"}  # fmt: skip
+                      "host_bytes", "peak_in", "floor_bytes"}  # fmt: skip
     assert d["fits"] is None and isinstance(d["breakdown"], dict) and d["rounding"] is None
     assert d["process_bytes"] is None and d["compared"] is None and d["accum"] == 1
     assert d["offload"] is False and d["host_bytes"] is None
@@ -278,6 +278,64 @@ def test_budget_and_recommendation(gpt2_rows):
     assert best is next(r for r in rows if r.fits)  # the most precise that fits
     assert recommend(plan(tiny_gpt2(), batch=4, seq=32, budget=1, optimizers=["adafactor"], precisions=["fp32"])) is None
     assert recommend(gpt2_rows) is None  # no budget
+
+
+# ---- where the peak is, what no batch lowers, and what to say when nothing fits ----------------------
+def test_rows_say_where_they_peak(gpt2_rows):
+    """Pure bf16 with Kahan or stochastic rounding peaks in optimizer.step() (each param stepped
+    through fp32 copies, after backward freed the activations): no activations in its breakdown,
+    and checkpointing leaves that peak as it is. Without release and rounding, this model peaks in
+    forward/backward, activations in it."""
+    rows = {(r.optimizer, r.precision, r.rounding, r.grad_release, r.checkpointing): r for r in gpt2_rows}
+    for (optimizer, precision, rounding, release, ckpt), r in rows.items():
+        assert r.peak_in in ("forward/backward", "optimizer step", "backward")
+        assert (r.peak_in == "backward") == release
+        if r.peak_in == "optimizer step":
+            assert r.breakdown["activations"] == 0
+            if not ckpt:
+                assert rows[optimizer, precision, rounding, release, True].peak_bytes == r.peak_bytes
+    stochastic = rows["adamw", "bf16", "stochastic", False, False]
+    assert stochastic.peak_in == "optimizer step" and stochastic.breakdown["other"] > stochastic.breakdown["weights"]
+    fp32 = rows["adamw", "fp32", None, False, False]
+    assert fp32.peak_in == "forward/backward" and fp32.breakdown["activations"] > 0
+
+
+def test_the_floor_is_what_every_batch_needs(gpt2_rows):
+    """floor_bytes does not depend on the batch or the sequence, and no row at batch 1, seq 1 is
+    under it; a pure-bf16 row's floor holds at least its bf16 weights and gradients."""
+    small = {(r.optimizer, r.precision, r.rounding, r.grad_release, r.checkpointing): r
+             for r in plan(tiny_gpt2(), batch=1, seq=1, optimizers=["adamw", "adamw8bit", "adafactor"], process=False)}  # fmt: skip
+    n = sum(p.numel() for p in tiny_gpt2().parameters())
+    for r in gpt2_rows:
+        same = small[r.optimizer, r.precision, r.rounding, r.grad_release, r.checkpointing]
+        assert r.floor_bytes == same.floor_bytes <= same.peak_bytes <= r.peak_bytes
+        assert r.floor_bytes >= (2 if r.precision == "bf16" else 4) * n * (1 if r.grad_release else 2)
+
+
+def test_nothing_fits_says_whether_any_batch_would(gpt2_rows):
+    from leanopt.memory.plan import nothing_fits
+
+    floor = min(r.floor_bytes for r in gpt2_rows)
+    smallest = min(gpt2_rows, key=lambda r: r.floor_bytes)
+    below = nothing_fits(gpt2_rows, floor - 1, batch=4, seq=32)
+    assert "at any batch or seq" in below and "lower --batch" not in below
+    assert f"({smallest.optimizer}, {smallest.precision}" in below and "a smaller model" in below and "--gpus N" in below
+    assert "--offload" not in below  # on the CPU the host is the device: offloading saves nothing
+    assert "--offload" in nothing_fits(gpt2_rows, floor - 1, batch=4, seq=32, device="cuda")
+    between = nothing_fits(gpt2_rows, floor, batch=4, seq=32)  # under every peak, at the smallest floor
+    assert "at batch 4, seq 32: lower --batch or --seq" in between and "at any batch" not in between
+
+
+def test_cli_says_that_no_batch_fits_below_the_weights(tmp_path, capsys):
+    """A budget under a model's bf16 weights: no batch fits, and plan says what would."""
+    transformers.GPT2Config(**TINY_GPT2).to_json_file(tmp_path / "config.json")
+    n = sum(p.numel() for p in tiny_gpt2().parameters())
+    out = _run_cli(["plan", str(tmp_path), "--batch", "2", "--seq", "16", "--optimizers", "adamw,adafactor", "--precisions", "bf16",
+                    "--roundings", "stochastic", "--no-process", "--budget", str(2 * n - 1)], capsys)  # fmt: skip
+    text = " ".join(out.split())
+    assert "nothing fits in" in text and "at any batch or seq" in text and "a smaller model" in text, text
+    assert "lower --batch or --seq" not in text
+    assert "rows peak in optimizer.step()" in text and "checkpointing does not lower such a peak" in text
 
 
 def test_the_module_is_given_back_unchanged():

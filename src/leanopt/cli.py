@@ -551,7 +551,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if sys.stderr.isatty():  # at once, for the one watching (a script's stderr keeps its one-line errors)
         print(f"leanopt plan: tracing a training step of {args.model} per setup on fake tensors (nothing is allocated)",
               file=sys.stderr, flush=True)  # fmt: skip
-    from leanopt.memory.plan import KINDS, parse_bytes, plan, recommend
+    from leanopt.memory.plan import KINDS, nothing_fits, parse_bytes, plan, recommend
 
     _quiet_peer_import_warnings()
     try:
@@ -605,6 +605,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print_table(console, table, keys=len(left))
     console.print("step MB = " + " + ".join(PLAN_HEADERS.get(k, k) + (f" ({k.replace('_', ' ')})" if k in PLAN_HEADERS else "")
                                             for k in KINDS), style="dim", highlight=False)  # fmt: skip
+    in_step = [r for r in rows if r.peak_in == "optimizer step"]
+    if in_step:
+        rounded = [r.breakdown["other"] for r in in_step if r.rounding in ("kahan", "stochastic")]
+        console.print(f"{len(in_step)} of {len(rows)} rows peak in optimizer.step(), after backward has freed the activations: "
+                      "activ. is 0 there, and checkpointing does not lower such a peak" + (
+                          f"; pure bf16 with kahan or stochastic rounding steps each param through fp32 copies (other: up to "
+                          f"{_mib(max(rounded))} MB, for the largest param)" if rounded else ""), style="dim", highlight=False)  # fmt: skip
     if budget is not None:
         unknown = [r for r in rows if r.compared != "process_bytes"]
         said = (f"fits: {compared} MB ≤ the --budget of {_mib(budget)} MB. "
@@ -620,7 +627,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if budget is None:
         line = "no --budget: nothing to check against"
     elif best is None:
-        line = f"nothing fits in {_mib(budget)} MB: lower --batch or --seq, or shard over more devices"
+        line = nothing_fits(rows, budget, batch=args.batch, seq=args.seq, device=args.device)
     else:
         line = (f"recommended: {best.optimizer}, {_precision(best)}, activation checkpointing "
                 f"{'on' if best.checkpointing else 'off'}, gradient release {'on' if best.grad_release else 'off'} "

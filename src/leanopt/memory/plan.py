@@ -94,6 +94,7 @@ __all__ = [
     "Setup",
     "check_request",
     "evaluate",
+    "nothing_fits",
     "parse_bytes",
     "plan",
     "recommend",
@@ -126,7 +127,14 @@ class PlanRow:
     On the CPU ``process_bytes`` is for glibc's default allocator, what a user who changes
     nothing runs with: ``one_time["glibc_heap"]`` is what its heap keeps over the live tensors;
     ``process_bytes_pinned`` is the figure without it, for a process that called
-    :func:`leanopt.pin_allocator` first (or set ``MALLOC_MMAP_THRESHOLD_=65536``)."""
+    :func:`leanopt.pin_allocator` first (or set ``MALLOC_MMAP_THRESHOLD_=65536``).
+
+    ``peak_in``: where the step peaks, ``"forward/backward"``, ``"optimizer step"`` (the breakdown
+    then has no activations: they were freed; checkpointing does not lower such a peak) or
+    ``"backward"`` (gradient release steps each param in it). ``floor_bytes``: what the setup needs at
+    any batch and sequence length, a lower bound: the optimizer's step with every gradient (with
+    release: the weights, the state and one param's gradient and step), the one-time costs where
+    known, an offloaded row's host memory on the CPU. Above the budget, no batch fits."""
 
     optimizer: str
     precision: str
@@ -145,6 +153,8 @@ class PlanRow:
     offload: bool = False  # offload="cpu": state and host copies in host memory (host_bytes)
     host_bytes: int | None = None  # offloaded rows: host copies, states and host gradient buffers
     process_bytes_pinned: int | None = None  # process_bytes with leanopt.pin_allocator() (no glibc heap margin)
+    peak_in: str = ""  # forward/backward, optimizer step, backward (release)
+    floor_bytes: int = 0  # needed at any batch and seq (a lower bound)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -165,6 +175,8 @@ class PlanRow:
             "process_source": self.process_source,
             "offload": self.offload,
             "host_bytes": self.host_bytes,
+            "peak_in": self.peak_in,
+            "floor_bytes": self.floor_bytes,
         }
 
 
@@ -396,10 +408,11 @@ def evaluate(request: PlanRequest, setup: Setup, peak: StepPeak, measured: dict[
         shared = host if host is not None and request.device == "cpu" else 0
         fits = (needed if needed is not None else peak.bytes) + shared <= request.budget
     pinned = needed if needed is None or cost is None else needed - cost.parts.get("glibc_heap", 0)
+    floor = peak.floor + (needed - peak.bytes if needed is not None else 0) + (host if host is not None and request.device == "cpu" else 0)
     return PlanRow(setup.optimizer, setup.precision, setup.checkpointing, setup.grad_release, request.gpus, peak.bytes, fits,
                    peak.breakdown, setup.rounding, needed, dict(cost.parts) if cost is not None else {},
                    "process=False" if cost is None else cost.source, request.accum, compared, setup.offload, host,
-                   process_bytes_pinned=pinned)  # fmt: skip
+                   process_bytes_pinned=pinned, peak_in=peak.phase, floor_bytes=floor)  # fmt: skip
 
 
 def _host_bytes(module: torch.nn.Module, optimizer: str, precision: str, release: bool) -> int:
@@ -493,6 +506,32 @@ def plan(
         raise
     measured = costs.result() if costs is not None else None
     return [evaluate(request, s, peak, measured) for s, peak in zip(wanted, peaks)]
+
+
+def nothing_fits(rows: Sequence[PlanRow], budget: int, *, batch: int, seq: int, device: str = "cpu") -> str:
+    """What to say when no row fits ``budget``: whether a smaller batch or sequence would fit (the
+    rows' ``floor_bytes``), and else what would (offload on a GPU, more devices, a smaller model)."""
+    smallest = min(rows, key=lambda r: r.floor_bytes)
+    what = (f"{smallest.optimizer}, {smallest.precision}{f' {smallest.rounding}' if smallest.rounding else ''}"
+            f"{', gradient release' if smallest.grad_release else ''}{', offload' if smallest.offload else ''}")  # fmt: skip
+    needs = (f"the smallest setup ({what}) needs {_mib(smallest.floor_bytes)} MiB before any activation (weights, "
+             "gradients, optimizer state and step" + (", the process's one-time costs" if smallest.process_bytes is not None else "")
+             + (", host memory" if smallest.offload and device == "cpu" else "") + ")")  # fmt: skip
+    if smallest.floor_bytes <= budget:
+        return (f"nothing fits in {_mib(budget)} MiB at batch {batch}, seq {seq}: lower --batch or --seq (--accum K "
+                f"keeps the batch in K micro-batches), or shard over more devices; {needs}")  # fmt: skip
+    helps = []
+    if device == "cuda" and not any(r.offload for r in rows):
+        helps.append("--offload (optimizer state and fp32 masters in host memory)")
+    if device == "cpu":
+        helps.append("sharding over more devices (FSDP2: weights, gradients and state split N ways; plan it with --gpus N)")
+    helps.append("a smaller model")
+    return f"nothing fits in {_mib(budget)} MiB at any batch or seq: {needs}; what would: " + ", or ".join(helps)
+
+
+def _mib(nbytes: int) -> str:
+    mib = nbytes / 2**20
+    return f"{mib:.1f}" if mib < 10 else f"{mib:,.0f}"
 
 
 def recommend(rows: Sequence[PlanRow]) -> PlanRow | None:

@@ -75,12 +75,20 @@ class Step:
 
 @dataclass(frozen=True)
 class StepPeak:
-    """A configuration's step at its highest point: bytes, by kind, and the sizes of the storages
-    live then (a CUDA plan's segment margin)."""
+    """A configuration's step at its highest point: bytes, by kind, the sizes of the storages live
+    then (a CUDA plan's segment margin) and where it is (``phase``); and ``floor``, what the step
+    needs at any batch and sequence length: the part of it that no activation is in (a lower bound)."""
 
     bytes: int
     breakdown: dict[str, int]
     sizes: list[int]
+    phase: str  # "forward/backward", "optimizer step", or "backward" (gradient release: the step is in it)
+    floor: int
+
+
+def _nbytes(shapes: Shapes, device: str) -> list[int]:
+    nbytes = [math.prod(shape) * torch.empty((), dtype=dtype, device="meta").element_size() for shape, dtype in shapes]
+    return [cuda_block_bytes(n) for n in nbytes] if device == "cuda" else nbytes
 
 
 def trace_forward_backward(
@@ -151,14 +159,17 @@ def _by_kind(breakdown: dict[str, int]) -> dict[str, int]:
 
 def combine(fb: ForwardBackward, step: Step) -> StepPeak:
     """In steady state the optimizer's state and workspaces are live through forward and backward,
-    what backward left (loss, inputs) through the step."""
+    what backward left (loss, inputs) through the step. The optimizer's step itself, with every
+    gradient, is what any batch needs (its floor)."""
     during_fb = fb.peak.bytes + sum(step.kept.values())
     during_step = step.peak.bytes + sum(fb.left.values())
     at, extra = (fb.peak, step.kept) if during_fb >= during_step else (step.peak, fb.left)
     breakdown = dict(at.breakdown)
     for k, v in extra.items():
         breakdown[k] += v
-    return StepPeak(max(during_fb, during_step), _by_kind(breakdown), [*at.sizes, *(v for v in extra.values() if v)])
+    phase = "forward/backward" if during_fb >= during_step else "optimizer step"
+    return StepPeak(max(during_fb, during_step), _by_kind(breakdown), [*at.sizes, *(v for v in extra.values() if v)], phase,
+                    step.peak.bytes)  # fmt: skip
 
 
 def combine_released(fb: ForwardBackward, step: Step, param_steps: ParamSteps) -> StepPeak:
@@ -176,7 +187,12 @@ def combine_released(fb: ForwardBackward, step: Step, param_steps: ParamSteps) -
     for k, v in step.kept.items():
         breakdown[k] += v
     sizes = [*best.sizes, *([extra] if extra else []), *(v for v in step.kept.values() if v)]
-    return StepPeak(best.bytes + extra + sum(step.kept.values()), _by_kind(breakdown), sizes)
+    # At any batch: the weights and what the optimizer keeps, and at some hook a param's gradient
+    # and its step's transient.
+    weights = sum(_nbytes(fb.shapes, "cpu"))
+    stepped = max((n + param_steps.transient[key] for n, key in zip(_nbytes(fb.shapes, "cpu"), fb.shapes)), default=0)
+    floor = weights + sum(step.kept.values()) + stepped
+    return StepPeak(best.bytes + extra + sum(step.kept.values()), _by_kind(breakdown), sizes, "backward", floor)
 
 
 def combine_offloaded(fb: ForwardBackward, release: bool, shapes: Shapes, device: str) -> StepPeak:
@@ -184,20 +200,19 @@ def combine_offloaded(fb: ForwardBackward, release: bool, shapes: Shapes, device
     release ``step()`` reads the gradients (copied to the host chunk by chunk) while weights,
     gradients and what backward left are live; with release the gradients leave at their hooks,
     where the host, not the device, steps each param."""
-    if release:
+    nbytes = _nbytes(shapes, device)
+    if release:  # at any batch: the weights and, at some hook, a param's gradient
         assert fb.released is not None
-        return StepPeak(fb.released.bytes, _by_kind(fb.released.breakdown), list(fb.released.sizes))
-    nbytes = [math.prod(shape) * torch.empty((), dtype=dtype, device="meta").element_size() for shape, dtype in shapes]
-    if device == "cuda":
-        nbytes = [cuda_block_bytes(n) for n in nbytes]
+        floor = sum(nbytes) + max(nbytes, default=0)
+        return StepPeak(fb.released.bytes, _by_kind(fb.released.breakdown), list(fb.released.sizes), "backward", floor)
     during_step = 2 * sum(nbytes) + sum(fb.left.values())
     if fb.peak.bytes >= during_step:
-        return StepPeak(fb.peak.bytes, _by_kind(fb.peak.breakdown), list(fb.peak.sizes))
+        return StepPeak(fb.peak.bytes, _by_kind(fb.peak.breakdown), list(fb.peak.sizes), "forward/backward", 2 * sum(nbytes))
     breakdown = dict.fromkeys(KINDS, 0)
     breakdown.update(weights=sum(nbytes), gradients=sum(nbytes))
     for k, v in fb.left.items():
         breakdown[k] += v
-    return StepPeak(during_step, breakdown, [*nbytes, *nbytes, *(v for v in fb.left.values() if v)])
+    return StepPeak(during_step, breakdown, [*nbytes, *nbytes, *(v for v in fb.left.values() if v)], "optimizer step", 2 * sum(nbytes))
 
 
 # ---- the traces of one request ----------------------------------------------------------------------
