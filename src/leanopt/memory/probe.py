@@ -17,7 +17,8 @@ run would count as growth. Each fork therefore first touches every page of a map
 parent had resident (``/proc/self/pagemap``), then resets the high-water mark. Held against one
 fresh process per setup (DistilBERT's small model: fp32 AdamW, bf16-mixed AdamW4bit, pure bf16
 AdamW8bit stochastic; 2026-12-03): within 0.2 MiB of 128-150 MiB; without the touch, 21 MiB more.
-Where ``pagemap`` cannot be read, each setup runs in a fresh subprocess of its own, as one probe.
+Where ``pagemap`` cannot be read or the high-water mark cannot be reset (``/proc/self/clear_refs``),
+each setup runs in a fresh subprocess of its own, as one probe.
 """
 
 from __future__ import annotations
@@ -335,6 +336,9 @@ def _serve(specs: list[dict[str, Any]]) -> None:
         pages = resident_file_pages()
     except OSError as err:
         say({"fallback": f"/proc/self/pagemap: {type(err).__name__}"})
+        return
+    if not reset_peak():  # a fork could not start its high-water mark from where it is
+        say({"fallback": "/proc/self/clear_refs cannot be written"})
         return
     models: dict[str, list[int]] = {}
     for i, spec in enumerate(specs):

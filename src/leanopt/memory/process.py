@@ -1,4 +1,4 @@
-"""What a training process needs besides its step's tensors (issue 24): ``process_bytes``.
+"""What a training process needs besides its step's tensors: ``process_bytes``.
 
 ``plan``'s ``peak_bytes`` is the peak of one steady-state step's tensors. A user's process needs
 more, and sees more (its resident set, or on a GPU what the driver hands out):
