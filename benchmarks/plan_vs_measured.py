@@ -348,6 +348,33 @@ def predict(case: str, optimizer: str, precision: str, checkpointing: bool, gpus
     return row.peak_bytes
 
 
+def predict_all(case: str, configs: list[tuple], gpus: int = 1) -> list[int]:
+    """:func:`predict` of each configuration, from as few plans as there are (precision, rounding,
+    release, offload) among them: a plan traces each forward/backward and each step once for all
+    the rows it makes."""
+    from leanopt.memory.plan import plan
+
+    model = build_meta(case)
+    _, _, _, batch, seq = model_spec(case)
+    groups: dict[tuple, list[tuple]] = {}
+    for config in configs:
+        optimizer, precision, ckpt, rounding, release = full_config(config)
+        groups.setdefault((precision, rounding, release, offloaded(config)), []).append(config)
+    planned: dict[tuple, int] = {}
+    for (precision, rounding, release, offload), group in groups.items():
+        optimizers = list(dict.fromkeys(full_config(c)[0] for c in group))
+        ckpts = list(dict.fromkeys(full_config(c)[2] for c in group))
+        rows = plan(model, batch=batch, seq=seq, gpus=gpus, optimizers=optimizers, precisions=[precision], checkpointing=ckpts,
+                    roundings=[rounding] if rounding else None, grad_release=[release], process=False, offload=offload)  # fmt: skip
+        # An offloaded row's host memory is the same CPU's: predicted with its device peak, as predict() does.
+        peaks = {(r.optimizer, r.checkpointing): r.peak_bytes + ((r.host_bytes or 0) if offload else 0)
+                 for r in rows if r.offload == offload and r.rounding == rounding}  # fmt: skip
+        for config in group:
+            optimizer, _, ckpt, _, _ = full_config(config)
+            planned[config] = peaks[optimizer, ckpt]
+    return [planned[config] for config in configs]
+
+
 def build_meta(case: str) -> Any:
     import torch
 

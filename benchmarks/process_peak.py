@@ -4,7 +4,7 @@
     python benchmarks/process_peak.py --cases small  # the tiny models tests/test_plan_process.py uses
     python benchmarks/process_peak.py --json
 
-The independent definition (issue 24), nothing of leanopt's memory code in it: a fresh Python
+The independent definition, nothing of leanopt's memory code in it: a fresh Python
 process imports torch, transformers and leanopt, reads its resident set (``VmRSS``: anonymous
 and file-backed pages), builds the model (random weights, train mode), trains three steps
 (the step of ``benchmarks/plan_vs_measured.py``: forward, backward, ``optimizer.step()``,

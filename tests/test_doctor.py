@@ -147,3 +147,31 @@ def test_cli_doctor_prints_the_table_and_json(tmp_path, capsys):
     assert cli.main(["doctor", str(tmp_path), "--batch", "0", "--seq", "32"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "batch" in err[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_offloaded_host_copies_are_master_weights(dtype):
+    """With offload="cpu" on the CPU the optimizer keeps a host copy of each param (an fp32 master
+    of a bf16 param: leanopt.optim.offload.master_dtype), in the memory measured: master weights,
+    4 B/param, not runtime overhead; the plan beside it says the same."""
+    from leanopt.optim.offload import master_dtype
+
+    torch.manual_seed(0)
+    model = transformers.DistilBertForSequenceClassification(transformers.DistilBertConfig(**TINY_DISTILBERT)).to(dtype)
+    batch = {"input_ids": torch.randint(0, 2000, (8, 32)), "labels": torch.randint(0, 3, (8,))}
+    params = list(model.parameters())
+    masters = sum(p.numel() * torch.empty((), dtype=master_dtype(p.dtype)).element_size() for p in params)
+    assert masters == 4 * sum(p.numel() for p in params)
+    d = doctor(model, leanopt.AdamW(params, offload="cpu"), batch, plan=dtype == torch.bfloat16)
+    assert d.measured["master_weights"] == masters
+    assert d.measured["optimizer_state"] == estimate(params, "adamw").bytes
+    assert sum(d.measured[c] for c in TENSOR_CATEGORIES) == d.tensor_peak_bytes
+    if dtype == torch.bfloat16:
+        assert d.planned is not None and d.plan_row["offload"], d.plan_note
+        assert d.planned["master_weights"] == masters and d.planned["optimizer_state"] == d.measured["optimizer_state"]
+        # the same model and optimizer without offload: no master weights, the tensor peak 4 B/param lower
+        torch.manual_seed(0)
+        model = transformers.DistilBertForSequenceClassification(transformers.DistilBertConfig(**TINY_DISTILBERT)).to(dtype)
+        usual = doctor(model, leanopt.AdamW(model.parameters()), batch, plan=False)
+        assert usual.measured["master_weights"] == 0
+        assert usual.tensor_peak_bytes + masters <= d.tensor_peak_bytes

@@ -17,7 +17,7 @@ import torch
 
 from leanopt import torch_patches
 from leanopt.memory import cuda_emulation
-from leanopt.memory.plan_trace import LiveStorage
+from leanopt.memory.plan_trace import ShardedLiveStorage
 from leanopt.torch_patches import TORCH_PATCHES, patchable, thread_patch
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "leanopt"
@@ -26,7 +26,7 @@ FOREIGN = ("torch", "transformers", "triton")  # packages whose attributes a rep
 # Every function in src/ that calls thread_patch, and how this file runs it (test_every_thread_patch_...).
 THREAD_PATCH_CALLERS = {
     "memory/cuda_emulation.py:cuda_forward",
-    "memory/plan_trace.py:LiveStorage.__enter__",
+    "memory/plan_trace.py:ShardedLiveStorage.__enter__",
 }
 
 
@@ -57,8 +57,7 @@ def test_the_autocast_points_are_where_torch_defines_the_emulated_ops():
 
 def test_what_the_planner_patches_is_exactly_the_thread_scoped_list():
     # Run every caller of thread_patch and read what is installed meanwhile (torch_patches._PATCHES).
-    tracker = LiveStorage()
-    tracker.distributed = True
+    tracker = ShardedLiveStorage()
     with cuda_emulation.cuda_forward(None), tracker:
         installed = set(torch_patches._PATCHES)
     assert installed == _pairs("thread")

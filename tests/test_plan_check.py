@@ -1,4 +1,4 @@
-"""plan(..., device="cuda") and its GPU check, leanopt.memory.plan_check (issue 12).
+"""plan(..., device="cuda") and its GPU check, leanopt.memory.plan_check.
 
 No GPU here: the CUDA modelling is checked on the CPU against hand-computed values (allocator
 blocks, what fused attention saves, CUDA autocast's fp32 ops, the in-place Triton update), and
@@ -8,6 +8,7 @@ the check's dry run (the same pipeline on the CPU at tiny sizes) is run.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 from pathlib import Path
@@ -21,7 +22,8 @@ from torch._subclasses import FakeTensorMode
 
 from leanopt.memory import plan_check
 from leanopt.memory.cuda_emulation import cuda_block_bytes, cuda_forward, sdpa_cuda_kernel
-from leanopt.memory.plan import _trace_step, plan
+from leanopt.memory.plan import plan
+from leanopt.memory.plan_step import trace_step
 from leanopt.memory.plan_trace import LiveStorage
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,8 +60,7 @@ def test_the_kernel_torch_picks_on_a_gpu():
 
 def _saved_by_attention(dtype, device: str) -> int:
     """Bytes live after one attention forward (dropout, causal), over its inputs."""
-    tracker = LiveStorage()
-    tracker.device = device
+    tracker = LiveStorage(device)
     with FakeTensorMode(), tracker, (cuda_forward(tracker) if device == "cuda" else contextlib.nullcontext()):
         q, k, v = (torch.empty(2, 4, 100, 64, dtype=dtype, requires_grad=True) for _ in range(3))
         for t in (q, k, v):
@@ -103,8 +104,8 @@ def test_cuda_autocast_runs_pow_and_softmax_in_fp32():
 @pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit", "adafactor"])
 def test_the_triton_update_allocates_nothing_of_the_params_size(optimizer):
     model = tiny_gpt2()
-    cpu = _trace_step(model, optimizer, torch.float32)
-    cuda = _trace_step(model, optimizer, torch.float32, device="cuda")
+    cpu = trace_step(model, optimizer, torch.float32)
+    cuda = trace_step(model, optimizer, torch.float32, device="cuda")
     weights = cuda.peak.breakdown["weights"]
     assert cuda.peak.breakdown["gradients"] == weights  # fp32 gradients, 512-byte blocks as the weights
     # Only small tables and Adafactor's scratch of row/column partial sums: not a param-sized temporary.
@@ -114,10 +115,19 @@ def test_the_triton_update_allocates_nothing_of_the_params_size(optimizer):
         assert cpu.peak.breakdown["other"] > 8 * largest > cuda.peak.breakdown["other"]
 
 
-def test_cuda_rows_and_their_differences_from_the_cpu():
-    kw = {"batch": 4, "seq": 32, "optimizers": ["adamw", "adamw8bit", "adafactor"], "grad_release": [False]}
-    cpu = {(r.optimizer, r.precision, r.rounding, r.checkpointing): r for r in plan(tiny_gpt2(), process=False, **kw)}
-    cuda = plan(tiny_gpt2(), device="cuda", **kw)
+ROWS = {"batch": 4, "seq": 32, "optimizers": ["adamw", "adamw8bit", "adafactor"], "grad_release": [False]}
+
+
+@pytest.fixture(scope="module")
+def device_rows():
+    """The same rows planned for the CPU and for one GPU (the CPU's without process_bytes: the
+    one-time costs are not what is compared here)."""
+    return {device: plan(tiny_gpt2(), device=device, process=device == "cuda", **ROWS) for device in ("cpu", "cuda")}
+
+
+def test_cuda_rows_and_their_differences_from_the_cpu(device_rows):
+    cpu = {(r.optimizer, r.precision, r.rounding, r.checkpointing): r for r in device_rows["cpu"]}
+    cuda = device_rows["cuda"]
     assert len(cuda) == len(cpu)
     for r in cuda:
         assert sum(r.breakdown.values()) == r.peak_bytes > 0
@@ -126,21 +136,24 @@ def test_cuda_rows_and_their_differences_from_the_cpu():
         if not r.checkpointing and r.precision == "fp32":
             # no seq x seq attention matrices saved on the GPU
             assert r.breakdown["activations"] < ref.breakdown["activations"]
-    assert plan(tiny_gpt2(), device=torch.device("cuda", 1), **kw)[0].peak_bytes == cuda[0].peak_bytes
+    # a device given as torch.device("cuda", 1) plans the same GPU step (its first row)
+    (first,) = plan(tiny_gpt2(), device=torch.device("cuda", 1), **{**ROWS, "optimizers": ["adamw"], "precisions": ["fp32"],
+                                                                    "checkpointing": [False]})  # fmt: skip
+    assert (first.optimizer, first.precision, first.checkpointing) == (cuda[0].optimizer, cuda[0].precision, cuda[0].checkpointing)
+    assert first.peak_bytes == cuda[0].peak_bytes
 
 
-def test_cli_plans_the_gpu_with_device_cuda(tmp_path, capsys):
+def test_cli_plans_the_gpu_with_device_cuda(tmp_path, capsys, device_rows):
     from leanopt import cli
 
     transformers.GPT2Config(**TINY_GPT2).to_json_file(tmp_path / "config.json")
     base = ["plan", str(tmp_path), "--batch", "4", "--seq", "32", "--optimizers", "adamw,adamw8bit", "--precisions", "fp32",
-            "--grad-release", "off", "--json"]  # fmt: skip
+            "--grad-release", "off", "--no-process", "--json"]  # fmt: skip
     rows = {}
     for device in ("cpu", "cuda"):
         assert cli.main([*base, "--device", device]) == 0
         rows[device] = json.loads(capsys.readouterr().out)
-        python = plan(str(tmp_path), batch=4, seq=32, optimizers=["adamw", "adamw8bit"], precisions=["fp32"],
-                      grad_release=[False], device=device)  # fmt: skip
+        python = [r for r in device_rows[device] if r.optimizer in ("adamw", "adamw8bit") and r.precision == "fp32"]
         assert [r["peak_bytes"] for r in rows[device]] == [r.peak_bytes for r in python]
     # the flag reaches the planner: fp32 without checkpointing saves no attention matrices on the GPU
     assert rows["cuda"][0]["breakdown"]["activations"] < rows["cpu"][0]["breakdown"]["activations"]
@@ -156,6 +169,8 @@ def test_the_check_pipeline_table_and_json(tmp_path, monkeypatch, capsys):
     """The dry run's pipeline in this process, the CPU measurement stood in for (1 % above the
     plan): plans, rows, table, JSON and exit status (the real measurement: the slow test)."""
     bench = plan_check.benchmark()
+    # The three runs below plan the same steps as this: each plan is made once.
+    monkeypatch.setattr(plan_check, "predict", functools.cache(plan_check.predict))
     # Planned here, before: the stand-in runs in the check's measuring threads, beside its plans.
     planned = {(case, c): plan_check.predict(bench, case, *c, device="cpu") for case in plan_check.DRY_CASES for c in plan_check.CONFIGS}
     monkeypatch.setattr(bench, "measure", lambda case, configs: [int(planned[case, c] * 1.01) for c in configs])
@@ -163,6 +178,9 @@ def test_the_check_pipeline_table_and_json(tmp_path, monkeypatch, capsys):
     assert plan_check.main(["--dry-run", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     _check_output(out, tmp_path, expect_error=-0.99)
+    doctor = json.loads((tmp_path / "plan_check.json").read_text())["doctor"]
+    assert doctor["ok"] and doctor["device"] == "cpu"
+    monkeypatch.setattr(plan_check, "doctor_check", lambda *args: doctor)  # the first run's real one, for the two below
     # Outside the tolerance: exit 1, the row marked
     monkeypatch.setattr(bench, "measure", lambda case, configs: [int(planned[case, c] * 1.2) for c in configs])
     assert plan_check.main(["--dry-run", "--out", str(tmp_path)]) == 1

@@ -1,4 +1,4 @@
-"""Offload (issue 21) in the planner and the estimate, and the host steps in bounded chunks.
+"""Offload (``offload="cpu"``) in the planner and the estimate, and the host steps in bounded chunks.
 
 * ``plan(..., offload=True)`` adds rows whose device peak leaves out the optimizer state and the
   host copies; their ``host_bytes`` is what a real offloaded optimizer allocates on the host
@@ -260,9 +260,8 @@ def test_offloaded_prediction_matches_a_real_step(case) -> None:
     configs = [("adamw", "fp32", False, None, True, True), ("adamw8bit", "bf16", False, "nearest", True, True),
                ("adamw", "fp32", False, None, False, True)]  # fmt: skip
     model = bench.build_meta(case)
-    for config, real in zip(configs, bench.measure(case, configs)):
+    for config, real, predicted in zip(configs, bench.measure(case, configs), bench.predict_all(case, configs)):
         optimizer, precision, ckpt, rounding, release = bench.full_config(config)
-        predicted = bench.predict(case, optimizer, precision, ckpt, rounding=rounding, release=release, offload=True)
         buffers = leanopt.training_memory(model, optimizer, precision=precision, grad_release=release, offload=True).host_gradients
         assert abs(predicted - buffers - real) <= 0.02 * real, (case, config, predicted, buffers, real)
         assert real <= predicted, (case, config, predicted, real)

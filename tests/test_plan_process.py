@@ -1,5 +1,5 @@
 """plan's process_bytes (what the process needs: the step's peak plus the one-time costs of a first
-step), --budget against it, --accum, and the CUDA margin model (issue 24)."""
+step), --budget against it, --accum, and the CUDA margin model."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import transformers
 
 from leanopt import cli
 from leanopt.compare.meter import TensorPeak
-from leanopt.memory import process
+from leanopt.memory import probe, process
 from leanopt.memory.plan import plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,6 +47,16 @@ def _load(name: str):
 def tiny_gpt2() -> torch.nn.Module:
     with torch.device("meta"):
         return transformers.GPT2LMHeadModel(transformers.GPT2Config(**TINY_GPT2))
+
+
+# One row (tiny GPT-2, AdamW, fp32, no checkpointing, no release), the process bytes its probe measured.
+ROW = {"batch": 2, "seq": 16, "optimizers": ["adamw"], "precisions": ["fp32"], "checkpointing": [False], "grad_release": [False]}
+
+
+@pytest.fixture(scope="module")
+def pinned_row(cache):
+    (row,) = plan(tiny_gpt2(), **ROW)
+    return row
 
 
 # ---- the independent check: a fresh process as a user runs it -------------------------------------
@@ -108,10 +118,9 @@ def test_glibc_heap_model_by_hand():
     assert peak([("a", 1000), ("a", -1), ("b", 2000)])[0] == chunk(2000)
 
 
-def test_row_carries_both_figures(cache):
-    kw = {"batch": 2, "seq": 16, "optimizers": ["adamw"], "precisions": ["fp32"], "checkpointing": [False], "grad_release": [False],
-          "allocator": "glibc"}
-    (pinned,) = plan(tiny_gpt2(), **{**kw, "allocator": "pinned"})  # the default: no heap trace
+def test_row_carries_both_figures(cache, pinned_row):
+    kw = {**ROW, "allocator": "glibc"}
+    pinned = pinned_row  # the default: no heap trace
     assert "glibc_heap" not in pinned.one_time and "leanopt.pin_allocator()" in pinned.process_source
     (row,) = plan(tiny_gpt2(), **kw)
     assert row.process_bytes_pinned == pinned.process_bytes == pinned.process_bytes_pinned
@@ -146,8 +155,10 @@ def test_pin_allocator(tmp_path):
     else:
         assert out == ["glibc", "True", "pinned", "glibc"]
     env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    out = subprocess.run([sys.executable, "-c", "from leanopt.memory import resident as r; print(r.allocator())"], env=env,
-                         capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+    # resident.py alone (it imports the standard library only): what it reads of the variable
+    code = ("import importlib.util as u; s = u.spec_from_file_location('resident', " + repr(resident.__file__) + "); "
+            "r = u.module_from_spec(s); s.loader.exec_module(r); print(r.allocator())")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()
     assert out[0] in ("pinned", "other")
 
 
@@ -166,10 +177,13 @@ def test_the_one_time_cost_is_measured_once_and_cached(cache):
     # another precision or optimizer is another key; nothing cached for it yet
     assert process.cpu_one_time(model, "bf16-mixed", "adamw", measure=False).bytes is None
     assert process.cpu_one_time(model, "fp32", "adafactor", measure=False).bytes is None
-    # a damaged cache file is not trusted
+    # a damaged cache file is not trusted (tests/test_process_cache.py: every kind of damage)
     for f in files:
         f.write_text("{not json")
     assert process.cpu_one_time(model, "fp32", "adamw", measure=False).bytes is None
+    for f, entry in entries.items():  # as it was, for the module's later plans (pinned_row)
+        f.write_text(json.dumps(entry))
+    assert process.cpu_one_time(model, "fp32", "adamw", measure=False).bytes == first.bytes
 
 
 def test_cache_folder_follows_leanopt_cache(monkeypatch, tmp_path):
@@ -182,7 +196,7 @@ def test_cache_folder_follows_leanopt_cache(monkeypatch, tmp_path):
 def test_small_config_keeps_the_architecture():
     config = transformers.LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                                       num_attention_heads=32, num_key_value_heads=8, vocab_size=32000)  # fmt: skip
-    small = process.small_config(config)
+    small = probe.small_config(config)
     assert (small["hidden_size"], small["num_hidden_layers"], small["num_attention_heads"]) == (128, 2, 4)
     assert small["num_key_value_heads"] == 2 and small["vocab_size"] == 4000  # still grouped-query attention
     with torch.device("meta"):
@@ -190,30 +204,30 @@ def test_small_config_keeps_the_architecture():
 
 
 # ---- budgets -------------------------------------------------------------------------------------
-def test_budget_is_compared_with_process_bytes(cache):
-    kw = {"batch": 2, "seq": 16, "optimizers": ["adamw"], "precisions": ["fp32"], "checkpointing": [False], "grad_release": [False]}
-    (row,) = plan(tiny_gpt2(), **kw)
+def test_budget_is_compared_with_process_bytes(cache, pinned_row):
+    row = pinned_row
     assert row.process_bytes == row.peak_bytes + sum(row.one_time.values()) > row.peak_bytes
     between = (row.peak_bytes + row.process_bytes) // 2
-    (judged,) = plan(tiny_gpt2(), budget=between, **kw)
+    (judged,) = plan(tiny_gpt2(), budget=between, **ROW)
     assert judged.fits is False and judged.compared == "process_bytes"
-    (step_only,) = plan(tiny_gpt2(), budget=between, process=False, **kw)
+    (step_only,) = plan(tiny_gpt2(), budget=between, process=False, **ROW)
     assert step_only.fits is True and step_only.compared == "peak_bytes" and step_only.process_bytes is None
     d = judged.as_dict()
     assert d["peak_bytes"] == row.peak_bytes and d["process_bytes"] == row.process_bytes and d["compared"] == "process_bytes"
 
 
-def test_cli_table_says_what_it_compared(cache, tmp_path, capsys):
+def test_cli_table_says_what_it_compared(cache, tmp_path, capsys, pinned_row):
     transformers.GPT2Config(**TINY_GPT2).to_json_file(tmp_path / "config.json")
     base = ["plan", str(tmp_path), "--batch", "2", "--seq", "16", "--optimizers", "adamw", "--precisions", "fp32",
-            "--grad-release", "off"]  # fmt: skip
-    assert cli.main([*base, "--json"]) == 0
+            "--grad-release", "off", "--json"]  # fmt: skip
+    assert cli.main([*base, "--budget", str(pinned_row.process_bytes)]) == 0  # the same model's first row: it just fits
     rows = json.loads(capsys.readouterr().out)
     assert all(r["process_bytes"] > r["peak_bytes"] for r in rows)
-    assert cli.main([*base, "--budget", str(rows[0]["process_bytes"])]) == 0
+    assert rows[0]["process_bytes"] == pinned_row.process_bytes and rows[0]["fits"] and rows[0]["compared"] == "process_bytes"
+    assert cli.main([*base[:-1], "--budget", str(pinned_row.process_bytes)]) == 0
     out = capsys.readouterr().out
     assert "process MB" in out and "step MB" in out and "budget compared with process MB" in out and "✔" in out
-    assert cli.main([*base, "--budget", str(rows[0]["peak_bytes"] + 1), "--no-process"]) == 0
+    assert cli.main([*base[:-1], "--budget", str(rows[0]["peak_bytes"] + 1), "--no-process"]) == 0
     assert "✔ (step)" in capsys.readouterr().out
 
 

@@ -1,4 +1,4 @@
-"""Planning in one thread never changes what a training step does in another (issue 20, item 8).
+"""Planning in one thread never changes what a training step does in another.
 
 ``leanopt.plan`` traces a step on fake tensors with leanopt's own kernels answering for a trace
 (``leanopt.kernels.tracing``): stubs for the compiled CPU graphs, the trace's own caches. That

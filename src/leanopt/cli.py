@@ -623,9 +623,29 @@ def _mib(nbytes: int) -> str:
 PLAN_HEADERS = {"gradients": "grads", "optimizer_state": "state", "activations": "activ."}
 
 
+class _MeasuringOnStderr:
+    """The planner's measuring (the ``leanopt.memory`` loggers' INFO lines: what a first plan of a
+    model measures, each setup as it is done, that it is cached) shown on stderr while inside."""
+
+    def __enter__(self) -> None:
+        self.logger = logging.getLogger("leanopt.memory")
+        self.level = self.logger.level
+        self.handler = logging.StreamHandler(sys.stderr)
+        self.handler.setFormatter(logging.Formatter("%(message)s"))
+        self.logger.addHandler(self.handler)
+        self.logger.setLevel(logging.INFO)
+
+    def __exit__(self, *exc: object) -> None:
+        self.logger.removeHandler(self.handler)
+        self.logger.setLevel(self.level)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     """``leanopt plan``: a table ranked by precision kept (or ``--json``); errors are ValueErrors."""
-    from leanopt.memory.plan import KINDS, parse_bytes, plan, recommend
+    if sys.stderr.isatty():  # at once, for the one watching (a script's stderr keeps its one-line errors)
+        print(f"leanopt plan: tracing a training step of {args.model} per setup on fake tensors (nothing is allocated)",
+              file=sys.stderr, flush=True)  # fmt: skip
+    from leanopt.memory.plan import KINDS, nothing_fits, parse_bytes, plan, recommend
 
     _quiet_peer_import_warnings()
     try:
@@ -633,22 +653,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except OverflowError:  # more digits than a float holds: float("9" * 400) is inf
         shown = args.budget if len(args.budget) <= 24 else args.budget[:21] + "..."
         raise CliError(f"--budget {shown}: too large a number (24GiB, 500MiB or a number of bytes)") from None
-    rows = plan(
-        args.model,
-        batch=args.batch,
-        seq=args.seq,
-        budget=budget,
-        gpus=args.gpus,
-        optimizers=_split(args.optimizers, "optimizers"),
-        precisions=_split(args.precisions, "precisions"),
-        roundings=_split(args.roundings, "roundings"),
-        grad_release={"off": [False], "on": [True], "both": [False, True]}[args.grad_release],
-        device=args.device,
-        accum=args.accum,
-        process=not args.no_process,
-        offload=args.offload,
-        allocator=args.allocator,
-    )
+    with _MeasuringOnStderr():
+        rows = plan(
+            args.model,
+            batch=args.batch,
+            seq=args.seq,
+            budget=budget,
+            gpus=args.gpus,
+            optimizers=_split(args.optimizers, "optimizers"),
+            precisions=_split(args.precisions, "precisions"),
+            roundings=_split(args.roundings, "roundings"),
+            grad_release={"off": [False], "on": [True], "both": [False, True]}[args.grad_release],
+            device=args.device,
+            accum=args.accum,
+            process=not args.no_process,
+            offload=args.offload,
+            allocator=args.allocator,
+        )
     if args.json:
         print(_json([r.as_dict() for r in rows]))
         return 0
@@ -678,6 +699,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print_table(console, table, keys=len(left))
     console.print("step MB = " + " + ".join(PLAN_HEADERS.get(k, k) + (f" ({k.replace('_', ' ')})" if k in PLAN_HEADERS else "")
                                             for k in KINDS), style="dim", highlight=False)  # fmt: skip
+    in_step = [r for r in rows if r.peak_in == "optimizer step"]
+    if in_step:
+        rounded = [r.breakdown["other"] for r in in_step if r.rounding in ("kahan", "stochastic")]
+        console.print(f"{len(in_step)} of {len(rows)} rows peak in optimizer.step(), after backward has freed the activations: "
+                      "activ. is 0 there, and checkpointing does not lower such a peak" + (
+                          f"; pure bf16 with kahan or stochastic rounding steps each param through fp32 copies (other: up to "
+                          f"{_mib(max(rounded))} MB, for the largest param)" if rounded else ""), style="dim", highlight=False)  # fmt: skip
     if budget is not None:
         unknown = [r for r in rows if r.compared != "process_bytes"]
         said = (f"fits: {compared} MB ≤ the --budget of {_mib(budget)} MB. "
@@ -693,7 +721,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if budget is None:
         line = "no --budget: nothing to check against"
     elif best is None:
-        line = f"nothing fits in {_mib(budget)} MB: lower --batch or --seq, or shard over more devices"
+        line = nothing_fits(rows, budget, batch=args.batch, seq=args.seq, device=args.device)
     else:
         line = (f"recommended: {best.optimizer}, {_precision(best)}, activation checkpointing "
                 f"{'on' if best.checkpointing else 'off'}, gradient release {'on' if best.grad_release else 'off'} "
@@ -720,8 +748,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from leanopt.memory.doctor import CATEGORIES, build_and_diagnose, render
 
     _quiet_peer_import_warnings()
-    d = build_and_diagnose(args.model, batch=args.batch, seq=args.seq, optimizer=args.optimizer, precision=args.precision,
-                           rounding=args.rounding, checkpointing=args.checkpointing, steps=args.steps, device=args.device)  # fmt: skip
+    with _MeasuringOnStderr():  # the plan beside it may measure a first step's costs
+        d = build_and_diagnose(args.model, batch=args.batch, seq=args.seq, optimizer=args.optimizer, precision=args.precision,
+                               rounding=args.rounding, checkpointing=args.checkpointing, steps=args.steps, device=args.device)  # fmt: skip
     if args.json:
         print(_json(d.as_dict()))
         return 0

@@ -7,7 +7,7 @@ trace must change in it, so those few attributes are replaced, and only these:
   ``torch``, ``torch.nn.functional`` and ``torch.Tensor``: a step planned for a GPU runs on fake
   CPU tensors as a GPU runs it (:func:`leanopt.memory.cuda_emulation.cuda_forward`);
 * ``torch.UntypedStorage.resize_``: how FSDP2 frees and refills an unsharded param's storage,
-  which is no aten op, followed by a trace under FSDP2 (``LiveStorage.distributed``);
+  which is no aten op, followed by a trace under FSDP2 (``ShardedLiveStorage``);
 * ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` (and their defining module's
   names): for the whole process, but only while a gradient release is in effect or an
   offloaded optimizer holds released gradients on the host (:func:`leanopt.optim.clipping.engage`;
@@ -72,7 +72,7 @@ TORCH_PATCHES: tuple[Patch, ...] = (
         "logsumexp", "pow", "reciprocal", "renorm", "rsqrt", "sinh", "tan",
         "cumprod", "cumsum", "log_softmax", "prod", "softmax", "sum",
     }), _CUDA_FORWARD, "thread"),  # fmt: skip
-    Patch(torch.UntypedStorage, frozenset({"resize_"}), "leanopt.memory.plan_trace.LiveStorage", "thread"),
+    Patch(torch.UntypedStorage, frozenset({"resize_"}), "leanopt.memory.plan_trace.ShardedLiveStorage", "thread"),
     Patch(torch.nn.utils, frozenset({"clip_grad_norm_", "clip_grad_value_"}), "leanopt.optim.clipping.engage", "process"),
     Patch(torch.nn.utils.clip_grad, frozenset({"clip_grad_norm_", "clip_grad_value_"}), "leanopt.optim.clipping.engage", "process"),
 )

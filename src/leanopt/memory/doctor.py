@@ -16,8 +16,11 @@ optimizer's state, the batch); the running sum of the events from there gives th
 peak, and what is live at that moment is attributed by what each block turned out to be:
 
 * ``weights``: parameters and buffers; ``gradients``: the blocks ``.grad`` holds after backward;
-* ``optimizer_state``: ``optimizer.state``'s tensors; ``master_weights``: those of them that are
-  fp32 copies of low-precision params (a state key with ``master`` in its name);
+* ``optimizer_state``: ``optimizer.state``'s tensors; ``master_weights``: the optimizer's own
+  copies of the params it updates -- state tensors that are fp32 copies of low-precision params
+  (a state key with ``master`` in its name), and with ``offload="cpu"`` the host copy of each
+  param (:mod:`leanopt.optim.offload`: an fp32 master for bf16/fp16 params), where the host is
+  the device measured (the CPU);
 * ``activations``: blocks made in the forward pass and still live (saved for backward; under
   autocast, also its bf16 copies of the weights);
 * ``temporaries``: the logits, the loss, the batch, backward's and the optimizer's scratch;
@@ -43,6 +46,7 @@ from typing import Any
 
 import torch
 
+from leanopt.memory.optimizer_internals import host_copies
 from leanopt.memory.resident import reset_peak, status_kib
 
 __all__ = ["CATEGORIES", "Diagnosis", "doctor"]
@@ -274,6 +278,7 @@ def _start_blocks(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
             blocks = _storages(value, dev)
             low = isinstance(p, torch.Tensor) and p.dtype in (torch.bfloat16, torch.float16)
             (master if low and "master" in str(key).lower() else state).update(blocks)
+    master.update(_storages([copy for _, copy in host_copies(optimizer)], dev))
     grads = _storages([p.grad for p in model.parameters() if p.grad is not None], dev)
     inputs = _storages(list(batch.values()) if isinstance(batch, Mapping) else batch, dev)
     return {"weights": weights, "gradients": grads, "optimizer_state": state, "master_weights": master,
@@ -419,16 +424,29 @@ def _add_plan(out: Diagnosis, model: torch.nn.Module, optimizer: torch.optim.Opt
     rounding = optimizer.defaults.get("rounding", "nearest") if precision == "bf16" else None
     name_ckpt = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
     ckpt = bool(getattr(model, name_ckpt, False))
+    offloaded = getattr(optimizer, "offload", None) == "cpu"
+    if offloaded and precision == "bf16-mixed":
+        out.plan_note = "no plan: plan's offload='cpu' rows are fp32 and pure bf16 (bf16-mixed's masters are the model's own params)"
+        return
     try:
-        (row,) = plan(model, batch=int(ids.shape[0]), seq=int(ids.shape[1]), optimizers=[name], precisions=[precision],
-                      roundings=[rounding] if rounding else None, checkpointing=[ckpt], grad_release=[False],
-                      device=out.device)  # fmt: skip
+        rows = plan(model, batch=int(ids.shape[0]), seq=int(ids.shape[1]), optimizers=[name], precisions=[precision],
+                    roundings=[rounding] if rounding else None, checkpointing=[ckpt], grad_release=[False],
+                    device=out.device, offload=offloaded)  # fmt: skip
     except ValueError as err:
         out.plan_note = f"no plan: {str(err).splitlines()[0]}"
         return
+    (row,) = [r for r in rows if r.offload == offloaded]
     planned = {c: 0 for c in CATEGORIES}
     for kind, value in row.breakdown.items():
         planned[_PLAN_KIND[kind]] += value
+    if offloaded and out.device == "cpu":
+        # The offloaded row's breakdown is the device's; on the CPU the host copies (fp32 masters
+        # of bf16 params) and the states are in the same memory, live throughout the step.
+        from leanopt.memory.training import training_memory
+
+        host = training_memory(model, name, precision=precision, offload=True)
+        planned["master_weights"] += host.host_copies
+        planned["optimizer_state"] += host.state.bytes
     planned["runtime_overhead"] = (row.process_bytes - row.peak_bytes) if row.process_bytes is not None else 0
     out.planned = planned
     out.plan_row = row.as_dict()
@@ -530,7 +548,8 @@ def build_and_diagnose(spec: str, *, batch: int, seq: int, optimizer: str = "ada
     import warnings
 
     from leanopt.memory.estimate import resolve_optimizer
-    from leanopt.memory.plan import PLAN_PRECISIONS, _check_positions, _num_labels, _task, _vocab_size
+    from leanopt.memory.plan import PLAN_PRECISIONS
+    from leanopt.memory.plan_model import check_positions, num_labels, task_of, vocab_size
     from leanopt.memory.presets import resolve_model
 
     for name, value in (("batch", batch), ("seq", seq)):
@@ -548,11 +567,11 @@ def build_and_diagnose(spec: str, *, batch: int, seq: int, optimizer: str = "ada
     if not source.exact_shapes:
         raise ValueError(f"{spec!r} is a bare parameter count: doctor needs the model (a preset, config.json or Hub id)")
     meta = source.params
-    task = _task(meta)
-    _check_positions(meta, seq)
+    task = task_of(meta)
+    check_positions(meta, seq)
     if checkpointing and not getattr(meta, "supports_gradient_checkpointing", False):
         raise ValueError(f"{type(meta).__name__} does not support activation checkpointing")
-    vocab, labels_n = _vocab_size(meta), _num_labels(meta)
+    vocab, labels_n = vocab_size(meta), num_labels(meta)
     baseline = status_kib("VmRSS")
     with torch.device(device):
         model = type(meta)(meta.config)

@@ -69,49 +69,37 @@ held across them.
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import inspect
-import math
 import re
-import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from leanopt.memory.cuda_emulation import cuda_block_bytes
-from leanopt.memory.estimate import (
-    resolve_optimizer,
-    unique_params,
-)
-from leanopt.memory.plan_trace import (
-    KINDS,
-    LiveStorage,
-    ParamSteps,
-    Peak,
-    rounded_step_peak,
-    swapped_copy,
-    traced_batch,
-    traced_forward_backward,
-    traced_kernels,
-    traced_param_steps,
-    traced_steps,
-    track_module,
-)
+from leanopt.memory import process as process_needs
+from leanopt.memory.estimate import resolve_optimizer
+from leanopt.memory.plan_model import PARAM_DTYPE, check_positions, load_model, param_shapes, task_of
+from leanopt.memory.plan_step import StepPeak, Traces, combine, combine_offloaded, combine_released
+from leanopt.memory.plan_trace import KINDS
 from leanopt.optim.base import LeanOptimizer
-from leanopt.optim.rounding import LOW_PRECISION
 
 __all__ = [
     "DEFAULT_OPTIMIZERS",
     "DEFAULT_ROUNDINGS",
+    "KINDS",
     "PLAN_PRECISIONS",
     "ROUNDINGS",
+    "PlanRequest",
     "PlanRow",
+    "Setup",
+    "check_request",
+    "evaluate",
+    "nothing_fits",
     "parse_bytes",
     "plan",
     "recommend",
+    "setups",
+    "step_peak",
 ]
 
 # Ranked by precision kept: what a user gives up first is last. Pure bf16 keeps no fp32 master
@@ -120,7 +108,6 @@ __all__ = [
 PLAN_PRECISIONS = ("fp32", "bf16-mixed", "bf16")
 ROUNDINGS = ("kahan", "stochastic", "nearest")
 DEFAULT_ROUNDINGS = ("kahan", "stochastic")
-_PARAM_DTYPE = {"fp32": torch.float32, "bf16-mixed": torch.float32, "bf16": torch.bfloat16}
 # Exact fp32 moments, then 8-bit and 4-bit block-quantized moments, then a factored second
 # moment without a first moment (a different algorithm, the least information kept).
 _OPTIMIZER_RANK = ("adamw", "torch-adamw", "adamw8bit", "adamw4bit", "adafactor", "hf-adafactor", "torch-adafactor")
@@ -140,7 +127,14 @@ class PlanRow:
     On the CPU ``process_bytes`` is for glibc's default allocator, what a user who changes
     nothing runs with: ``one_time["glibc_heap"]`` is what its heap keeps over the live tensors;
     ``process_bytes_pinned`` is the figure without it, for a process that called
-    :func:`leanopt.pin_allocator` first (or set ``MALLOC_MMAP_THRESHOLD_=65536``)."""
+    :func:`leanopt.pin_allocator` first (or set ``MALLOC_MMAP_THRESHOLD_=65536``).
+
+    ``peak_in``: where the step peaks, ``"forward/backward"``, ``"optimizer step"`` (the breakdown
+    then has no activations: they were freed; checkpointing does not lower such a peak) or
+    ``"backward"`` (gradient release steps each param in it). ``floor_bytes``: what the setup needs at
+    any batch and sequence length, a lower bound: the optimizer's step with every gradient (with
+    release: the weights, the state and one param's gradient and step), the one-time costs where
+    known, an offloaded row's host memory on the CPU. Above the budget, no batch fits."""
 
     optimizer: str
     precision: str
@@ -159,6 +153,8 @@ class PlanRow:
     offload: bool = False  # offload="cpu": state and host copies in host memory (host_bytes)
     host_bytes: int | None = None  # offloaded rows: host copies, states and host gradient buffers
     process_bytes_pinned: int | None = None  # process_bytes with leanopt.pin_allocator() (no glibc heap margin)
+    peak_in: str = ""  # forward/backward, optimizer step, backward (release)
+    floor_bytes: int = 0  # needed at any batch and seq (a lower bound)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -179,6 +175,8 @@ class PlanRow:
             "process_source": self.process_source,
             "offload": self.offload,
             "host_bytes": self.host_bytes,
+            "peak_in": self.peak_in,
+            "floor_bytes": self.floor_bytes,
         }
 
 
@@ -206,306 +204,108 @@ def parse_bytes(text: str | int) -> int:
     return value
 
 
-# ---- the model -------------------------------------------------------------------------------
-def _model(spec: Any) -> tuple[torch.nn.Module, str]:
-    if isinstance(spec, torch.nn.Module):
-        return spec, type(spec).__name__
-    if not isinstance(spec, str):
-        raise ValueError(f"expected a model name, config path or torch.nn.Module, got {type(spec).__name__}")
-    from leanopt.memory.presets import resolve_model
+# ---- the request ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PlanRequest:
+    """What :func:`plan` was asked, checked: the model and its task, the batch, and the options
+    each setup is crossed from (narrowed to what the model and ``gpus`` allow)."""
 
-    source = resolve_model(spec)  # one-line ValueError for unknown names and architectures
-    if not source.exact_shapes:
-        raise ValueError(f"{spec!r} is a bare parameter count: a plan needs the model (a preset, config.json or Hub id)")
-    return source.params, source.name
-
-
-def _task(model: torch.nn.Module) -> str:
-    """``"classification"`` or ``"lm"`` (labels = input ids); ValueError for anything else."""
-    name = type(model).__name__
-    if name.endswith("ForSequenceClassification"):
-        return "classification"
-    if name.endswith(("ForCausalLM", "LMHeadModel", "ForMaskedLM", "ForConditionalGeneration")):
-        return "lm"
-    raise ValueError(
-        f"cannot trace a training step of {name}: no head with a loss (plan takes models for sequence "
-        "classification, causal, masked or seq2seq LM)"
-    )
-
-
-def _vocab_size(model: torch.nn.Module) -> int:
-    config = getattr(model, "config", None)
-    vocab = getattr(config, "vocab_size", None)
-    if vocab is None and config is not None and hasattr(config, "get_text_config"):
-        vocab = getattr(config.get_text_config(), "vocab_size", None)
-    if not isinstance(vocab, int) or vocab < 1:
-        raise ValueError(f"cannot trace {type(model).__name__}: its config has no vocab_size for the input ids")
-    return vocab
+    module: torch.nn.Module
+    label: str
+    task: str
+    batch: int
+    seq: int
+    budget: int | None
+    gpus: int
+    optimizers: tuple[str, ...]
+    leanopt: dict[str, bool]  # optimizer name -> whether it is one of leanopt's (rounding=, release, offload)
+    precisions: tuple[str, ...]
+    roundings: tuple[str, ...]
+    releases: tuple[bool, ...]
+    checkpointing: tuple[bool, ...]
+    device: str
+    accum: int
+    process: bool
+    offload: bool
+    allocator: str
 
 
-def _num_labels(model: torch.nn.Module) -> int:
-    return int(getattr(getattr(model, "config", None), "num_labels", 2) or 2)
+def _whole(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
 
 
-def _check_positions(model: torch.nn.Module, seq: int) -> None:
-    """A model with learned position embeddings takes no sequence longer than its table (fake
-    tensors would not notice the out-of-range lookup that fails a real step)."""
-    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if not isinstance(positions, int) or seq <= positions:
-        return
-    if any(isinstance(m, torch.nn.Embedding) and m.num_embeddings == positions for m in model.modules()):
-        raise ValueError(f"cannot trace {type(model).__name__} at seq {seq}: it has learned positions for {positions} tokens")
+def _known(values: Sequence[str], known: Sequence[str], what: str) -> tuple[str, ...]:
+    for v in values:
+        if v not in known:
+            raise ValueError(f"unknown {what} {v!r}; known: {', '.join(known)}")
+    return tuple(dict.fromkeys(values))
 
 
-def _fake_copy(model: torch.nn.Module, fake_mode: Any, dtype: torch.dtype) -> tuple[torch.nn.Module, list[torch.nn.Parameter]]:
-    """A copy of ``model`` with every parameter and buffer a fake CPU tensor (floating ones of
-    ``dtype``), tied weights kept tied, and its unique trainable parameters. ``model`` is not
-    touched (another thread may be training it)."""
-    trainable: list[torch.nn.Parameter] = []
-
-    def fake(t: torch.Tensor) -> torch.Tensor:
-        with fake_mode:
-            data = torch.empty(tuple(t.shape), dtype=dtype if t.is_floating_point() else t.dtype, device="cpu")
-            if not isinstance(t, torch.nn.Parameter):
-                return data
-            new = torch.nn.Parameter(data, requires_grad=t.requires_grad)
-        if t.requires_grad:
-            trainable.append(new)
-        return new
-
-    return swapped_copy(model, fake), trainable
-
-
-@contextlib.contextmanager
-def _checkpointing(model: torch.nn.Module, on: bool) -> Iterator[None]:
-    if not on:
-        yield
-        return
-    if not getattr(model, "supports_gradient_checkpointing", False):
-        raise ValueError(f"{type(model).__name__} does not support activation checkpointing")
-    enable = getattr(model, "activation_checkpointing_enable", None) or getattr(model, "gradient_checkpointing_enable", None)
-    disable = getattr(model, "activation_checkpointing_disable", None) or getattr(model, "gradient_checkpointing_disable", None)
-    if not callable(enable) or not callable(disable):
-        raise ValueError(
-            f"{type(model).__name__} says it supports activation checkpointing but has no callable "
-            "gradient_checkpointing_enable/_disable (or activation_checkpointing_enable/_disable)"
-        )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        enable()
-    try:
-        yield
-    finally:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            disable()
-
-
-def _fake_mode() -> Any:
-    from torch._subclasses import FakeTensorMode
-
-    # Real constants a model makes on the fly (torch.tensor(0.5)) become fake; nothing else is real.
-    return FakeTensorMode(allow_non_fake_inputs=True)
-
-
-def _one_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
-
-
-@dataclass
-class _ForwardBackward:
-    peak: Peak
-    left: dict[str, int]  # live after backward, other than weights and gradients (loss, inputs)
-    # Under gradient release: the peak with each gradient freed at its hook, and (param index,
-    # what was live) at each hook. None where not traced (FSDP2).
-    released: Peak | None = None
-    hooks: list[tuple[int, Peak]] = field(default_factory=list)
-    shapes: list[tuple[tuple[int, ...], torch.dtype]] = field(default_factory=list)  # of the params, by index
-
-
-@dataclass
-class _Step:
-    peak: Peak
-    kept: dict[str, int]  # live after step + zero_grad, other than weights (state, workspaces)
-
-
-def _trace_forward_backward(
-    model: torch.nn.Module, task: str, batch: int, seq: int, precision: str, checkpointing: bool, released: bool = False,
-    device: str = "cpu", accum: int = 1,
-) -> _ForwardBackward:  # fmt: skip
-    """``accum`` > 1: two micro-batches are traced one after the other, the second with the first's
-    gradients in ``.grad`` (autograd adds each new gradient into them); the third and later are
-    the second again, so the peak is the peak of both."""
-    fake_mode = _fake_mode()
-    tracker = LiveStorage()
-    tracker.device = device
-    mixed = precision == "bf16-mixed"
-    vocab = _vocab_size(model)
-    num_labels = _num_labels(model)
-    model, params = _fake_copy(model, fake_mode, _PARAM_DTYPE[precision])
-    with _checkpointing(model, checkpointing):
-        model.train()
-        with fake_mode, tracker:
-            track_module(tracker, model)
-            input_ids, labels = traced_batch(tracker, task, vocab, num_labels, batch, seq)
-            loss = traced_forward_backward(
-                tracker, model, input_ids, labels, params, mixed, type(model).__name__, released=released, device=device
-            )
-            if accum > 1:
-                del loss
-                loss = traced_forward_backward(tracker, model, input_ids, labels, params, mixed, type(model).__name__, device=device)
-            peak = tracker.peak()
-            live = tracker.live_by_kind()
-            left = {k: v for k, v in live.items() if k not in ("weights", "gradients")}
-            out = _ForwardBackward(peak, left)
-            if released:
-                out.released = tracker.peak_released()
-                out.hooks = tracker.hook_moments()
-                out.shapes = [(tuple(p.shape), p.dtype) for p in params]
-            del loss, input_ids, labels
-    return out
-
-
-def _trace_forward_backward_fsdp(model: torch.nn.Module, task: str, batch: int, seq: int, precision: str, checkpointing: bool, gpus: int) -> _ForwardBackward:
-    from leanopt.memory import plan_fsdp
-
-    peak, left = plan_fsdp.trace_forward_backward(
-        model, task, batch, seq, precision, checkpointing, gpus,
-        fake_mode=_fake_mode(), fake_copy=_fake_copy, checkpointing_cm=_checkpointing,
-        vocab=_vocab_size(model), num_labels=_num_labels(model),
-        dtype=_PARAM_DTYPE[precision],
-    )  # fmt: skip
-    return _ForwardBackward(peak, left)
-
-
-def _optimizer_factory(optimizer: str, rounding: str | None, device: str = "cpu") -> Any:
-    cls = resolve_optimizer(optimizer)
-    # The class as the constructor it is: the keywords bound below are the concrete class's own
-    # (foreach: found in its signature; rounding: every leanopt optimizer's __init__), not its base's.
-    make: Callable[..., torch.optim.Optimizer] = cls
-    if not issubclass(cls, LeanOptimizer):
-        # torch's optimizers take foreach by default for CUDA params (the fake ones are CPU tensors)
-        takes_foreach = device == "cuda" and "foreach" in inspect.signature(cls).parameters
-        return functools.partial(make, foreach=True) if takes_foreach else cls
-    return cls if rounding is None else functools.partial(make, rounding=rounding)
-
-
-def _shapes(model: torch.nn.Module, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    return [(tuple(p.shape), dtype if p.is_floating_point() else p.dtype) for p in unique_params(list(_trainable(model)))]
-
-
-def _rounded(optimizer: str, rounding: str | None, dtype: torch.dtype) -> bool:
-    """Whether a step updates each param on its own, through an fp32 copy (stochastic or Kahan
-    rounding of bf16/fp16 params by a leanopt optimizer: ``LeanOptimizer._step_rounded``)."""
-    return rounding in ("stochastic", "kahan") and dtype in LOW_PRECISION and issubclass(resolve_optimizer(optimizer), LeanOptimizer)
-
-
-def _trace_step(
-    model: torch.nn.Module, optimizer: str, dtype: torch.dtype, gpus: int = 1, rounding: str | None = None,
-    param_steps: ParamSteps | None = None, *, fast: bool = True, device: str = "cpu",
-) -> _Step:  # fmt: skip
-    """The steady-state ``optimizer.step()`` of ``model``'s params in ``dtype``. A rounded step
-    (:func:`_rounded`) is put together from the step of one param of each shape
-    (``param_steps``, traced here if not given) unless ``fast`` is False."""
-    cls = _optimizer_factory(optimizer, rounding, device)
-    fake_mode = _fake_mode()
-    shapes = _shapes(model, dtype)
+def check_request(model: str | torch.nn.Module, *, batch: int, seq: int, budget: str | int | None, gpus: int,
+                  optimizers: Sequence[str] | None, precisions: Sequence[str] | None, checkpointing: Sequence[bool],
+                  grad_release: Sequence[bool], roundings: Sequence[str] | None, device: str, accum: int, process: bool,
+                  offload: bool, allocator: str) -> PlanRequest:  # fmt: skip
+    """:func:`plan`'s arguments checked (one-line ValueErrors) and narrowed: FSDP2 (``gpus`` > 1)
+    and ``accum`` > 1 plan no release rows, FSDP2 no pure bf16, a model without activation
+    checkpointing no checkpointing rows."""
+    if allocator not in ("pinned", "glibc"):
+        raise ValueError(f"allocator must be 'pinned' or 'glibc', got {allocator!r}")
+    if not isinstance(offload, bool):
+        raise ValueError(f"offload must be True or False, got {offload!r}")  # noqa: TRY004 - one-line ValueErrors
+    for name, value in (("batch", batch), ("seq", seq), ("accum", accum), ("gpus", gpus)):
+        _whole(name, value)
+    device = _device(device)
+    if device == "cuda" and gpus > 1:
+        raise ValueError("device='cuda' with gpus > 1 is not planned yet (FSDP2 over NCCL): plan one GPU, or --gpus on the CPU")
+    budget_bytes = parse_bytes(budget) if budget is not None else None
+    names = tuple(n.lower() for n in (optimizers or DEFAULT_OPTIMIZERS))
+    lean = {n: issubclass(resolve_optimizer(n), LeanOptimizer) for n in names}  # one-line ValueError for unknown names
+    precs = _known(precisions or PLAN_PRECISIONS, PLAN_PRECISIONS, "precision")
+    rounds = _known(roundings or DEFAULT_ROUNDINGS, ROUNDINGS, "rounding")
+    releases = tuple(_flags(grad_release, "grad_release"))
+    if accum > 1:
+        if gpus > 1:
+            raise ValueError("accum > 1 is not planned under FSDP2 (--gpus > 1) yet")
+        if releases == (True,):
+            raise ValueError("accum > 1 with gradient release: release_gradients steps each param inside every backward, "
+                             "so gradients cannot accumulate (plan --grad-release off)")  # fmt: skip
+        releases = (False,)
     if gpus > 1:
-        from leanopt.memory.plan_fsdp import trace_step
+        # release_gradients and rounding="stochastic"|"kahan" refuse DTensor (FSDP2) params.
+        if precisions is not None and precs == ("bf16",):
+            raise ValueError("pure bf16 is not planned under FSDP2 (--gpus > 1): rounding='stochastic'/'kahan' refuse DTensor params")
+        if releases == (True,):
+            raise ValueError("gradient release is not planned under FSDP2 (--gpus > 1): release_gradients refuses DTensor params")
+        precs, releases = tuple(p for p in precs if p != "bf16"), (False,)
+    if offload and gpus > 1:
+        raise ValueError("offload is not planned under FSDP2 (--gpus > 1): offload='cpu' refuses DTensor params")
+    if offload and not any(lean.values()):
+        raise ValueError(f"offload needs a leanopt optimizer (offload='cpu'); none of {', '.join(names)} is one")
+    if releases == (True,) and not any(lean.values()):
+        raise ValueError(f"gradient release needs a leanopt optimizer; none of {', '.join(names)} is one")
+    module, label = load_model(model)
+    task = task_of(module)
+    check_positions(module, seq)
+    ckpts = tuple(bool(c) for c in checkpointing)
+    if any(ckpts) and not getattr(module, "supports_gradient_checkpointing", False):
+        ckpts = tuple(c for c in ckpts if not c)
+    if not ckpts:
+        raise ValueError(f"{type(module).__name__} does not support activation checkpointing, and no row without it was asked for")
+    if gpus > 1:
+        from leanopt.memory.plan_fsdp import check_shardable
 
-        return _Step(*trace_step(shapes, cls, gpus, fake_mode))
-    if fast and _rounded(optimizer, rounding, dtype):
-        steps = param_steps or _trace_param_steps(shapes, optimizer, rounding, device)
-        return _Step(*rounded_step_peak(shapes, steps, device))
-    tracker = LiveStorage()
-    tracker.device = device
-    with traced_kernels(device), fake_mode, tracker:
-        peak, kept = traced_steps(tracker, [torch.nn.Parameter(torch.empty(s, dtype=dt)) for s, dt in shapes], cls, fast=fast)
-    return _Step(peak, kept)
-
-
-def _trace_param_steps(
-    shapes: list[tuple[tuple[int, ...], torch.dtype]], optimizer: str, rounding: str | None, device: str = "cpu"
-) -> ParamSteps:
-    """The step of one param of each shape, alone (:func:`~leanopt.memory.plan_trace.traced_param_steps`)."""
-    with traced_kernels(device), _fake_mode():
-        return traced_param_steps(shapes, _optimizer_factory(optimizer, rounding, device), device)
-
-
-def _trainable(model: torch.nn.Module) -> Iterable[torch.nn.Parameter]:
-    return (p for p in model.parameters() if p.requires_grad)
-
-
-def _combine(fb: _ForwardBackward, step: _Step) -> tuple[int, dict[str, int], list[int]]:
-    during_fb = fb.peak.bytes + sum(step.kept.values())
-    during_step = step.peak.bytes + sum(fb.left.values())
-    if during_fb >= during_step:
-        breakdown = dict(fb.peak.breakdown)
-        extra = step.kept
-        sizes = fb.peak.sizes
-    else:
-        breakdown = dict(step.peak.breakdown)
-        extra = fb.left
-        sizes = step.peak.sizes
-    for k, v in extra.items():
-        breakdown[k] += v
-    return max(during_fb, during_step), {k: breakdown[k] for k in KINDS}, [*sizes, *(v for v in extra.values() if v)]
+        check_shardable(module, gpus)
+    return PlanRequest(module, label, task, batch, seq, budget_bytes, gpus, names, lean, precs, rounds, releases, ckpts, device,
+                       accum, process, offload, allocator)  # fmt: skip
 
 
-def _combine_released(fb: _ForwardBackward, step: _Step, param_steps: ParamSteps) -> tuple[int, dict[str, int], list[int]]:
-    """The step under gradient release: backward with each gradient freed at its hook, where the
-    param's update adds its transient; ``optimizer.step()`` after it is a no-op. The optimizer's
-    state and workspaces (``step.kept``) are live throughout."""
-    assert fb.released is not None
-    best, extra = fb.released, 0
-    for index, live in fb.hooks:
-        added = param_steps.transient[fb.shapes[index]]
-        if live.bytes + added > best.bytes + extra:
-            best, extra = live, added
-    breakdown = dict(best.breakdown)
-    breakdown["other"] += extra
-    for k, v in step.kept.items():
-        breakdown[k] += v
-    sizes = [*best.sizes, *([extra] if extra else []), *(v for v in step.kept.values() if v)]
-    return best.bytes + extra + sum(step.kept.values()), {k: breakdown[k] for k in KINDS}, sizes
-
-
-def _combine_offloaded(fb: _ForwardBackward, release: bool, shapes: list[tuple[tuple[int, ...], torch.dtype]],
-                       device: str) -> tuple[int, dict[str, int], list[int]]:  # fmt: skip
-    """The device's step with ``offload="cpu"``: nothing of the optimizer is on the device. Without
-    release ``step()`` reads the gradients (copied to the host chunk by chunk) while weights,
-    gradients and what backward left are live; with release the gradients leave at their hooks,
-    where the host, not the device, steps each param."""
-    if release:
-        assert fb.released is not None
-        best = fb.released
-        return best.bytes, {k: best.breakdown[k] for k in KINDS}, list(best.sizes)
-    nbytes = [math.prod(shape) * torch.empty((), dtype=dtype, device="meta").element_size() for shape, dtype in shapes]
-    if device == "cuda":
-        nbytes = [cuda_block_bytes(n) for n in nbytes]
-    during_step = 2 * sum(nbytes) + sum(fb.left.values())
-    if fb.peak.bytes >= during_step:
-        return fb.peak.bytes, {k: fb.peak.breakdown[k] for k in KINDS}, list(fb.peak.sizes)
-    breakdown = dict.fromkeys(KINDS, 0)
-    breakdown.update(weights=sum(nbytes), gradients=sum(nbytes))
-    for k, v in fb.left.items():
-        breakdown[k] += v
-    return during_step, breakdown, [*nbytes, *nbytes, *(v for v in fb.left.values() if v)]
-
-
-def _host_bytes(module: torch.nn.Module, optimizer: str, precision: str, release: bool) -> int:
-    """What an offloaded optimizer of ``module``'s trainable params holds in host memory
-    (:func:`leanopt.training_memory`, which counts what :class:`~leanopt.optim.offload.Offload` does)."""
-    from leanopt.memory.training import training_memory
-
-    return training_memory(module, optimizer, precision=precision, grad_release=release, offload=True).host_bytes
-
-
-def _rank(row: PlanRow) -> tuple[bool, int, int, int, bool, bool]:
-    opt = _OPTIMIZER_RANK.index(row.optimizer) if row.optimizer in _OPTIMIZER_RANK else len(_OPTIMIZER_RANK)
-    rounding = ROUNDINGS.index(row.rounding) if row.rounding in ROUNDINGS else -1
-    return (row.offload, PLAN_PRECISIONS.index(row.precision), rounding, opt, row.grad_release, row.checkpointing)
+def _device(device: Any) -> str:
+    """``"cpu"`` or ``"cuda"`` (``"cuda:1"``, ``torch.device("cuda")`` too); else a one-line ValueError."""
+    kind = str(device).split(":")[0] if isinstance(device, (str, torch.device)) else None
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: plan knows 'cpu' and 'cuda'")
+    return kind
 
 
 def _flags(values: Sequence[bool], what: str) -> list[bool]:
@@ -520,7 +320,116 @@ def _flags(values: Sequence[bool], what: str) -> list[bool]:
     return out
 
 
-# ---- public ----------------------------------------------------------------------------------
+# ---- the setups ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Setup:
+    """One row to plan: an optimizer, a precision (with pure bf16's rounding), checkpointing,
+    gradient release and offload."""
+
+    optimizer: str
+    precision: str
+    rounding: str | None  # pure bf16's rounding= (nearest for an optimizer without it); None otherwise
+    grad_release: bool
+    offload: bool
+    checkpointing: bool
+    leanopt: bool  # the optimizer is one of leanopt's: rounding= is passed to it
+
+    @property
+    def step_rounding(self) -> str | None:
+        """The ``rounding=`` the optimizer is built with (None: not passed, torch's optimizers)."""
+        return self.rounding if self.leanopt else None
+
+
+def setups(request: PlanRequest) -> list[Setup]:
+    """Every row of ``request``: optimizer x precision (pure bf16: x rounding; leanopt's optimizers
+    only, others round to nearest) x gradient release (leanopt's) x checkpointing, and with
+    ``offload`` the offloaded rows of leanopt's optimizers in fp32 and pure bf16 (nearest: the
+    fp32 master on the host leaves nothing for another rounding)."""
+    out: list[Setup] = []
+    for precision in request.precisions:
+        for name in request.optimizers:
+            lean = request.leanopt[name]
+            for rounding in request.roundings if precision == "bf16" else [None]:
+                if rounding not in (None, "nearest") and not lean:
+                    continue  # no rounding= option: its bf16 step is a nearest one
+                for release in request.releases:
+                    if not release or lean:
+                        out.extend(Setup(name, precision, rounding, release, False, c, lean) for c in request.checkpointing)
+            if request.offload and lean and precision != "bf16-mixed":
+                rounding = "nearest" if precision == "bf16" else None
+                for release in request.releases:
+                    out.extend(Setup(name, precision, rounding, release, True, c, lean) for c in request.checkpointing)
+    if not out:  # pure bf16 only, for optimizers without rounding=, and nearest not asked for
+        raise ValueError(f"no configuration to plan: {', '.join(request.optimizers)} take no rounding= (their pure-bf16 steps round "
+                         "to nearest: ask for --roundings nearest)")  # fmt: skip
+    return out
+
+
+# ---- one row -------------------------------------------------------------------------------------
+def step_peak(request: PlanRequest, setup: Setup, traces: Traces) -> StepPeak:
+    """The peak of ``setup``'s step, from ``traces``."""
+    fb = traces.forward_backward(setup.precision, setup.checkpointing)
+    if setup.offload:
+        shapes = param_shapes(request.module, PARAM_DTYPE[setup.precision])
+        return combine_offloaded(fb, setup.grad_release, shapes, request.device)
+    step, param_steps = traces.step(setup.optimizer, setup.step_rounding, setup.precision, release=setup.grad_release)
+    if not setup.grad_release:
+        return combine(fb, step)
+    assert param_steps is not None  # traced for every released setup
+    return combine_released(fb, step, param_steps)
+
+
+def probe_setting(setup: Setup) -> tuple[str, str, str | None]:
+    """What the CPU's one-time cost of ``setup`` is measured for: (precision, optimizer, the rounding it is built with)."""
+    return setup.precision, setup.optimizer, setup.rounding if setup.offload else setup.step_rounding
+
+
+def evaluate(request: PlanRequest, setup: Setup, peak: StepPeak, measured: dict[Any, process_needs.OneTimeCost] | None = None) -> PlanRow:
+    """The row of ``setup``: its step's ``peak``, what its process needs besides
+    (:func:`leanopt.memory.process.one_time_cost`; ``measured``: the CPU's one-time costs read or
+    measured for the plan), and whether that fits the budget."""
+    host = None
+    if setup.offload:
+        host = _host_bytes(request.module, setup.optimizer, setup.precision, setup.grad_release)
+        heap: Any = None  # glibc's heap margin is not modelled for offloaded rows
+    else:
+        heap = "pinned" if request.allocator == "pinned" else {
+            "batch": request.batch, "seq": request.seq, "checkpointing": setup.checkpointing,
+            "grad_release": setup.grad_release, "accum": request.accum}  # fmt: skip
+    cost = None
+    if request.process:
+        cost = process_needs.one_time_cost(request.module, *probe_setting(setup), device=request.device, sizes=peak.sizes,
+                                     gpus=request.gpus, heap=heap, measured=measured)  # fmt: skip
+    needed = None if cost is None or cost.bytes is None else peak.bytes + cost.bytes
+    fits = compared = None
+    if request.budget is not None:
+        compared = "peak_bytes" if needed is None else "process_bytes"
+        # On the CPU an offloaded row's host memory is the device's.
+        shared = host if host is not None and request.device == "cpu" else 0
+        fits = (needed if needed is not None else peak.bytes) + shared <= request.budget
+    pinned = needed if needed is None or cost is None else needed - cost.parts.get("glibc_heap", 0)
+    floor = peak.floor + (needed - peak.bytes if needed is not None else 0) + (host if host is not None and request.device == "cpu" else 0)
+    return PlanRow(setup.optimizer, setup.precision, setup.checkpointing, setup.grad_release, request.gpus, peak.bytes, fits,
+                   peak.breakdown, setup.rounding, needed, dict(cost.parts) if cost is not None else {},
+                   "process=False" if cost is None else cost.source, request.accum, compared, setup.offload, host,
+                   process_bytes_pinned=pinned, peak_in=peak.phase, floor_bytes=floor)  # fmt: skip
+
+
+def _host_bytes(module: torch.nn.Module, optimizer: str, precision: str, release: bool) -> int:
+    """What an offloaded optimizer of ``module``'s trainable params holds in host memory
+    (:func:`leanopt.training_memory`, which counts what :class:`~leanopt.optim.offload.Offload` does)."""
+    from leanopt.memory.training import training_memory
+
+    return training_memory(module, optimizer, precision=precision, grad_release=release, offload=True).host_bytes
+
+
+def _rank(row: PlanRow | Setup) -> tuple[bool, int, int, int, bool, bool]:
+    opt = _OPTIMIZER_RANK.index(row.optimizer) if row.optimizer in _OPTIMIZER_RANK else len(_OPTIMIZER_RANK)
+    rounding = ROUNDINGS.index(row.rounding) if row.rounding in ROUNDINGS else -1
+    return (row.offload, PLAN_PRECISIONS.index(row.precision), rounding, opt, row.grad_release, row.checkpointing)
+
+
+# ---- public --------------------------------------------------------------------------------------
 def plan(
     model: str | torch.nn.Module,
     *,
@@ -578,197 +487,51 @@ def plan(
     trace per row, seconds each on a first plan, then cached), and fills ``process_bytes_pinned``
     with the pinned figure beside it.
     """
-    if allocator not in ("pinned", "glibc"):
-        raise ValueError(f"allocator must be 'pinned' or 'glibc', got {allocator!r}")
-    if not isinstance(offload, bool):
-        raise ValueError(f"offload must be True or False, got {offload!r}")  # noqa: TRY004 - one-line ValueErrors
-    for name, value in (("batch", batch), ("seq", seq), ("accum", accum)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
-    if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
-        raise ValueError(f"gpus must be a whole number >= 1, got {gpus!r}")
-    device = _device(device)
-    if device == "cuda" and gpus > 1:
-        raise ValueError("device='cuda' with gpus > 1 is not planned yet (FSDP2 over NCCL): plan one GPU, or --gpus on the CPU")
-    budget_bytes = parse_bytes(budget) if budget is not None else None
-    names = [n.lower() for n in (optimizers or DEFAULT_OPTIMIZERS)]
-    lean = {n: issubclass(resolve_optimizer(n), LeanOptimizer) for n in names}  # one-line ValueError for unknown names
-    precs = list(dict.fromkeys(precisions or PLAN_PRECISIONS))
-    for p in precs:
-        if p not in PLAN_PRECISIONS:
-            raise ValueError(f"unknown precision {p!r}; known: {', '.join(PLAN_PRECISIONS)}")
-    rounds = list(dict.fromkeys(roundings or DEFAULT_ROUNDINGS))
-    for r in rounds:
-        if r not in ROUNDINGS:
-            raise ValueError(f"unknown rounding {r!r}; known: {', '.join(ROUNDINGS)}")
-    releases = _flags(grad_release, "grad_release")
-    ckpts = [bool(c) for c in checkpointing]
-    if accum > 1:
-        if gpus > 1:
-            raise ValueError("accum > 1 is not planned under FSDP2 (--gpus > 1) yet")
-        if releases == [True]:
-            raise ValueError("accum > 1 with gradient release: release_gradients steps each param inside every backward, "
-                             "so gradients cannot accumulate (plan --grad-release off)")  # fmt: skip
-        releases = [False]
-    if gpus > 1:
-        # release_gradients and rounding="stochastic"|"kahan" refuse DTensor (FSDP2) params.
-        if precisions is not None and precs == ["bf16"]:
-            raise ValueError("pure bf16 is not planned under FSDP2 (--gpus > 1): rounding='stochastic'/'kahan' refuse DTensor params")
-        if releases == [True]:
-            raise ValueError("gradient release is not planned under FSDP2 (--gpus > 1): release_gradients refuses DTensor params")
-        precs = [p for p in precs if p != "bf16"]
-        releases = [False]
-    if offload and gpus > 1:
-        raise ValueError("offload is not planned under FSDP2 (--gpus > 1): offload='cpu' refuses DTensor params")
-    if offload and not any(lean.values()):
-        raise ValueError(f"offload needs a leanopt optimizer (offload='cpu'); none of {', '.join(names)} is one")
-    if releases == [True] and not any(lean.values()):
-        raise ValueError(f"gradient release needs a leanopt optimizer; none of {', '.join(names)} is one")
-    module, label = _model(model)
-    task = _task(module)
-    _check_positions(module, seq)
-    if any(ckpts) and not getattr(module, "supports_gradient_checkpointing", False):
-        ckpts = [c for c in ckpts if not c]
-    if not ckpts:
-        raise ValueError(f"{type(module).__name__} does not support activation checkpointing, and no row without it was asked for")
-    if gpus > 1:
-        from leanopt.memory.plan_fsdp import check_shardable
-
-        check_shardable(module, gpus)
-
-    def configurations(precision: str) -> list[tuple[str, str | None, bool, bool]]:
-        """(optimizer, rounding, grad_release, offload) rows of ``precision``."""
-        out = []
-        for name in names:
-            for rounding in (rounds if precision == "bf16" else [None]):
-                if rounding not in (None, "nearest") and not lean[name]:
-                    continue  # no rounding= option: its bf16 step is a nearest one
-                for release in releases:
-                    if release and not lean[name]:
-                        continue
-                    out.append((name, rounding, release, False))
-            if offload and lean[name] and precision != "bf16-mixed":
-                # The fp32 master on the host: pure bf16 rounds to nearest only.
-                out.extend((name, "nearest" if precision == "bf16" else None, release, True) for release in releases)
-        return out
-
-    rows = []
-    for precision in precs:
-        configs = configurations(precision)
-        if not configs:
-            continue
-        dtype = _PARAM_DTYPE[precision]
-        released = any(release for _, _, release, _ in configs)
-        forward_backward: dict[bool, _ForwardBackward] = {}
-        for ckpt in ckpts:
-            try:
-                if gpus > 1:
-                    forward_backward[ckpt] = _trace_forward_backward_fsdp(module, task, batch, seq, precision, ckpt, gpus)
-                else:
-                    forward_backward[ckpt] = _trace_forward_backward(module, task, batch, seq, precision, ckpt, released, device,
-                                                                     accum)
-            except ValueError:
-                raise
-            except Exception as err:
-                raise ValueError(
-                    f"cannot trace a training step of {label} ({type(module).__name__}) at batch {batch}, seq {seq}, "
-                    f"{precision}{', checkpointing' if ckpt else ''}: {_one_line(err)}"
-                ) from None
-        steps: dict[tuple[str, str | None], _Step] = {}
-        param_steps: dict[tuple[str, str | None], ParamSteps] = {}
-        for name, rounding, release, offloaded in configs:
-            if offloaded:
-                host = _host_bytes(module, name, precision, release)
-                for ckpt in ckpts:
-                    peak, breakdown, sizes = _combine_offloaded(forward_backward[ckpt], release, _shapes(module, dtype), device)
-                    cost = _one_time(module, precision, device, sizes, name, rounding, gpus, heap=None) if process else None
-                    needed = None if cost is None or cost.bytes is None else peak + cost.bytes
-                    compared = None if budget_bytes is None else ("peak_bytes" if needed is None else "process_bytes")
-                    # On the CPU the host memory is the device's.
-                    shared = host if device == "cpu" else 0
-                    fits = None if budget_bytes is None else (needed if needed is not None else peak) + shared <= budget_bytes
-                    source = "process=False" if cost is None else cost.source
-                    rows.append(PlanRow(name, precision, ckpt, release, gpus, peak, fits, breakdown, rounding, needed,
-                                        dict(cost.parts) if cost is not None else {}, source, accum, compared, True, host,
-                                        process_bytes_pinned=needed))  # fmt: skip
-                continue
-            key = (name, rounding if lean[name] else None)
-            what = f"{name}.step() on fake tensors ({precision}{f', rounding={rounding}' if rounding else ''})"
-            try:
-                if key not in param_steps and (release or _rounded(name, key[1], dtype)):
-                    param_steps[key] = _trace_param_steps(_shapes(module, dtype), name, key[1], device)
-                if key not in steps:
-                    steps[key] = _trace_step(module, name, dtype, gpus, key[1], param_steps.get(key), device=device)
-            except Exception as err:
-                raise ValueError(f"cannot trace {what}: {_one_line(err)}") from None
-            for ckpt in ckpts:
-                fb = forward_backward[ckpt]
-                if release:
-                    peak, breakdown, sizes = _combine_released(fb, steps[key], param_steps[key])
-                else:
-                    peak, breakdown, sizes = _combine(fb, steps[key])
-                heap = {"batch": batch, "seq": seq, "checkpointing": ckpt, "grad_release": release, "accum": accum}
-                cost = _one_time(module, precision, device, sizes, name, key[1], gpus,
-                                 heap=heap if allocator == "glibc" else PINNED) if process else None
-                needed = None if cost is None or cost.bytes is None else peak + cost.bytes
-                compared = None if budget_bytes is None else ("peak_bytes" if needed is None else "process_bytes")
-                fits = None if budget_bytes is None else (needed if needed is not None else peak) <= budget_bytes
-                source = "process=False" if cost is None else cost.source
-                pinned = None if needed is None or cost is None else needed - cost.parts.get("glibc_heap", 0)
-                rows.append(PlanRow(name, precision, ckpt, release, gpus, peak, fits, breakdown, rounding, needed,
-                                    dict(cost.parts) if cost is not None else {}, source, accum, compared,
-                                    process_bytes_pinned=pinned))  # fmt: skip
-    if not rows:  # pure bf16 only, for optimizers without rounding=, and nearest not asked for
-        raise ValueError(f"no configuration to plan: {', '.join(names)} take no rounding= (their pure-bf16 steps round "
-                         "to nearest: ask for --roundings nearest)")  # fmt: skip
-    return sorted(rows, key=_rank)
-
-
-PINNED: dict[str, Any] = {}  # _one_time's heap= for allocator="pinned": no heap margin, and the source says for what process
-
-
-def _one_time(module: torch.nn.Module, precision: str, device: str, sizes: list[int], optimizer: str, rounding: str | None,
-              gpus: int = 1, *, heap: dict[str, Any] | None = None) -> Any:  # fmt: skip
-    """What the process needs besides the step's tensors (:mod:`leanopt.memory.process`; the CPU's
-    one-time costs are cached on disk after their first measurement). ``heap``: the row's batch,
-    seq, checkpointing, grad_release and accum, for the margin glibc's default heap keeps
-    (:func:`~leanopt.memory.process.glibc_heap_margin`); None: not modelled for this row (offload),
-    and the source says so."""
-    from leanopt.memory import process
-
-    if gpus > 1:
-        return process.OneTimeCost(None, "not measured for FSDP2 ranks (--gpus > 1): the budget is compared with the step's peak")
-    if device == "cuda":
-        return process.cuda_one_time(sizes)
-    cost = process.cpu_one_time(module, precision, optimizer, rounding)
-    if cost.bytes is None:
-        return cost
-    from leanopt.memory.resident import allocator
-
-    if heap is PINNED:
-        return process.OneTimeCost(cost.bytes, f"{cost.source}; for a process that calls leanopt.pin_allocator() (glibc's "
-                                   "defaults keep more: allocator='glibc', --allocator glibc)", dict(cost.parts))  # fmt: skip
-    if heap is None:
-        return process.OneTimeCost(cost.bytes, f"{cost.source}; glibc's heap margin not modelled for offloaded rows (the figure "
-                                   "is for leanopt.pin_allocator())", dict(cost.parts))  # fmt: skip
-    if allocator() == "other":
-        return process.OneTimeCost(cost.bytes, f"{cost.source}; not glibc here: no heap margin modelled", dict(cost.parts))
+    request = check_request(model, batch=batch, seq=seq, budget=budget, gpus=gpus, optimizers=optimizers, precisions=precisions,
+                            checkpointing=checkpointing, grad_release=grad_release, roundings=roundings, device=device,
+                            accum=accum, process=process, offload=offload, allocator=allocator)  # fmt: skip
+    wanted = sorted(setups(request), key=_rank)
+    traces = Traces(request.module, request.label, request.task, batch=batch, seq=seq, gpus=request.gpus, device=request.device,
+                    accum=accum, released=frozenset(s.precision for s in wanted if s.grad_release))  # fmt: skip
+    costs = None
+    if request.process and request.device == "cpu" and request.gpus == 1:
+        # One probe process for every setting not cached (the most precise rows' first), measuring
+        # while the traces run here.
+        costs = process_needs.OneTimeCosts(request.module, [probe_setting(s) for s in wanted])
     try:
-        margin = process.glibc_heap_margin(module, precision=precision, optimizer=optimizer, rounding=rounding, **heap)
-    except Exception as err:
-        return process.OneTimeCost(cost.bytes, f"{cost.source}; glibc's heap margin not modelled ({_one_line(err)}): the figure "
-                                   "is for leanopt.pin_allocator()", dict(cost.parts))  # fmt: skip
-    parts = {**cost.parts, "glibc_heap": margin}
-    return process.OneTimeCost(cost.bytes + margin, f"{cost.source}; glibc's default heap modelled (+{margin / 2**20:.0f} MiB; "
-                               "process_bytes_pinned: with leanopt.pin_allocator())", parts)  # fmt: skip
+        peaks = [step_peak(request, s, traces) for s in wanted]
+    except BaseException:
+        if costs is not None:
+            costs.cancel()
+        raise
+    measured = costs.result() if costs is not None else None
+    return [evaluate(request, s, peak, measured) for s, peak in zip(wanted, peaks)]
 
 
-def _device(device: Any) -> str:
-    """``"cpu"`` or ``"cuda"`` (``"cuda:1"``, ``torch.device("cuda")`` too); else a one-line ValueError."""
-    kind = str(device).split(":")[0] if isinstance(device, (str, torch.device)) else None
-    if kind not in ("cpu", "cuda"):
-        raise ValueError(f"device {device!r}: plan knows 'cpu' and 'cuda'")
-    return kind
+def nothing_fits(rows: Sequence[PlanRow], budget: int, *, batch: int, seq: int, device: str = "cpu") -> str:
+    """What to say when no row fits ``budget``: whether a smaller batch or sequence would fit (the
+    rows' ``floor_bytes``), and else what would (offload on a GPU, more devices, a smaller model)."""
+    smallest = min(rows, key=lambda r: r.floor_bytes)
+    what = (f"{smallest.optimizer}, {smallest.precision}{f' {smallest.rounding}' if smallest.rounding else ''}"
+            f"{', gradient release' if smallest.grad_release else ''}{', offload' if smallest.offload else ''}")  # fmt: skip
+    needs = (f"the smallest setup ({what}) needs {_mib(smallest.floor_bytes)} MiB before any activation (weights, "
+             "gradients, optimizer state and step" + (", the process's one-time costs" if smallest.process_bytes is not None else "")
+             + (", host memory" if smallest.offload and device == "cpu" else "") + ")")  # fmt: skip
+    if smallest.floor_bytes <= budget:
+        return (f"nothing fits in {_mib(budget)} MiB at batch {batch}, seq {seq}: lower --batch or --seq (--accum K "
+                f"keeps the batch in K micro-batches), or shard over more devices; {needs}")  # fmt: skip
+    helps = []
+    if device == "cuda" and not any(r.offload for r in rows):
+        helps.append("--offload (optimizer state and fp32 masters in host memory)")
+    if device == "cpu":
+        helps.append("sharding over more devices (FSDP2: weights, gradients and state split N ways; plan it with --gpus N)")
+    helps.append("a smaller model")
+    return f"nothing fits in {_mib(budget)} MiB at any batch or seq: {needs}; what would: " + ", or ".join(helps)
+
+
+def _mib(nbytes: int) -> str:
+    mib = nbytes / 2**20
+    return f"{mib:.1f}" if mib < 10 else f"{mib:,.0f}"
 
 
 def recommend(rows: Sequence[PlanRow]) -> PlanRow | None:

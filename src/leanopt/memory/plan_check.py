@@ -1,5 +1,5 @@
 """The planner against a real GPU step: ``plan(..., device="cuda")`` within ±5 % of
-``torch.cuda.max_memory_allocated()`` (issue 12; stage ``plan_check`` of scripts/gpu_check.sh).
+``torch.cuda.max_memory_allocated()`` (stage ``plan_check`` of scripts/gpu_check.sh).
 
     python3 -m leanopt.memory.plan_check [--dry-run] [--out DIR] [--tolerance PCT]
 
@@ -15,7 +15,7 @@ classifier (batch 8, seq 128) and GPT-2 (124M) as a causal LM (batch 4, seq 256)
 4. measured = ``torch.cuda.max_memory_allocated()`` − baseline; predicted = the ``peak_bytes`` of
    ``plan(model, batch=, seq=, device="cuda")`` for the same configuration.
 
-Then (issue 24) the process: for the first configuration of each model, a fresh process builds
+Then the process (``process_bytes``): for the first configuration of each model, a fresh process builds
 the model on the GPU and trains three steps, as a user's script does (no warm-up); measured =
 ``torch.cuda.max_memory_reserved()`` + the CUDA context (``mem_get_info``: in use less reserved,
 which that process also caches for the plan, :func:`leanopt.memory.process.measure_cuda_context`);

@@ -5,8 +5,8 @@ The step planned is the one-process step with the model sharded by
 model lists in ``_no_split_modules``) and then the root, default ``reshard_after_forward=True``,
 the batch per rank = ``batch``. It is traced as rank 0 of a *fake* process group
 (``torch.testing._internal.distributed.fake_pg``: collectives return at once, nothing is sent)
-under ``FakeTensorMode``, with the same :class:`~leanopt.memory.plan_trace.LiveStorage` count as
-one process, which follows, in addition (``LiveStorage.distributed``):
+under ``FakeTensorMode``, with the same count as one process
+(:class:`~leanopt.memory.plan_trace.ShardedLiveStorage`), which follows, in addition:
 
 * DTensor ops down to the local ops on this rank's shards (sharded weights, gradients and the
   optimizer's state are shards: ceil(dim0 / N) rows per tensor);
@@ -27,9 +27,10 @@ from typing import Any
 
 import torch
 
+from leanopt.memory.plan_model import PARAM_DTYPE, checkpointing, fake_copy, fake_mode, num_labels, vocab_size
 from leanopt.memory.plan_trace import (
-    LiveStorage,
     Peak,
+    ShardedLiveStorage,
     traced_batch,
     traced_forward_backward,
     traced_kernels,
@@ -111,25 +112,24 @@ def shard_blocks(model: torch.nn.Module, mesh: Any = None) -> None:
 
 
 def trace_forward_backward(
-    model: torch.nn.Module, task: str, batch: int, seq: int, precision: str, checkpointing: bool, gpus: int,
-    *, fake_mode: Any, fake_copy: Any, checkpointing_cm: Any, vocab: int, num_labels: int, dtype: torch.dtype,
+    model: torch.nn.Module, task: str, batch: int, seq: int, precision: str, ckpt: bool, gpus: int,
 ) -> tuple[Peak, dict[str, int]]:  # fmt: skip
     """Peak of rank 0's forward + backward under FSDP2, and what is left after it other than
     weights and gradients. Two steps are traced: the first makes FSDP2's lazy state, the
     second (gradients set to None before it, as ``zero_grad`` leaves them) is the one counted."""
-    tracker = LiveStorage()
-    tracker.distributed = True
+    tracker = ShardedLiveStorage()
     mixed = precision == "bf16-mixed"
-    work, _ = fake_copy(model, fake_mode, dtype)  # model itself is not touched
-    with fake_process_group(gpus), checkpointing_cm(work, checkpointing):
+    mode = fake_mode()
+    work, _ = fake_copy(model, mode, PARAM_DTYPE[precision])  # model itself is not touched
+    with fake_process_group(gpus), checkpointing(work, ckpt):
         work.train()
         mesh = default_mesh()
-        with fake_mode:
+        with mode:
             shard_blocks(work, mesh)
         params = [p for p in work.parameters() if p.requires_grad]
-        with fake_mode, tracker:
+        with mode, tracker:
             track_module(tracker, work)
-            input_ids, labels = traced_batch(tracker, task, vocab, num_labels, batch, seq)
+            input_ids, labels = traced_batch(tracker, task, vocab_size(model), num_labels(model), batch, seq)
             for it in range(2):
                 if it == 1:
                     for p in params:
@@ -153,20 +153,20 @@ class _Holder(torch.nn.Module):
         self.params = torch.nn.ParameterList(params)
 
 
-def trace_step(shapes: list[tuple[tuple[int, ...], torch.dtype]], optimizer_cls: Any, gpus: int, fake_mode: Any) -> tuple[Peak, dict[str, int]]:
+def trace_step(shapes: list[tuple[tuple[int, ...], torch.dtype]], optimizer_cls: Any, gpus: int) -> tuple[Peak, dict[str, int]]:
     """Peak of rank 0's second ``optimizer.step()`` on params sharded as FSDP2 shards them (with
     their sharded gradients), and what it keeps between steps other than weights."""
     from torch.distributed.fsdp import fully_shard
 
-    tracker = LiveStorage()
-    tracker.distributed = True
+    tracker = ShardedLiveStorage()
+    mode = fake_mode()
     with fake_process_group(gpus), traced_kernels():
         mesh = default_mesh()
-        with fake_mode:
+        with mode:
             holder = _Holder([torch.nn.Parameter(torch.empty(s, dtype=dt)) for s, dt in shapes])
             fully_shard(holder, mesh=mesh)
         params = list(holder.parameters())
-        with fake_mode, tracker:
+        with mode, tracker:
             # Two whole steps: the layout-and-throwaway shortcut of the one-process trace would fill the
             # caches from unsharded params.
             peak, kept = traced_steps(tracker, params, optimizer_cls, fast=False)

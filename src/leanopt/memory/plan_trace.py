@@ -31,7 +31,7 @@ Adafactor's row blocks, the same allocations over and over, are walked first and
 Gradient release is counted in the same forward/backward trace (``count_released``), and
 one param's step on its own by :func:`traced_param_steps`.
 
-Under FSDP2 (:mod:`~leanopt.memory.plan_fsdp`, ``LiveStorage.distributed``) DTensor ops are let
+Under FSDP2 (:mod:`~leanopt.memory.plan_fsdp`, :class:`ShardedLiveStorage`) DTensor ops are let
 through to their local ops, ``UntypedStorage.resize_`` (how FSDP2 frees and refills unsharded
 params) is followed, and an eager ``wait_tensor`` returns its input, as it does for real.
 
@@ -65,6 +65,7 @@ from torch.utils._pytree import tree_leaves
 from leanopt import tracing
 from leanopt.kernels import cpu_elementwise
 from leanopt.memory.cuda_emulation import cuda_block_bytes, cuda_forward
+from leanopt.memory.optimizer_internals import init_state
 from leanopt.torch_patches import thread_patch
 
 KINDS = ("weights", "gradients", "optimizer_state", "activations", "other")
@@ -74,7 +75,9 @@ KINDS = ("weights", "gradients", "optimizer_state", "activations", "other")
 QUANTIZED_TEMP_BYTES = cpu_elementwise.QUANTIZED_TEMP_BYTES
 
 # What a new storage is, by the phase that made it, until something relabels it.
-_PHASE_KIND = {"setup": "other", "forward": "activations", "backward": "other", "step": "other"}
+# A forward under autocast ("autocast forward") also keeps a low-precision copy of each weight it
+# casts until backward: LiveStorage counts such a copy as weights.
+_PHASE_KIND = {"setup": "other", "forward": "activations", "autocast forward": "activations", "backward": "other", "step": "other"}
 
 
 class _Block:
@@ -104,74 +107,77 @@ def _summed(nbytes: int, blocks: list[tuple[_Block, int]]) -> Peak:
     return out
 
 
-class LiveStorage(TorchDispatchMode):
-    """Counts the bytes of live tensor storage after every aten op (use inside FakeTensorMode)."""
+class CpuMemory:
+    """How the CPU counts a storage: its bytes. A CPU norm with an output dtype wider than its
+    input also converts the input first, a copy fake tensors do not make (:func:`_norm_upcast_bytes`)."""
 
-    def __init__(self) -> None:
+    device = "cpu"
+
+    def size(self, nbytes: int) -> int:
+        return nbytes
+
+    def hidden_copy(self, func: Any, args: Any, kwargs: dict[str, Any]) -> int:
+        return _norm_upcast_bytes(func, args, kwargs)
+
+
+class CudaMemory(CpuMemory):
+    """How a GPU counts a storage planned on fake CPU tensors: as the CUDA caching allocator counts
+    it (:func:`cuda_block_bytes`); the CPU kernel's hidden norm copy is not made there."""
+
+    device = "cuda"
+
+    def size(self, nbytes: int) -> int:
+        return cuda_block_bytes(nbytes)
+
+    def hidden_copy(self, func: Any, args: Any, kwargs: dict[str, Any]) -> int:
+        return 0
+
+
+DEVICE_MEMORY = {"cpu": CpuMemory(), "cuda": CudaMemory()}
+
+
+class LiveStorage(TorchDispatchMode):
+    """Counts the bytes of live tensor storage after every aten op (use inside FakeTensorMode), as
+    ``device`` (``"cpu"`` or ``"cuda"``: :data:`DEVICE_MEMORY`) counts them.
+
+    ``phase`` says what the trace is running (``_PHASE_KIND``); in an ``"autocast forward"`` the
+    copy autocast makes of a weight (``_to_copy``) is counted as weights: it is kept until backward."""
+
+    def __init__(self, device: str = "cpu") -> None:
         super().__init__()
+        self.memory = DEVICE_MEMORY[device]
         self.phase = "setup"
         self.current = 0
         self._live: dict[int, _Block] = {}
         self._by_storage: weakref.WeakKeyDictionary[Any, _Block] = weakref.WeakKeyDictionary()
         self._peak = 0
         self._at_peak: list[tuple[_Block, int]] = []
-        self.autocast_copies = False
-        # FSDP2 (see plan_fsdp): follow ``UntypedStorage.resize_`` (how FSDP2 frees and refills an
-        # unsharded param's storage; not an aten op), let DTensor ops run down to their local ops.
-        self.distributed = False
-        self._orig_resize: Any = None  # the thread_patch of resize_ while entered
-        # Gradient release (``count_released``): a second count, the same trace as if each gradient
-        # were freed when its param's post-accumulate-grad hook ran (see ``released_hook``), with
-        # its own peak and, per hook, what was live when it ran.
-        self.count_released = False
-        self._released: dict[int, int] = {}  # block id -> bytes, gradients the second count has freed
-        self._released_bytes = 0
-        self._any_released = False
-        self._peak_released = 0
-        self._at_peak_released: list[tuple[_Block, int]] = []
-        self.hooks: list[tuple[int, int, list[tuple[_Block, int]]]] = []  # (param index, live bytes, live blocks)
-        # "cuda": the step planned runs on a GPU (the trace is still on fake CPU tensors): every
-        # storage is counted as the CUDA caching allocator counts it (:func:`cuda_block_bytes`),
-        # and the CPU-only hidden copy of a widening norm is not counted.
-        self.device = "cpu"
+        self.released: ReleasedCount | None = None  # count_released()
 
-    def _size(self, nbytes: int) -> int:
-        return cuda_block_bytes(nbytes) if self.device == "cuda" else nbytes
+    @property
+    def device(self) -> str:
+        return self.memory.device
 
-    def __enter__(self) -> LiveStorage:  # noqa: PYI034
-        if self.distributed and self._orig_resize is None:
-            tracker = self
-
-            def following(orig: Any) -> Any:
-                def resize_(st: Any, size: int) -> Any:
-                    out = orig(st, size)
-                    block = tracker._by_storage.get(st)
-                    if block is not None and block.nbytes != tracker._size(st.nbytes()):
-                        tracker.current += tracker._size(st.nbytes()) - block.nbytes
-                        block.nbytes = tracker._size(st.nbytes())
-                        tracker._note()
-                    return out
-
-                return resize_
-
-            self._orig_resize = thread_patch(torch.UntypedStorage, "resize_", following)
-            self._orig_resize.__enter__()
-        return super().__enter__()
-
-    def __exit__(self, *args: object) -> None:
-        if self._orig_resize is not None:
-            self._orig_resize.__exit__(None, None, None)
-            self._orig_resize = None
-        super().__exit__(*args)
+    def count_released(self) -> ReleasedCount:
+        """Count the rest of the trace a second time, as under gradient release (:class:`ReleasedCount`)."""
+        if self.released is None:
+            self.released = ReleasedCount(self)
+        return self.released
 
     # ---- bookkeeping -------------------------------------------------------------------------
+    def _allocated(self, key: Any, nbytes: int) -> None:
+        """A new storage (``key``, counted ``nbytes``) or transient buffer: for a subclass's record."""
+
+    def _freed(self, key: Any) -> None:
+        """The storage ``key`` freed: for a subclass's record."""
+
     def _free(self, key: int) -> None:
         block = self._live.pop(key, None)
         if block is not None:
+            self._freed(key)
             self.current -= block.nbytes
-        released = self._released.pop(key, None)
-        if released is not None:
-            self._released_bytes -= released
+        if self.released is not None:
+            self.released.free(key)
 
     def track(self, t: torch.Tensor, kind: str | None = None) -> None:
         """Count ``t``'s storage (once); ``kind`` relabels it."""
@@ -185,10 +191,11 @@ class LiveStorage(TorchDispatchMode):
         st = t.untyped_storage()
         block = self._by_storage.get(st)
         if block is None:
-            block = _Block(self._size(st.nbytes()), kind or _PHASE_KIND[self.phase])
+            block = _Block(self.memory.size(st.nbytes()), kind or _PHASE_KIND[self.phase])
             self._by_storage[st] = block
             self._live[id(block)] = block
             weakref.finalize(st, self._free, id(block))
+            self._allocated(id(block), block.nbytes)
             self.current += block.nbytes
             self._note()
         elif kind is not None:
@@ -212,54 +219,26 @@ class LiveStorage(TorchDispatchMode):
         if self.current > self._peak:
             self._peak = self.current
             self._at_peak = [(b, b.nbytes) for b in self._live.values()]  # sizes then (resize_ changes them)
-        if self.count_released and self.current - self._released_bytes > self._peak_released:
-            self._peak_released = self.current - self._released_bytes
-            # Until the first gradient is released both counts are the same (no second snapshot).
-            self._at_peak_released = self._unreleased() if self._any_released else self._at_peak
-
-    def _unreleased(self) -> list[tuple[_Block, int]]:
-        return [(b, b.nbytes) for key, b in self._live.items() if key not in self._released]
-
-    def released_hook(self, index: int, p: torch.Tensor) -> None:
-        """What ``release_gradients``' hook would see for param ``index``: its gradient counted,
-        what is live then noted (the optimizer steps it at this moment), and the gradient freed in
-        the released count (the traced step itself keeps it, as the usual loop does)."""
-        if p.grad is None:
-            return
-        self.track(p.grad, "gradients")
-        self.hooks.append((index, self.current - self._released_bytes, self._unreleased()))
-        block = self._by_storage.get(p.grad.untyped_storage())
-        if block is not None and id(block) not in self._released:
-            self._released[id(block)] = block.nbytes
-            self._released_bytes += block.nbytes
-            self._any_released = True
+        if self.released is not None:
+            self.released.note()
 
     def transient(self, nbytes: int) -> None:
         """A buffer of ``nbytes`` that an op allocates and frees inside itself (kind ``other``)."""
-        nbytes = self._size(nbytes)
-        block = _Block(nbytes, "other")
+        block = _Block(self.memory.size(nbytes), "other")
         self._live[id(block)] = block
-        self.current += nbytes
+        self._allocated(id(block), block.nbytes)
+        self.current += block.nbytes
         self._note()
         self._free(id(block))
 
     def reset_peak(self) -> None:
         self._peak = self.current
         self._at_peak = [(b, b.nbytes) for b in self._live.values()]
-        self._peak_released = self.current - self._released_bytes
-        self._at_peak_released = self._unreleased()
-        self.hooks.clear()
+        if self.released is not None:
+            self.released.reset()
 
     def peak(self) -> Peak:
         return _summed(self._peak, self._at_peak)
-
-    def peak_released(self) -> Peak:
-        """The peak of the released count (``count_released``)."""
-        return _summed(self._peak_released, self._at_peak_released)
-
-    def hook_moments(self) -> list[tuple[int, Peak]]:
-        """(param index, what was live) at each released hook, in the order they ran."""
-        return [(index, _summed(nbytes, blocks)) for index, nbytes, blocks in self.hooks]
 
     def live_by_kind(self) -> dict[str, int]:
         out = dict.fromkeys(KINDS, 0)
@@ -270,23 +249,18 @@ class LiveStorage(TorchDispatchMode):
     # ---- dispatch ----------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if self.distributed:
-            if any(getattr(t, "__name__", "") == "DTensor" for t in types):
-                return NotImplemented  # DTensor runs, and its local ops come back here
-            if func is torch.ops._c10d_functional.wait_tensor.default:
-                return args[0]  # eager wait returns its input; the fake kernel would make a new tensor
         if func is torch.ops.aten._local_scalar_dense.default:
             # A data-dependent scalar: no memory depends on it (see the module docstring).
             t = args[0]
             return True if t.dtype == torch.bool else (1.0 if t.is_floating_point() else 1)
-        upcast = _norm_upcast_bytes(func, args, kwargs) if self.device == "cpu" else 0
-        if upcast:
-            self.transient(upcast)
+        hidden = self.memory.hidden_copy(func, args, kwargs)
+        if hidden:
+            self.transient(hidden)
         out = func(*args, **kwargs)
         kind = None
         if (
-            self.autocast_copies
-            and func is torch.ops.aten._to_copy.default
+            func is torch.ops.aten._to_copy.default
+            and self.phase == "autocast forward"
             and isinstance(args[0], torch.Tensor)
             and self.kind_of(args[0]) == "weights"
         ):
@@ -295,6 +269,109 @@ class LiveStorage(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self.track(t, kind)
         return out
+
+
+class ReleasedCount:
+    """A second count of the same trace, as if each gradient were freed when its param's
+    post-accumulate-grad hook ran (where :func:`leanopt.release_gradients` steps the param): its
+    own peak, and for each hook what was live when it ran."""
+
+    def __init__(self, tracker: LiveStorage) -> None:
+        self.tracker = tracker
+        self._freed: dict[int, int] = {}  # block id -> bytes, gradients this count has freed
+        self._freed_bytes = 0
+        self._any = False
+        self._peak = 0
+        self._at_peak: list[tuple[_Block, int]] = []
+        self.hooks: list[tuple[int, int, list[tuple[_Block, int]]]] = []  # (param index, live bytes, live blocks)
+
+    def _unreleased(self) -> list[tuple[_Block, int]]:
+        return [(b, b.nbytes) for key, b in self.tracker._live.items() if key not in self._freed]
+
+    def note(self) -> None:
+        live = self.tracker.current - self._freed_bytes
+        if live > self._peak:
+            self._peak = live
+            # Until the first gradient is released both counts are the same (no second snapshot).
+            self._at_peak = self._unreleased() if self._any else self.tracker._at_peak
+
+    def free(self, key: int) -> None:
+        nbytes = self._freed.pop(key, None)
+        if nbytes is not None:
+            self._freed_bytes -= nbytes
+
+    def hook(self, index: int, p: torch.Tensor) -> None:
+        """What ``release_gradients``' hook would see for param ``index``: its gradient counted,
+        what is live then noted (the optimizer steps it at this moment), and the gradient freed in
+        this count (the traced step itself keeps it, as the usual loop does)."""
+        if p.grad is None:
+            return
+        tracker = self.tracker
+        tracker.track(p.grad, "gradients")
+        self.hooks.append((index, tracker.current - self._freed_bytes, self._unreleased()))
+        block = tracker._by_storage.get(p.grad.untyped_storage())
+        if block is not None and id(block) not in self._freed:
+            self._freed[id(block)] = block.nbytes
+            self._freed_bytes += block.nbytes
+            self._any = True
+
+    def reset(self) -> None:
+        self._peak = self.tracker.current - self._freed_bytes
+        self._at_peak = self._unreleased()
+        self.hooks.clear()
+
+    def peak(self) -> Peak:
+        return _summed(self._peak, self._at_peak)
+
+    def hook_moments(self) -> list[tuple[int, Peak]]:
+        """(param index, what was live) at each hook, in the order they ran."""
+        return [(index, _summed(nbytes, blocks)) for index, nbytes, blocks in self.hooks]
+
+
+class ShardedLiveStorage(LiveStorage):
+    """:class:`LiveStorage` for a trace under FSDP2 (:mod:`~leanopt.memory.plan_fsdp`): DTensor ops
+    run down to their local ops (which come back here), ``UntypedStorage.resize_`` -- how FSDP2
+    frees and refills an unsharded param's storage, not an aten op -- is followed, and an eager
+    ``wait_tensor`` returns its input, as it does for real."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        super().__init__(device)
+        self._orig_resize: Any = None  # the thread_patch of resize_ while entered
+
+    def __enter__(self) -> ShardedLiveStorage:  # noqa: PYI034
+        if self._orig_resize is None:
+            tracker = self
+
+            def following(orig: Any) -> Any:
+                def resize_(st: Any, size: int) -> Any:
+                    out = orig(st, size)
+                    block = tracker._by_storage.get(st)
+                    nbytes = tracker.memory.size(st.nbytes())
+                    if block is not None and block.nbytes != nbytes:
+                        tracker.current += nbytes - block.nbytes
+                        block.nbytes = nbytes
+                        tracker._note()
+                    return out
+
+                return resize_
+
+            self._orig_resize = thread_patch(torch.UntypedStorage, "resize_", following)
+            self._orig_resize.__enter__()
+        super().__enter__()
+        return self
+
+    def __exit__(self, *args: object) -> None:
+        if self._orig_resize is not None:
+            self._orig_resize.__exit__(None, None, None)
+            self._orig_resize = None
+        super().__exit__(*args)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if any(getattr(t, "__name__", "") == "DTensor" for t in types):
+            return NotImplemented  # DTensor runs, and its local ops come back here
+        if func is torch.ops._c10d_functional.wait_tensor.default:
+            return args[0]  # eager wait returns its input; the fake kernel would make a new tensor
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 def _norm_upcast_bytes(func: Any, args: Any, kwargs: dict[str, Any]) -> int:
@@ -411,25 +488,25 @@ def traced_batch(tracker: LiveStorage, task: str, vocab: int, num_labels: int, b
 
 def traced_forward_backward(
     tracker: LiveStorage, model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
-    params: list[torch.nn.Parameter], mixed: bool, name: str, *, released: bool = False, device: str = "cpu",
+    params: list[torch.nn.Parameter], mixed: bool, name: str, *, released: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """One ``model(input_ids=, labels=).loss.backward()`` under ``tracker``, as a training step
     runs it: the forward under bf16 autocast when ``mixed``, the gradients counted after.
     Returns the loss: the caller's step holds it until it lets go.
 
-    ``released``: also count the same pass under gradient release (``tracker.count_released``):
+    ``released``: also count the same pass under gradient release (:meth:`LiveStorage.count_released`):
     a post-accumulate-grad hook on every param, where ``release_gradients`` puts its own, notes
     what is live when it runs and frees the gradient in the second count.
 
-    ``device="cuda"``: the step as a GPU runs it (:func:`cuda_forward`: attention by the fused
+    A tracker of ``device="cuda"``: the step as a GPU runs it (:func:`cuda_forward`: attention by the fused
     CUDA kernels, CUDA autocast's fp32 ops), on the same fake CPU tensors."""
     handles = []
     if released:
-        tracker.count_released = True
+        count = tracker.count_released()
         for index, p in enumerate(params):
-            handles.append(p.register_post_accumulate_grad_hook(functools.partial(tracker.released_hook, index)))
+            handles.append(p.register_post_accumulate_grad_hook(functools.partial(count.hook, index)))
     try:
-        with cuda_forward(tracker) if device == "cuda" else contextlib.nullcontext():
+        with cuda_forward(tracker) if tracker.device == "cuda" else contextlib.nullcontext():
             return _forward_backward(tracker, model, input_ids, labels, params, mixed, name)
     finally:
         for handle in handles:
@@ -440,8 +517,7 @@ def _forward_backward(
     tracker: LiveStorage, model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
     params: list[torch.nn.Parameter], mixed: bool, name: str,
 ) -> torch.Tensor:  # fmt: skip
-    tracker.phase = "forward"
-    tracker.autocast_copies = mixed
+    tracker.phase = "autocast forward" if mixed else "forward"
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
         out = model(input_ids=input_ids, labels=labels)
     loss = out.loss if hasattr(out, "loss") else None
@@ -451,7 +527,6 @@ def _forward_backward(
     if isinstance(getattr(out, "logits", None), torch.Tensor):
         tracker.track(out.logits, "other")
     del out  # as `model(**batch).loss` does: logits live on only if backward saved them
-    tracker.autocast_copies = False
     tracker.phase = "backward"
     loss.backward()
     for p in params:
@@ -467,7 +542,7 @@ def traced_steps(tracker: LiveStorage, params: list[torch.nn.Parameter], optimiz
 
     The first step of a run makes the state and fills the optimizers' caches and workspaces; the
     trace needs only what it leaves. With ``fast`` and a leanopt optimizer it is not traced: the
-    state is allocated from the layout (``_init_state``, what the first step calls) and the caches
+    state is allocated from the layout (:func:`~leanopt.memory.optimizer_internals.init_state`, what the first step calls) and the caches
     are filled by a step of a second optimizer over one param of each distinct shape (for a 7B
     model, 6 params instead of 291). Otherwise (``fast=False``, or another optimizer) the step is
     simply run twice. Both give the same peak and breakdown, to the byte (tests/test_plan.py).
@@ -483,7 +558,7 @@ def traced_steps(tracker: LiveStorage, params: list[torch.nn.Parameter], optimiz
         tracker.phase = "setup"
         for group in opt.param_groups:
             for p in group["params"]:
-                opt._init_state(p, group)
+                init_state(opt, p, group)
         _track_state(tracker, opt)
         tracker.phase = "step"
         _fill_caches(optimizer_cls, [(tuple(p.shape), p.dtype) for p in params])
@@ -545,8 +620,7 @@ def traced_param_steps(shapes: list[tuple[tuple[int, ...], torch.dtype]], optimi
     """
     transient: dict[tuple[tuple[int, ...], torch.dtype], int] = {}
     state: dict[tuple[tuple[int, ...], torch.dtype], int] = {}
-    tracker = LiveStorage()
-    tracker.device = device
+    tracker = LiveStorage(device)
     with tracker:
         for shape, dtype in dict.fromkeys(shapes):
             tracker.phase = "setup"

@@ -1,4 +1,4 @@
-"""What a training process needs besides its step's tensors (issue 24): ``process_bytes``.
+"""What a training process needs besides its step's tensors: ``process_bytes``.
 
 ``plan``'s ``peak_bytes`` is the peak of one steady-state step's tensors. A user's process needs
 more, and sees more (its resident set, or on a GPU what the driver hands out):
@@ -7,16 +7,20 @@ more, and sees more (its resident set, or on a GPU what the driver hands out):
   built, the thread pools started and the library pages touched by the first forward, backward
   and optimizer step (oneDNN, MKL, the native kernel loaded). They are measured, not modelled:
   once per (torch, transformers and leanopt versions, Python, machine, thread count, model
-  class, precision -- the dtype set -- and optimizer) a fresh subprocess (:func:`probe`) imports
-  torch, transformers and leanopt, reads its resident set, builds a small model of the same
-  class (:func:`small_config`: two layers, 128 wide), trains three steps with that optimizer and
-  reads the resident-set high-water mark; the one-time cost is that growth less what ``plan``
-  predicts for the same small step. The probe runs with ``MALLOC_MMAP_THRESHOLD_=65536`` (every
-  block of 64 KiB or more mapped on its own and returned when freed), so what glibc's default
-  allocator keeps of its heap is not in it: that is modelled for the row itself
+  class, precision -- the dtype set -- and optimizer) the probe (:mod:`leanopt.memory.probe`)
+  measures, as a fresh process that has imported torch, transformers and leanopt sees it, the
+  resident-set growth while a small model of the same class (two layers, 128 wide) is built and
+  trained three steps with that optimizer; the one-time cost is that growth less what ``plan``
+  predicts for the same small step. Every setup of a plan that is not cached is measured by one
+  probe process (:func:`cpu_one_times`). The probe runs with ``MALLOC_MMAP_THRESHOLD_=65536``
+  (every block of 64 KiB or more mapped on its own and returned when freed), so what glibc's
+  default allocator keeps of its heap is not in it: that is modelled for the row itself
   (:func:`glibc_heap_margin`, the part ``glibc_heap``; ``process_bytes_pinned`` is the figure
-  without it, for a process that called :func:`leanopt.pin_allocator`). It is cached as JSON under ``$LEANOPT_CACHE/process/`` (default
-  ``~/.cache/leanopt/process/``; a probe takes ~10 s of 2 cores).
+  without it, for a process that called :func:`leanopt.pin_allocator`). It is cached as JSON
+  under ``$LEANOPT_CACHE/process/`` (default ``~/.cache/leanopt/process/``). An entry there that
+  is damaged or implausible (:func:`read_cache_entry`) is a miss: measured again, one line on
+  stderr says so. The measuring is said on the ``leanopt.memory.process`` logger (INFO: what is
+  measured, each setup as it is done; ``leanopt plan`` shows it on stderr).
 * **CUDA**: the CUDA context (measured once per device name and torch version by
   :func:`measure_cuda_context` where a GPU is present, and cached; otherwise
   :data:`ASSUMED_CUDA_CONTEXT`, said so in the source), cuBLAS's workspace
@@ -31,27 +35,25 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import platform
-import subprocess
-import sys
+import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from leanopt.memory.resident import GLIBC_MMAP_THRESHOLD_MAX, GLIBC_MMAP_THRESHOLD_START, status_kib
+from leanopt.memory.resident import GLIBC_MMAP_THRESHOLD_MAX, GLIBC_MMAP_THRESHOLD_START
 
-__all__ = ["OneTimeCost", "allocation_sequence", "cache_dir", "cpu_one_time", "cuda_one_time", "cuda_segment_margin", "glibc_heap_margin",
-           "glibc_resident_peak", "small_config"]
+__all__ = ["OneTimeCost", "allocation_sequence", "cache_dir", "cpu_one_time", "OneTimeCosts", "cpu_one_times", "cuda_one_time", "cuda_segment_margin",
+           "glibc_heap_margin", "glibc_resident_peak", "memory_limit", "one_time_cost", "read_cache_entry"]
 
-PROBE_VERSION = 2
-MALLOC_MMAP_THRESHOLD = 65536  # the probe's (and the check's) glibc setting: every block of 64 KiB+ its own mmap
-PROBE_TIMEOUT_S = 600.0
-PROBE_BATCH, PROBE_SEQ = 4, 64
+PROBE_VERSION = 2  # what a cached one-time cost was measured by (leanopt.memory.probe); part of its key
 MiB = 2**20
 
 # The CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp): requests of at most kSmallSize
@@ -63,6 +65,8 @@ MIN_LARGE_ALLOC, LARGE_BUFFER, ROUND_LARGE = 10 * MiB, 20 * MiB, 2 * MiB
 # CUDA 12 process with lazy module loading after its first kernels. An assumption, not a
 # measurement of this machine: rows say so, and gpu_check's plan_check stage measures it.
 ASSUMED_CUDA_CONTEXT = 512 * MiB
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -78,54 +82,6 @@ def cache_dir() -> Path:
     """``$LEANOPT_CACHE`` if set, else ``~/.cache/leanopt``."""
     root = os.environ.get("LEANOPT_CACHE", "").strip()
     return Path(root).expanduser() if root else Path.home() / ".cache" / "leanopt"
-
-
-# ---- the small model of the same class -----------------------------------------------------------
-_LAYERS = ("n_layers", "n_layer", "num_hidden_layers", "num_layers", "encoder_layers", "decoder_layers")
-_WIDTH = ("dim", "n_embd", "hidden_size", "d_model")
-_HEADS = ("n_heads", "n_head", "num_attention_heads", "encoder_attention_heads", "decoder_attention_heads")
-_INNER = ("hidden_dim", "intermediate_size", "n_inner", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "d_ff")
-
-
-def small_config(config: Any) -> dict[str, Any]:
-    """The config values of a small model of the same architecture: two layers, 128 wide, four
-    heads (two key/value heads where the model groups them), 512 inner, a 4,000-token vocabulary."""
-    values = config.to_dict()
-    grouped = isinstance(values.get("num_key_value_heads"), int) and values["num_key_value_heads"] < values.get("num_attention_heads", 0)
-    for key in _LAYERS:
-        if isinstance(values.get(key), int):
-            values[key] = min(values[key], 2)
-    for key in _WIDTH:
-        if isinstance(values.get(key), int):
-            values[key] = 128
-    for key in _HEADS:
-        if isinstance(values.get(key), int):
-            values[key] = 4
-    if isinstance(values.get("num_key_value_heads"), int):
-        values["num_key_value_heads"] = 2 if grouped else 4
-    if isinstance(values.get("head_dim"), int):
-        values["head_dim"] = 32
-    for key in _INNER:
-        if isinstance(values.get(key), int):
-            values[key] = 512
-    if isinstance(values.get("vocab_size"), int):
-        values["vocab_size"] = 4000
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id"):
-        if isinstance(values.get(key), int) and values[key] >= 4000:
-            values[key] = 0
-    return values
-
-
-def _probe_spec(module: torch.nn.Module, precision: str, optimizer: str, rounding: str | None) -> dict[str, Any]:
-    config = getattr(module, "config", None)
-    if config is None or not hasattr(config, "to_dict"):
-        raise ValueError(f"{type(module).__name__} has no transformers config to build a small one from")
-    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    seq = PROBE_SEQ if not isinstance(positions, int) else min(PROBE_SEQ, positions)
-    cls = type(module)
-    return {"model": [cls.__module__, cls.__qualname__], "config": [type(config).__module__, type(config).__qualname__],
-            "values": small_config(config), "precision": precision, "optimizer": optimizer, "rounding": rounding,
-            "batch": PROBE_BATCH, "seq": seq}  # fmt: skip
 
 
 def _key(spec: dict[str, Any]) -> dict[str, Any]:
@@ -144,120 +100,248 @@ def _cache_file(key: dict[str, Any]) -> Path:
     return cache_dir() / "process" / f"cpu-{digest}.json"
 
 
+# ---- what the cache may hold ------------------------------------------------------------------------
+# A cache file is data another process (or a person) wrote: an entry that is damaged or implausible
+# (not JSON, another type, a missing field, a figure that is not a whole number of bytes between 0
+# and this machine's memory, another probe version) is a miss, said in one line, never trusted and
+# never fatal.
+def memory_limit() -> int:
+    """The most bytes a cached figure can be: this machine's physical memory (1 TiB where unknown)."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, OSError, ValueError):
+        return 2**40
+
+
+def _bytes_problem(value: Any, what: str, limit: int) -> str | None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        return f"{what} is {type(value).__name__} {str(value)[:40]}, not a whole number of bytes"
+    if not 0 <= value <= limit:
+        return f"{what} {value:,} is outside 0..{limit:,} bytes"
+    return None
+
+
+def read_cache_entry(path: Path, problem: Callable[[Any], str | None], then: str) -> Any:
+    """The JSON entry in ``path``, or None: no such file, or one that the JSON parser or
+    ``problem(entry)`` (a reason, or None) refuses, which is said in one line on stderr (the
+    ``leanopt.memory.process`` logger), ending with ``then``: what happens instead."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as err:
+        reason: str | None = f"unreadable ({type(err).__name__})"
+    else:
+        try:
+            entry = json.loads(text)
+        except ValueError:
+            reason = "not JSON"
+        else:
+            reason = problem(entry)
+            if reason is None:
+                return entry
+    log.warning("leanopt: ignoring the process cache entry %s (%s): %s", path, reason, then)
+    return None
+
+
+def _one_time_problem(entry: Any, key: dict[str, Any]) -> str | None:
+    """Why a cached one-time cost cannot be trusted, or None."""
+    if not isinstance(entry, dict):
+        return f"a JSON {type(entry).__name__}, not an object"
+    if entry.get("key") != json.loads(json.dumps(key)):
+        return "written for another probe version or setup"
+    limit = memory_limit()
+    problem = _bytes_problem(entry.get("bytes"), '"bytes"', limit)
+    if problem is not None:
+        return problem
+    parts = entry.get("parts")
+    if not isinstance(parts, dict):
+        return '"parts" is not an object'
+    for name, value in parts.items():
+        problem = _bytes_problem(value, f'"parts" {name!r}', limit)
+        if problem is not None:
+            return problem
+    if sum(parts.values()) != entry["bytes"]:
+        return '"parts" do not add up to "bytes"'
+    if not isinstance(entry.get("when"), str):
+        return '"when" is not a date'
+    return None
+
+
+Setting = tuple[str, str, "str | None"]  # (precision, optimizer, rounding): what a one-time cost is measured for
+
+
 def cpu_one_time(module: torch.nn.Module, precision: str, optimizer: str = "adamw", rounding: str | None = None, *,
                  measure: bool = True) -> OneTimeCost:  # fmt: skip
     """The one-time costs of a first step of ``module``'s class at ``precision`` with ``optimizer``
     (a registry name; ``rounding``: its ``rounding=`` for pure bf16), from the cache or
     (``measure``) a probe now; ``bytes`` None where neither can answer, ``source`` says why."""
-    try:
-        spec = _probe_spec(module, precision, optimizer, rounding)
-    except ValueError as err:
-        return OneTimeCost(None, f"not measured: {err}")
-    key = _key(spec)
-    path = _cache_file(key)
-    try:
-        cached = json.loads(path.read_text())
-        if cached.get("key") == json.loads(json.dumps(key)) and isinstance(cached.get("bytes"), int):
-            return OneTimeCost(cached["bytes"], f"measured {cached.get('when', '?')}, cached in {path}", cached.get("parts", {}))
-    except (OSError, ValueError):
-        pass
-    if not measure:
-        return OneTimeCost(None, f"not measured yet for {key['model']} {precision} {optimizer} (no {path})")
-    try:
-        result = probe(spec)
-    except (RuntimeError, subprocess.TimeoutExpired, ValueError) as err:
-        return OneTimeCost(None, f"not measured: the probe failed ({str(err).strip().splitlines()[-1][:200]})")
-    entry = {"key": key, "when": time.strftime("%Y-%m-%d %H:%M"), **result}
+    return cpu_one_times(module, [(precision, optimizer, rounding)], measure=measure)[precision, optimizer, rounding]
+
+
+def cpu_one_times(module: torch.nn.Module, settings: Sequence[Setting], *, measure: bool = True) -> dict[Setting, OneTimeCost]:
+    """:func:`cpu_one_time` of each (precision, optimizer, rounding) in ``settings``: the cached
+    ones read, the others (``measure``) measured by one probe process."""
+    return OneTimeCosts(module, settings, measure=measure).result()
+
+
+class OneTimeCosts:
+    """The CPU's one-time costs of ``settings`` for ``module``'s class: the cached ones read at once,
+    the others (``measure``) measured by one probe process (:func:`leanopt.memory.probe.measure`)
+    that runs while the caller goes on (``plan`` traces meanwhile); :meth:`result` waits for it and
+    caches what it measured. What is measured is said on this module's logger (INFO), each
+    setting as it is done, from :meth:`result` on (said before, it would stand in front of the
+    one-line error of a plan that fails meanwhile)."""
+
+    def __init__(self, module: torch.nn.Module, settings: Sequence[Setting], *, measure: bool = True) -> None:
+        from leanopt.memory import probe
+
+        self.known: dict[Setting, OneTimeCost] = {}
+        self._todo: list[tuple[Setting, dict[str, Any]]] = []
+        self._measured: list[dict[str, Any] | str] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._held: list[tuple[Any, ...]] | None = []  # what is said, held until result()
+        self._lock = threading.Lock()
+        try:
+            specs = {s: probe.probe_spec(module, *s) for s in dict.fromkeys(settings)}
+        except ValueError as err:
+            self.known = {s: OneTimeCost(None, f"not measured: {err}") for s in settings}
+            return
+        for setting, spec in specs.items():
+            key = _key(spec)
+            path = _cache_file(key)
+            cached = read_cache_entry(path, lambda entry: _one_time_problem(entry, key), "measured again" if measure else "not used")
+            if cached is not None:
+                self.known[setting] = OneTimeCost(cached["bytes"], f"measured {cached['when']}, cached in {path}", dict(cached["parts"]))
+            elif not measure:
+                self.known[setting] = OneTimeCost(None, f"not measured yet for {key['model']} {' '.join(filter(None, setting))} (no {path})")
+            else:
+                self._todo.append((setting, spec))
+        if self._todo:
+            self._say("leanopt: measuring the one-time costs of a first step (imports, thread pools, kernels) of %d setup%s of %s "
+                      "in one probe process, on a small model of the same class; once: cached in %s", len(self._todo),
+                      "s" if len(self._todo) > 1 else "", type(module).__name__, cache_dir() / "process")  # fmt: skip
+            self._t0 = time.perf_counter()
+            self._thread = threading.Thread(target=self._measure, name="leanopt-probe", daemon=True)
+            self._thread.start()
+
+    @classmethod
+    def of(cls, known: dict[Setting, OneTimeCost]) -> OneTimeCosts:
+        """Costs already known: nothing to measure."""
+        out = cls.__new__(cls)
+        out.known, out._todo, out._measured, out._stop, out._thread = dict(known), [], [], threading.Event(), None
+        out._held, out._lock = None, threading.Lock()
+        return out
+
+    def _say(self, *args: Any) -> None:
+        with self._lock:
+            if self._held is not None:
+                self._held.append(args)
+                return
+        log.info(*args)
+
+    def _measure(self) -> None:
+        from leanopt.memory import probe
+
+        done = [0]
+
+        def report(index: int, result: dict[str, Any] | str) -> None:
+            done[0] += 1
+            said = f"{result['seconds']:.0f} s" if isinstance(result, dict) else f"failed: {result}"
+            if not self._stop.is_set():
+                self._say("leanopt:   %d/%d %s (%s)", done[0], len(self._todo), " ".join(filter(None, self._todo[index][0])), said)
+
+        self._measured = probe.measure([spec for _, spec in self._todo], report, stop=self._stop)
+
+    def cancel(self) -> None:
+        """Stop the probe (the caller failed): nothing more is measured or cached."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread, self._todo = None, []
+
+    def result(self) -> dict[Setting, OneTimeCost]:
+        """Every setting's cost, once the probe (if any) is done; what it measured is cached."""
+        if self._thread is None:
+            return dict(self.known)
+        from leanopt.memory import probe
+
+        with self._lock:
+            held, self._held = self._held or [], None
+        for args in held:
+            log.info(*args)
+        self._thread.join()
+        self._thread = None
+        ok = [i for i, m in enumerate(self._measured) if isinstance(m, dict)]
+        planned = dict(zip(ok, probe.planned_peaks([self._todo[i][1] for i in ok])))
+        when = time.strftime("%Y-%m-%d %H:%M")
+        for i, ((setting, spec), m) in enumerate(zip(self._todo, self._measured)):
+            if not isinstance(m, dict):
+                self.known[setting] = OneTimeCost(None, f"not measured: the probe failed ({m})")
+                continue
+            build = max(0, m["built"] - m["param_bytes"])
+            one_time = max(0, m["peak"] - planned[i])
+            parts = {"model_build": min(build, one_time), "first_steps": one_time - min(build, one_time)}
+            key = _key(spec)
+            entry = {"key": key, "when": when, "bytes": one_time, "parts": parts, "probe_peak": m["peak"],
+                     "probe_planned": planned[i], "probe_seconds": m["seconds"], "spec": spec}  # fmt: skip
+            self.known[setting] = OneTimeCost(one_time, f"measured now, {_write_entry(_cache_file(key), entry)}", parts)
+        self._say("leanopt: measured in %.0f s", time.perf_counter() - self._t0)
+        self._todo = []
+        return dict(self.known)
+
+
+def _write_entry(path: Path, entry: dict[str, Any]) -> str:
     try:
         from leanopt.writing import write_text_atomically
 
         path.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomically(path, json.dumps(entry, indent=1) + "\n")
-        where = f"cached in {path}"
     except OSError as err:
-        where = f"not cached ({type(err).__name__})"
-    return OneTimeCost(result["bytes"], f"measured now, {where}", result["parts"])
+        return f"not cached ({type(err).__name__})"
+    return f"cached in {path}"
 
 
-def probe(spec: dict[str, Any]) -> dict[str, Any]:
-    """Run the small step in a fresh process and subtract ``plan``'s peak of it: the one-time cost."""
-    # A fixed mmap threshold: freed blocks go back to the system, so what is measured is the
-    # one-time costs, not what glibc's default allocator would keep of this small model's heap.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    env.update(PYTHONWARNINGS="ignore", MALLOC_MMAP_THRESHOLD_=str(MALLOC_MMAP_THRESHOLD))
-    t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "leanopt.memory.process", "--probe", json.dumps(spec)], env=env,
-                         capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, check=False)  # fmt: skip
-    if out.returncode != 0:
-        raise RuntimeError(out.stderr.strip()[-400:] or f"exit {out.returncode}")
-    measured = json.loads(out.stdout.strip().splitlines()[-1])
-    from leanopt.memory.plan import plan
+def one_time_cost(module: torch.nn.Module, precision: str, optimizer: str, rounding: str | None, *, device: str = "cpu",
+                  sizes: list[int] | None = None, gpus: int = 1, heap: dict[str, Any] | str | None = "pinned",
+                  measured: dict[Setting, OneTimeCost] | None = None) -> OneTimeCost:  # fmt: skip
+    """What a plan row's process needs besides its step's tensors: on the CPU the one-time costs
+    of a first step (:func:`cpu_one_time`, cached on disk after their first measurement); on CUDA
+    the context, cuBLAS's workspace and the segment margin of ``sizes`` (the blocks live at the
+    step's peak). ``heap``: ``"pinned"``, no heap margin (for a process that calls
+    :func:`leanopt.pin_allocator`, which the source says); the row's batch, seq, checkpointing,
+    grad_release and accum, for the margin glibc's default heap keeps (:func:`glibc_heap_margin`);
+    None: not modelled for this row (offload), which the source says. ``measured``: the CPU's
+    one-time costs already read or measured for the plan (:func:`cpu_one_times`), by setting."""
+    from leanopt.memory.resident import allocator
 
-    model = _build(spec, meta=True)
-    rounding = spec["rounding"]
-    (row,) = plan(model, batch=spec["batch"], seq=spec["seq"], optimizers=[spec["optimizer"]], precisions=[spec["precision"]],
-                  checkpointing=[False], grad_release=[False], roundings=[rounding] if rounding else None,
-                  process=False)  # fmt: skip
-    total = measured["peak"]
-    build = max(0, measured["built"] - measured["param_bytes"])
-    one_time = max(0, total - row.peak_bytes)
-    return {"bytes": one_time, "parts": {"model_build": min(build, one_time), "first_steps": one_time - min(build, one_time)},
-            "probe_peak": total, "probe_planned": row.peak_bytes, "probe_seconds": round(time.perf_counter() - t0, 1),
-            "spec": spec}  # fmt: skip
+    if gpus > 1:
+        return OneTimeCost(None, "not measured for FSDP2 ranks (--gpus > 1): the budget is compared with the step's peak")
+    if device == "cuda":
+        return cuda_one_time(sizes or [])
+    setting = (precision, optimizer, rounding)
+    cost = measured[setting] if measured is not None and setting in measured else cpu_one_time(module, *setting)
+    if cost.bytes is None:
+        return cost
+    if heap == "pinned":
+        return OneTimeCost(cost.bytes, f"{cost.source}; for a process that calls leanopt.pin_allocator() (glibc's "
+                           "defaults keep more: allocator='glibc', --allocator glibc)", dict(cost.parts))  # fmt: skip
+    if not isinstance(heap, dict):
+        return OneTimeCost(cost.bytes, f"{cost.source}; glibc's heap margin not modelled for offloaded rows (the figure "
+                           "is for leanopt.pin_allocator())", dict(cost.parts))  # fmt: skip
+    if allocator() == "other":
+        return OneTimeCost(cost.bytes, f"{cost.source}; not glibc here: no heap margin modelled", dict(cost.parts))
+    try:
+        margin = glibc_heap_margin(module, precision=precision, optimizer=optimizer, rounding=rounding, **heap)
+    except Exception as err:  # the row keeps its pinned figure, and the source says why
+        from leanopt.memory.plan_model import one_line
 
-
-def _build(spec: dict[str, Any], *, meta: bool = False) -> torch.nn.Module:
-    import importlib
-
-    mod, name = spec["model"]
-    cmod, cname = spec["config"]
-    config = getattr(importlib.import_module(cmod), cname).from_dict(spec["values"])
-    cls = getattr(importlib.import_module(mod), name)
-    if meta:
-        with torch.device("meta"):
-            return cls(config)
-    return cls(config)
-
-
-def _status_kib(field: str) -> int:
-    """The probe runs on Linux only: a missing field is an error there."""
-    value = status_kib(field)
-    if value is None:
-        raise RuntimeError(f"/proc/self/status has no {field}")
-    return value
-
-
-def _probe_main(spec: dict[str, Any]) -> None:
-    """In the fresh process: the small model's three steps, as a user's script runs them."""
-    import transformers  # noqa: F401 - imported before the baseline, as a user's script does
-
-    import leanopt  # noqa: F401
-    from leanopt.memory.estimate import resolve_optimizer
-
-    torch.manual_seed(0)
-    before = _status_kib("VmRSS")
-    model = _build(spec)
-    built = _status_kib("VmRSS") - before
-    param_bytes = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in [*model.parameters(), *model.buffers()]}.values())
-    precision = spec["precision"]
-    if precision == "bf16":
-        model.to(torch.bfloat16)
-    model.train()
-    rounding = spec["rounding"]
-    opt = resolve_optimizer(spec["optimizer"])(model.parameters(), **({"rounding": rounding} if rounding not in (None, "nearest") else {}))
-    config: Any = model.config
-    vocab = int(config.vocab_size)
-    ids = torch.randint(0, vocab, (spec["batch"], spec["seq"]))
-    classify = type(model).__name__.endswith("ForSequenceClassification")
-    labels = torch.randint(0, int(getattr(config, "num_labels", 2) or 2), (spec["batch"],)) if classify else ids
-    for _ in range(3):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
-            loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    peak = _status_kib("VmHWM") - before
-    print(json.dumps({"peak": peak * 1024, "built": built * 1024, "param_bytes": param_bytes}))
+        return OneTimeCost(cost.bytes, f"{cost.source}; glibc's heap margin not modelled ({one_line(err)}): the figure "
+                           "is for leanopt.pin_allocator()", dict(cost.parts))  # fmt: skip
+    parts = {**cost.parts, "glibc_heap": margin}
+    return OneTimeCost(cost.bytes + margin, f"{cost.source}; glibc's default heap modelled (+{margin / 2**20:.0f} MiB; "
+                       "process_bytes_pinned: with leanopt.pin_allocator())", parts)  # fmt: skip
 
 
 # ---- glibc's heap under its default settings -------------------------------------------------------
@@ -345,7 +429,7 @@ def allocation_sequence(module: torch.nn.Module, *, batch: int, seq: int, precis
     model's weights as it is built, then ``steps`` steps of plan's loop (a new batch, forward and
     backward ``accum`` times, ``optimizer.step()`` -- the first makes the state --,
     ``zero_grad(set_to_none=True)``); ``(key, bytes)`` for an allocation, ``(key, -1)`` for a free."""
-    from leanopt.memory import plan as planner
+    from leanopt.memory import plan_model
     from leanopt.memory.plan_trace import LiveStorage, traced_batch, traced_forward_backward, traced_kernels, track_module
 
     class Sequence(LiveStorage):
@@ -353,30 +437,19 @@ def allocation_sequence(module: torch.nn.Module, *, batch: int, seq: int, precis
             super().__init__()
             self.events: list[tuple[Any, int]] = []
 
-        def track(self, t: torch.Tensor, kind: str | None = None) -> None:
-            count = len(self._live)
-            super().track(t, kind)
-            if len(self._live) > count:  # a new storage: the last one in (dicts keep their order)
-                key = next(reversed(self._live))
-                self.events.append((key, self._live[key].nbytes))
+        def _allocated(self, key: Any, nbytes: int) -> None:
+            self.events.append((key, nbytes))
 
-        def _free(self, key: int) -> None:
-            if key in self._live:
-                self.events.append((key, -1))
-            super()._free(key)
+        def _freed(self, key: Any) -> None:
+            self.events.append((key, -1))
 
-        def transient(self, nbytes: int) -> None:
-            mark = ("transient", len(self.events))
-            self.events += [(mark, nbytes), (mark, -1)]
-            super().transient(nbytes)
-
-    fake_mode = planner._fake_mode()
+    fake_mode = plan_model.fake_mode()
     tracker = Sequence()
-    task, vocab, labels_n = planner._task(module), planner._vocab_size(module), planner._num_labels(module)
-    model, params = planner._fake_copy(module, fake_mode, planner._PARAM_DTYPE[precision])
-    cls = planner._optimizer_factory(optimizer, rounding)
+    task, vocab, labels_n = plan_model.task_of(module), plan_model.vocab_size(module), plan_model.num_labels(module)
+    model, params = plan_model.fake_copy(module, fake_mode, plan_model.PARAM_DTYPE[precision])
+    cls = plan_model.optimizer_factory(optimizer, rounding)
     mixed = precision == "bf16-mixed"
-    with planner._checkpointing(model, checkpointing):
+    with plan_model.checkpointing(model, checkpointing):
         model.train()
         with traced_kernels("cpu"), fake_mode, tracker:
             track_module(tracker, model)
@@ -418,12 +491,18 @@ def glibc_heap_margin(module: torch.nn.Module, **row: Any) -> int:
                "torch": torch.__version__, "transformers": transformers.__version__, "leanopt": leanopt.__version__}  # fmt: skip
         text = json.dumps(key, sort_keys=True, default=str)
         path = cache_dir() / "process" / f"heap-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
-        try:
-            cached = json.loads(path.read_text())
-            if cached.get("key") == json.loads(text) and isinstance(cached.get("bytes"), int):
-                return int(cached["bytes"])
-        except (OSError, ValueError):
-            pass
+        expected = json.loads(text)
+
+        def problem(entry: Any) -> str | None:
+            if not isinstance(entry, dict):
+                return f"a JSON {type(entry).__name__}, not an object"
+            if entry.get("key") != expected:
+                return "written for another version or row"
+            return _bytes_problem(entry.get("bytes"), '"bytes"', memory_limit())
+
+        cached = read_cache_entry(path, problem, "traced again")
+        if cached is not None:
+            return int(cached["bytes"])
     peak, live = glibc_resident_peak(allocation_sequence(module, **row))
     margin = max(0, peak - live)
     if path is not None:
@@ -466,17 +545,35 @@ def _cuda_context_file() -> Path:
     return cache_dir() / "process" / "cuda-context.json"
 
 
+def _context_table_problem(table: Any) -> str | None:
+    """Why ``cuda-context.json`` cannot be trusted, or None: an object of device entries, each an
+    object with a whole number of bytes no more than 1 TiB (more than any GPU holds)."""
+    if not isinstance(table, dict):
+        return f"a JSON {type(table).__name__}, not an object"
+    for key, entry in table.items():
+        if not isinstance(entry, dict):
+            return f"entry {key!r} is not an object"
+        problem = _bytes_problem(entry.get("bytes"), f"entry {key!r}'s \"bytes\"", 2**40)
+        if problem is not None:
+            return problem
+        if not isinstance(entry.get("when", ""), str):
+            return f"entry {key!r}'s \"when\" is not a date"
+    return None
+
+
+def _context_table(then: str) -> dict[str, Any]:
+    table = read_cache_entry(_cuda_context_file(), _context_table_problem, then)
+    return table if table is not None else {}
+
+
 def cuda_context(name: str | None = None) -> tuple[int, str]:
     """(bytes, source) of the CUDA context: measured on ``name`` (a device name) and cached, or
     :data:`ASSUMED_CUDA_CONTEXT`."""
-    try:
-        table = json.loads(_cuda_context_file().read_text())
-    except (OSError, ValueError):
-        table = {}
+    table = _context_table(f"the CUDA context is assumed ({ASSUMED_CUDA_CONTEXT // MiB} MiB)")
     key = f"{name}|torch {torch.__version__}" if name else None
     if key is None and len(table) == 1:
         key = next(iter(table))
-    if key is not None and key in table and isinstance(table[key].get("bytes"), int):
+    if key is not None and key in table:
         return table[key]["bytes"], f"CUDA context measured on {key.split('|')[0]} {table[key].get('when', '')}".strip()
     return ASSUMED_CUDA_CONTEXT, f"CUDA context not measured here: assumed {ASSUMED_CUDA_CONTEXT // MiB} MiB"
 
@@ -491,10 +588,7 @@ def measure_cuda_context() -> int:
     context = int(total - free - torch.cuda.memory_reserved())
     name = torch.cuda.get_device_name()
     path = _cuda_context_file()
-    try:
-        table = json.loads(path.read_text())
-    except (OSError, ValueError):
-        table = {}
+    table = _context_table("replaced by this measurement")
     table[f"{name}|torch {torch.__version__}"] = {"bytes": context, "when": time.strftime("%Y-%m-%d %H:%M")}
     try:
         from leanopt.writing import write_text_atomically
@@ -516,11 +610,3 @@ def cuda_one_time(sizes: list[int], device_name: str | None = None, capability: 
     parts = {"cuda_context": context, "cublas_workspace": cublas_workspace_bytes(capability),
              "allocator_margin": cuda_segment_margin(sizes)}  # fmt: skip
     return OneTimeCost(sum(parts.values()), f"{source}; cuBLAS workspace and allocator segments modelled", parts)
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--probe":
-        _probe_main(json.loads(sys.argv[2]))
-    else:
-        print("usage: python -m leanopt.memory.process --probe SPEC_JSON", file=sys.stderr)
-        raise SystemExit(2)

@@ -286,6 +286,11 @@ class Offloaded(Placement):
             self._synced[id(p)] = now
         return t
 
+    def host_copy(self, p: torch.Tensor) -> torch.Tensor | None:
+        """``p``'s host copy as the last step left it (an fp32 master for a bf16/fp16 param), or
+        None before ``p``'s first step; not refreshed from ``p`` (:meth:`twin` is)."""
+        return self._twins.get(id(p))
+
     def state_device(self, p: torch.Tensor) -> torch.device:
         return torch.device("cpu") if self.transport is not None else torch.device("meta")
 
