@@ -6,7 +6,10 @@ reference's largest value plus 1e-7 absolute (the kernels evaluate the same expr
 and a different operation order); bf16/fp16 params within two units in the last place of the
 param dtype after the six steps, and equal on at least 99% of elements. (One ulp per rounding: a
 param rounded the other way at one step is updated from a different value at the next, so two
-roundings can add up; seed 1260788837 gave one fp16 element of 2145 off by two ulps, triton, amsgrad.)
+roundings can add up; seed 1260788837 gave one fp16 element of 2145 off by two ulps, triton, amsgrad.
+The ulp is the one of the largest magnitude the param can have had in those steps, |r| + 6 lr:
+seed 858276720 (cpu, maximize, weight decay) left an fp16 element at -0.00765 off by 1.5e-5, four
+ulps there and one ulp of the 0.06 it may have passed through.)
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import leanopt
 
 SHAPES = [(1,), (0,), (7,), (2049,), (4097,), (33, 65), (3, 5, 7), (0, 4)]
 BACKENDS = ["cpu"] + (["triton"] if importlib.util.find_spec("triton") else [])
+LR = 1e-2
 FLAGS = [dict(amsgrad=a, maximize=m, weight_decay=w) for a, m, w in itertools.product([False, True], [False, True], [0.0, 0.1])]
 
 
@@ -28,7 +32,7 @@ def run(backend: str, dtype: torch.dtype, seed: int, flags: dict, steps: int = 6
     gen = torch.Generator().manual_seed(seed)
     params = [torch.randn(s, generator=gen).to(dtype).requires_grad_() for s in SHAPES]
     grads = [[torch.randn(s, generator=gen).to(dtype) for s in SHAPES] for _ in range(steps)]
-    opt = leanopt.AdamW(params, lr=1e-2, backend=backend, **flags)
+    opt = leanopt.AdamW(params, lr=LR, backend=backend, **flags)
     for step in range(steps):
         for i, p in enumerate(params):
             p.grad = None if (step + i) % 5 == 4 else grads[step][i].clone()
@@ -61,7 +65,9 @@ def test_adamw_backend_matches_reference(backend: str, dtype: torch.dtype, flags
             assert (p - r).abs().max() <= 2e-6 * r.abs().max() + 1e-7, f"seed {seed}"
         else:
             diff = (p.float() - r.float()).abs()
-            assert (diff <= 2 * ulp(r) * 1.001).all(), f"seed {seed}: {diff.max()}"
+            # A rounding the other way happened at some step, where the param may have been larger:
+            # Adam moves it by at most about lr per step, so its spacing then is at most that of |r| + steps * lr.
+            assert (diff <= 2 * ulp((r.detach().float().abs() + 6 * LR).to(dtype)) * 1.001).all(), f"seed {seed}: {diff.max()}"
             assert (diff == 0).float().mean() >= 0.99, f"seed {seed}"
         for key, value in ref_opt.state[r].items():
             got = opt.state[p][key]

@@ -6,6 +6,7 @@ every value -- a quantized one too -- must convert, and the sum must be the stat
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import warnings
 
 import pytest
@@ -82,7 +83,7 @@ def test_the_lesson_s_function_gives_the_true_state_bytes(case: OptimizerCase, d
 
 
 def quantized_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    lowbit = [c for c in GENERIC if not c.external and "block_size" in c.cls.__init__.__signature__.parameters]
+    lowbit = [c for c in GENERIC if not c.external and "block_size" in inspect.signature(c.cls).parameters]
     assert lowbit, "the registry has quantized optimizers"
     model = make_model()
     opt = lowbit[0].cls(model.parameters(), **{**lowbit[0].kwargs, **lowbit[0].state_kwargs})

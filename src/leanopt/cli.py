@@ -866,7 +866,8 @@ def _print_report(console: Console, file: str, r: StateDictReport) -> None:
     per_param = f", {_per_param(r.bytes_per_param)} B/param" if r.bytes_per_param else ""
     console.print(
         f"{r.params:,} param tensors in {len(r.groups)} group{'s' if len(r.groups) != 1 else ''} ({r.params_with_state:,} with state{elements}): "
-        f"{r.bytes:,} bytes ({_mb(r.bytes)} MB){per_param}"
+        f"{r.bytes:,} bytes ({_mb(r.bytes)} MB){per_param}",
+        soft_wrap=True,  # one line at any width: its figures are read together
     )
     if r.formats:
         console.print(f"quantized formats: {', '.join(r.formats)}")

@@ -33,10 +33,11 @@ state the optimizer keeps for bf16 parameters (leanopt's optimizers: fp32 state;
 ``"kahan"`` keeps a compensation buffer of the param's dtype, 2 B/param in bf16 (``kahan_comp``,
 part of the state layout, so it is in the optimizer state). Pass it as for the optimizer:
 ``training_memory(model, "adamw", precision="bf16", rounding="kahan")``. Only what persists
-between steps is counted: a stochastic or Kahan step also computes on an fp32 copy of one param
-(and of its gradient) at a time, a transient of the largest param that :func:`leanopt.memory.plan.plan`
-counts (AdamW on the CPU: 39 B per element of the largest param with stochastic rounding, 14
-with Kahan's).
+between steps is counted: a stochastic or Kahan step also computes on fp32 copies of a param and
+its gradient, a transient that :func:`leanopt.memory.plan.plan` counts: in chunks of at most
+:data:`leanopt.optim.rounding.ROUNDING_CHUNK` elements for an elementwise rule (AdamW on the CPU:
+60 B per element of a chunk with stochastic rounding, 10 with Kahan's), of the whole param for a
+factored one (Adafactor: 8 B per element of the largest param, its rounding back in chunks).
 
 ``grad_release=True`` is training under :func:`leanopt.release_gradients`: each param is stepped
 inside ``backward`` and its gradient freed at once, so the gradients term is the largest

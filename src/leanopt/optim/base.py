@@ -351,13 +351,22 @@ class LeanOptimizer(torch.optim.Optimizer):
             if comp is not None:
                 master.add_(comp.float())
             self.update(gi, group, [ParamStep(master, part.grad.float(), part.state, part.step, part.index, part.offset)], key)
-            if comp is not None:
-                nearest = master.to(p.dtype)
-                comp.copy_(master.sub_(nearest.float()))
-                part.param.copy_(nearest)
-            else:
-                u = rounding_dither(master.numel(), part.offset, part.step, gi, item.index[1], master.device)
-                part.param.copy_(stochastic_round(master, p.dtype, u))
+            # Written back in pieces of at most ROUNDING_CHUNK elements, so that the rounding's own
+            # temporaries are one piece's where the rule took the param whole (Adafactor).
+            size = rounding_module.ROUNDING_CHUNK
+            whole = not (part.param.is_contiguous() and master.is_contiguous() and (comp is None or comp.is_contiguous()))
+            flat = [(part.param, master, comp, 0)] if whole else [
+                (part.param.view(-1)[i : i + size], master.view(-1)[i : i + size], None if comp is None else comp.view(-1)[i : i + size], i)
+                for i in range(0, master.numel(), size)
+            ]  # fmt: skip
+            for target, exact, compensation, at in flat:
+                if compensation is not None:
+                    nearest = exact.to(p.dtype)
+                    compensation.copy_(exact.sub_(nearest.float()))
+                    target.copy_(nearest)
+                else:
+                    u = rounding_dither(exact.numel(), part.offset + at, part.step, gi, item.index[1], exact.device)
+                    target.copy_(stochastic_round(exact, p.dtype, u))
 
     def update(self, gi: int, group: Mapping[str, Any], items: list[ParamStep], key: str) -> None:
         """The rule: update each item's ``param`` and states in place from its ``grad`` (state
