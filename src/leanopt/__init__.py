@@ -30,7 +30,11 @@ from leanopt.optim import (
     Lion4bit,
     Lion8bit,
     LowBit,
+    Muon,
+    Muon4bit,
+    Muon8bit,
     SGD8bit,
+    muon_groups,
     register,
 )
 from leanopt.optim.release import release_gradients
@@ -41,8 +45,8 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 __all__ = ["OPTIMIZER_NAMES", "AdEMAMix", "AdEMAMix8bit", "Adafactor", "AdamW", "AdamW4bit", "AdamW8bit", "ElementwiseOptimizer",
-           "Lion", "Lion4bit", "Lion8bit", "LowBit", "Rule", "SGD", "SGD8bit", "StateKind", "compute_optimizer_size", "doctor", "estimate",
-           "measure", "pin_allocator", "plan", "register", "release_gradients", "training_memory"]  # fmt: skip
+           "Lion", "Lion4bit", "Lion8bit", "LowBit", "Muon", "Muon4bit", "Muon8bit", "Rule", "SGD", "SGD8bit", "StateKind", "compute_optimizer_size", "doctor", "estimate",
+           "measure", "muon_groups", "pin_allocator", "plan", "register", "release_gradients", "training_memory"]  # fmt: skip
 
 # The planner (memory/plan*.py: a FakeTensorMode tracer and its CUDA emulation) and the doctor
 # are imported on first use, so that `import leanopt` for an optimizer does not pay for them
