@@ -233,9 +233,50 @@ def test_bad_input_is_a_value_error_naming_the_group_and_param() -> None:
         leanopt.Muon([{"params": [w], "use_muon": "yes"}])
 
 
-def test_a_torch_state_loads_only_into_groups_of_its_kind() -> None:
-    theirs = torch.optim.Muon([torch.nn.Parameter(torch.randn(8, 8))])
-    ours = leanopt.Muon([{"params": [torch.nn.Parameter(torch.randn(8))], "use_muon": False}])
+def test_a_state_loads_only_into_groups_of_its_kind() -> None:
+    w, b = torch.nn.Parameter(torch.randn(8, 8)), torch.nn.Parameter(torch.randn(8))
+    mixed = leanopt.Muon([{"params": [w]}, {"params": [b], "use_muon": False}])
+    w.grad, b.grad = torch.randn_like(w), torch.randn_like(b)
+    mixed.step()
+    sd = mixed.state_dict()
+    swapped = leanopt.Muon([{"params": [torch.nn.Parameter(torch.randn(8))], "use_muon": False},
+                            {"params": [torch.nn.Parameter(torch.randn(8, 8))]}])  # fmt: skip
     with pytest.raises(ValueError, match=re.escape("param group 0: the state_dict's group has use_muon=True")):
-        ours.load_state_dict(theirs.state_dict())
-    assert not ours.state
+        swapped.load_state_dict(sd)
+    # torch.optim.Muon's groups do not say: its buffer does not fit an aux (AdamW) group.
+    theirs = torch.optim.Muon([torch.nn.Parameter(torch.randn(8, 8))])
+    theirs.param_groups[0]["params"][0].grad = torch.randn(8, 8)
+    theirs.step()
+    aux_only = leanopt.Muon([{"params": [torch.nn.Parameter(torch.randn(8, 8))], "use_muon": False}])
+    with pytest.raises(ValueError, match="'momentum_buffer' has no place in it"):
+        aux_only.load_state_dict(theirs.state_dict())
+    assert not swapped.state and not aux_only.state
+
+
+def test_temporaries_are_one_matrix_at_a_time() -> None:
+    # The step's tensor peak over many params is that of its largest param alone: one param's
+    # direction and one matrix's Newton-Schulz iteration at a time, not the model's worth.
+    from leanopt.compare.meter import TensorPeak
+
+    def peak(params: list) -> int:
+        opt = leanopt.Muon(params, lr=0.02)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()  # states made
+        meter = TensorPeak()
+        if not meter.start():
+            pytest.skip("the torch profiler does not run here")
+        opt.step()
+        got = meter.stop()
+        assert got is not None
+        return got
+
+    torch.manual_seed(5)
+    largest = torch.nn.Parameter(torch.randn(8, 64, 32))  # 8 experts: one matrix's iteration at a time too
+    others = [torch.nn.Parameter(torch.randn(96, 64)) for _ in range(6)]
+    alone, together = peak([largest]), peak([largest, *others])
+    one_expert = peak([torch.nn.Parameter(torch.randn(1, 64, 32))])
+    assert together <= alone + 1024, (together, alone)
+    # 7 more experts add their direction (fp32) and result (bf16) rows, 6 B an element, and not 7
+    # more iterations (one iteration's peak here: 25,600 B); slack of two bf16 matrices.
+    assert alone - one_expert <= 7 * 64 * 32 * (4 + 2) + 2 * 64 * 32 * 2, (alone, one_expert)

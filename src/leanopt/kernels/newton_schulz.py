@@ -79,9 +79,11 @@ def flops(shape: Sequence[int], steps: int, flatten: bool = False) -> int:
 
 
 def temporary_bytes(shape: Sequence[int], flatten: bool = False) -> int:
-    """Bytes the iteration holds at most for one param of ``shape`` beyond its inputs: the
-    bf16 result, and the bf16 iterate, two Gram-sized matrices and the next iterate of the
-    matrix in flight."""
+    """Bytes the iteration's own tensors hold at most for one param of ``shape`` beyond its
+    inputs: the bf16 result, and the bf16 iterate, two Gram-sized matrices and the next iterate
+    of the matrix in flight. A BLAS library adds its own buffers to a bf16 product (on the CPU
+    here up to ~3x this for small matrices, measured with the torch profiler): a planner counts
+    them from a trace, not from this figure."""
     count, rows, cols = matrices(shape, flatten)
     m, n = min(rows, cols), max(rows, cols)
     one = 2 * (2 * m * n + 2 * m * m)

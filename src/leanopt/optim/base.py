@@ -525,10 +525,20 @@ class LeanOptimizer(torch.optim.Optimizer):
         for post_hook in list(post_hooks.values()):
             post_hook(self)
 
+    def group_defaults(self, group: Mapping[str, Any]) -> dict[str, Any]:
+        """The options a group like ``group`` takes for the keys it does not set: the defaults
+        (Muon: its aux groups, their rule's)."""
+        return dict(self.defaults)
+
+    def storage(self, group: Mapping[str, Any]) -> LeanOptimizer:
+        """The optimizer whose layout methods (``state_keys``, ``quantizes``, ``state_format``)
+        describe the states of ``group``: this one (Muon: the group's rule runner)."""
+        return self
+
     def _loaded_defaults(self, saved: Mapping[str, Any], group: Mapping[str, Any]) -> dict[str, Any]:
         """What a loaded group ``saved`` (for this optimizer's ``group``) takes for the options it
         lacks: the defaults; ``ValueError`` where it cannot be a state of ``group``."""
-        return {k: v for k, v in self.defaults.items() if k not in saved}
+        return {k: v for k, v in self.group_defaults(saved).items() if k not in saved}
 
     def _kept_on_load(self, group: Mapping[str, Any]) -> dict[str, Any]:
         """Options of this optimizer's ``group`` that a loaded group does not replace (the

@@ -68,6 +68,12 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> fl
     return lr * ratio
 
 
+def _not_a_matrix(cls: str, label: str, p: torch.Tensor) -> str:
+    return (f"{cls}: {label} has shape {tuple(p.shape)}: a Muon group (use_muon=True) takes params of >= 2 dims "
+            "(torch.optim.Muon: 2-D only); put norms, biases, embeddings and the output head in a use_muon=False group, "
+            "e.g. with leanopt.muon_groups(model)")  # fmt: skip
+
+
 def check_muon_group(group: Mapping[str, Any]) -> None:
     """``ValueError`` for Muon options no step can run (torch's checks, and those it leaves to the step)."""
     check_nonnegative("lr", group["lr"])
@@ -150,8 +156,9 @@ class Muon(LeanOptimizer):
     reference backend a 2-D fp32 param gets torch.optim.Muon's bits (tests/test_muon.py holds
     it to torch over 100 steps).
 
-    **Param groups.** A group with ``use_muon=True`` (the default) takes params of >= 2 dims
-    (any other is a ``ValueError`` naming it; torch refuses every non-2-D one): a 2-D param is
+    **Param groups.** ``params`` may be a model (``leanopt.Muon(model)``): its groups are then
+    :func:`leanopt.muon_groups`'s. A group with ``use_muon=True`` (the default) takes params of >= 2 dims
+    (any other floating one is a ``ValueError`` naming it; torch refuses every non-2-D one): a 2-D param is
     one matrix; with ``"flatten": True`` (what :func:`leanopt.muon_groups` sets for conv
     weights) a param is the matrix of its 2-D flattening ``[shape[0], prod(shape[1:])]``, as
     KellerJordan's Muon treats a conv weight; any other param of more than 2 dims is a stack of
@@ -209,7 +216,7 @@ class Muon(LeanOptimizer):
 
     def __init__(
         self,
-        params: Iterable[Any],
+        params: Iterable[Any] | torch.nn.Module,
         lr: float | torch.Tensor = 1e-3,
         weight_decay: float = 0.1,
         momentum: float = 0.95,
@@ -225,6 +232,8 @@ class Muon(LeanOptimizer):
         state_dtype: torch.dtype | str = torch.float32,
         offload: str | None = None,
     ) -> None:
+        if isinstance(params, torch.nn.Module):
+            params = muon_groups(params)  # the whole model, split by what its modules are
         coefficients = tuple(ns_coefficients) if isinstance(ns_coefficients, list) else ns_coefficients  # as torch saves them
         hyper: dict[str, Any] = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                                      ns_coefficients=coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)  # fmt: skip
@@ -269,6 +278,18 @@ class Muon(LeanOptimizer):
         """What an aux ``group`` takes for the keys it does not set: its rule's defaults."""
         return {k: v for k, v in self._runner(group).defaults.items() if k not in _NOT_FROM_RUNNER}
 
+    def group_defaults(self, group: Mapping[str, Any]) -> dict[str, Any]:
+        if group.get("use_muon", self.defaults["use_muon"]):
+            return dict(self.defaults)
+        return {**self.defaults, **self._aux_defaults({**self.defaults, **group})}
+
+    def storage(self, group: Mapping[str, Any]) -> LeanOptimizer:
+        return self._runner(group)
+
+    def state_keys(self, group: Mapping[str, Any]) -> list[str]:
+        """The state keys (besides ``step``) of ``group``'s rule: Muon's buffer, or the aux rule's moments."""
+        return self._runner(group).state_keys(group)
+
     # ---- groups ------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if isinstance(param_group, Mapping):
@@ -294,20 +315,21 @@ class Muon(LeanOptimizer):
 
     def _check_muon_param(self, item: Any, gi: int, i: int) -> None:
         name, p = (item[0], item[1]) if isinstance(item, tuple) and len(item) == 2 else (None, item)
-        if not isinstance(p, torch.Tensor):
-            return  # torch says what is wrong with it
+        if not isinstance(p, torch.Tensor) or p.is_complex():
+            return  # torch, or the complex check, says what is wrong with it
         label = f"param {i}{f' {name!r}' if name else ''} of group {gi}"
-        if p.dim() < 2:
-            raise ValueError(
-                f"{type(self).__name__}: {label} has shape {tuple(p.shape)}: a Muon group (use_muon=True) takes params of "
-                ">= 2 dims (torch.optim.Muon: 2-D only); put norms, biases, embeddings and the output head in a "
-                "use_muon=False group, e.g. with leanopt.muon_groups(model)"
-            )
+        if p.dim() < 2 and p.is_floating_point():  # an integer one is never stepped (_check_grad refuses a gradient)
+            raise ValueError(_not_a_matrix(type(self).__name__, label, p))
         if is_dtensor(p):
             raise ValueError(
                 f"{type(self).__name__}: {label} is a DTensor (FSDP2): orthogonalizing a sharded matrix needs it whole, "
                 "which this Muon does not gather yet; put it in a use_muon=False group or train it unsharded"
             )
+
+    def _check_grad(self, p: torch.Tensor, gi: int, pi: int) -> None:
+        super()._check_grad(p, gi, pi)
+        if p.grad is not None and p.dim() < 2 and self.param_groups[gi]["use_muon"]:
+            raise ValueError(_not_a_matrix(type(self).__name__, f"param {pi} of group {gi}", p))
 
     def validate_group(self, group: Mapping[str, Any], *, loaded: bool = False) -> None:
         check_flag("use_muon", group["use_muon"])
@@ -318,15 +340,16 @@ class Muon(LeanOptimizer):
         self._runner(group).validate_group(group, loaded=loaded)
 
     def _loaded_defaults(self, saved: Mapping[str, Any], group: Mapping[str, Any]) -> dict[str, Any]:
-        # A saved group is of the live group's kind: a torch.optim.Muon group (no use_muon) is
-        # a Muon group, KellerJordan's aux groups say use_muon=False and take the aux rule's
-        # defaults for the keys they lack (amsgrad, maximize).
-        use_muon = saved.get("use_muon", True)
+        # A saved group is of the live group's kind: one that does not say (torch.optim.Muon's)
+        # is taken as the live group's, and its states must then fit that rule; KellerJordan's
+        # aux groups say use_muon=False and take the aux rule's defaults for the keys they lack
+        # (amsgrad, maximize).
+        use_muon = saved.get("use_muon", group["use_muon"])
         if use_muon != group["use_muon"]:
             raise ValueError(f"the state_dict's group has use_muon={use_muon!r}, this optimizer's use_muon="
                              f"{group['use_muon']!r} (a group is stepped by Muon or by its aux rule, not both)")  # fmt: skip
-        defaults = dict(self.defaults) if use_muon else {**self.defaults, **self._aux_defaults(group)}
-        return {k: v for k, v in defaults.items() if k not in saved}
+        defaults = self.group_defaults({"aux": group["aux"], **saved, "use_muon": use_muon})
+        return {**{k: v for k, v in defaults.items() if k not in saved}, "use_muon": use_muon}
 
     def _kept_on_load(self, group: Mapping[str, Any]) -> dict[str, Any]:
         # Storage (the momentum's and the aux rule's, and which aux rule) is this optimizer's:
@@ -347,6 +370,30 @@ class Muon(LeanOptimizer):
     def state_layout(self, shape: tuple[int, ...], dtype: torch.dtype, group: Mapping[str, Any]) -> list[StateSpec]:
         return self._runner(group).state_layout(shape, dtype, group)
 
+    def _momentum(self, runner: ElementwiseOptimizer, gi: int, group: Mapping[str, Any], it: ParamStep, key: str) -> torch.Tensor:
+        """The momentum step of ``it``: its buffer updated, the update direction returned.
+
+        The rule (:data:`~leanopt.kernels.rules.MUON_MOMENTUM`) runs through the runner, on the
+        reference backend and for bf16 or quantized buffers, into a scratch buffer it writes the
+        direction to (zeros in safe mode: a skipped element contributes none). Where the buffer is
+        a plain tensor of the compute dtype, the other backends take torch.optim.Muon's own two
+        ops in place: the rule's arithmetic (``torch.lerp`` is the rule's ``lerp`` eagerly) without
+        the scratch, its copies and a compiled call per param; tests/test_muon.py holds both to
+        torch.optim.Muon's bits."""
+        p, buf = it.param, it.state.get("momentum_buffer")
+        compute = torch.float64 if p.dtype == torch.float64 else torch.float32
+        plain = (self.backend != "reference" and not runner.safe and type(buf) is torch.Tensor and buf.dtype == compute
+                 and it.grad.dtype == compute and buf.shape == it.grad.shape)  # fmt: skip
+        if plain:
+            assert isinstance(buf, torch.Tensor)
+            momentum = float(group["momentum"])
+            buf.lerp_(it.grad, 1 - momentum)
+            return torch.lerp(it.grad, buf, momentum) if group["nesterov"] else buf
+        make = torch.zeros if runner.safe else torch.empty
+        direction = make(p.shape, dtype=compute, device=p.device)
+        runner.update(gi, group, [dataclasses.replace(it, param=direction)], f"{key}/momentum")
+        return direction
+
     def update(self, gi: int, group: Mapping[str, Any], items: list[ParamStep], key: str) -> None:
         runner = self._runner(group)
         if not group["use_muon"]:
@@ -355,10 +402,14 @@ class Muon(LeanOptimizer):
         lr, decay = as_float(group["lr"]), group["weight_decay"]
         for it in items:  # one param's direction and one matrix's iteration at a time
             p = it.param
-            direction = torch.zeros(p.shape, dtype=torch.float64 if p.dtype == torch.float64 else torch.float32, device=p.device)
-            runner.update(gi, group, [dataclasses.replace(it, param=direction)], f"{key}/momentum")
+            direction = self._momentum(runner, gi, group, it, key)
+            # Offloaded, the momentum runs on the host and the orthogonalization on the params'
+            # device: the direction goes there as the bf16 it is cast to first, and comes back.
+            device = self.placement.matrix_device(p)
+            if device != direction.device:
+                direction = direction.to(device=device, dtype=torch.bfloat16)
             ortho = newton_schulz.orthogonalize(direction, group["ns_coefficients"], group["ns_steps"], group["eps"],
-                                                flatten=group["flatten"])  # fmt: skip
+                                                flatten=group["flatten"]).to(p.device)  # fmt: skip
             del direction
             _, rows, cols = newton_schulz.matrices(p.shape, group["flatten"])
             p.mul_(1 - lr * decay)
@@ -391,7 +442,7 @@ class _LowBitMuon(Muon):
 
     def __init__(
         self,
-        params: Iterable[Any],
+        params: Iterable[Any] | torch.nn.Module,
         lr: float | torch.Tensor = 1e-3,
         weight_decay: float = 0.1,
         momentum: float = 0.95,

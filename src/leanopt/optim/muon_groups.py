@@ -15,7 +15,7 @@ transformers model's own accessors do not depend on names:
   orthogonalized as its 2-D flattening); other params of more than 2 dims are stacks of
   matrices over their leading dims (mixture-of-experts weights), each orthogonalized alone.
 
-Params that do not require a gradient are left out (nothing steps them). A plain ``nn.Module``
+A model's params that do not require a gradient are left out (nothing steps them). A plain ``nn.Module``
 has no marked output head: its last ``nn.Linear`` goes to Muon unless it is passed as ``head``.
 """
 
@@ -124,7 +124,10 @@ def muon_groups(
     """Param groups for one ``leanopt.Muon`` over a whole model (see the module for the rules).
 
     ``model_or_params``: a model (routed by what its modules are), or params (tensors, or
-    ``(name, tensor)`` pairs: routed by their number of dims only). ``aux`` names the aux rule
+    ``(name, tensor)`` pairs: routed by their number of dims only), or param groups (each
+    split by dims, its options kept for both parts; see :func:`_split_groups`). Given params,
+    frozen ones are routed too (they may be unfrozen later); one that is not floating (an
+    integer buffer, never stepped) stays with the matrices. ``aux`` names the aux rule
     of the ``use_muon=False`` group (default: the optimizer's ``aux``); ``aux_lr``,
     ``aux_betas``, ``aux_eps``, ``aux_weight_decay`` set its options (default: that rule's
     defaults, e.g. AdamW's lr 1e-3). ``head``: modules or params that go to the aux rule too.
@@ -140,6 +143,7 @@ def muon_groups(
     """
     aux_options: dict[str, Any] = {k: v for k, v in (("aux", aux), ("lr", aux_lr), ("betas", aux_betas), ("eps", aux_eps),
                                       ("weight_decay", aux_weight_decay)) if v is not None}  # fmt: skip
+    from_model = isinstance(model_or_params, nn.Module)
     named: list[tuple[str, torch.Tensor]] = []
     reasons: dict[int, str] = {}
     convs: set[int] = set()
@@ -164,9 +168,13 @@ def muon_groups(
             if isinstance(m, _CONVS):
                 convs.update(id(w) for key_name, w in m.named_parameters(recurse=False) if key_name == "weight")
     else:
-        for i, item in enumerate(model_or_params):
-            if isinstance(item, Mapping):
-                raise ValueError("muon_groups takes a model or params (tensors or (name, tensor) pairs), not param groups")
+        items = list(model_or_params)
+        if any(isinstance(item, Mapping) for item in items):
+            out = _split_groups(items, aux_options)
+            if verbose:
+                print(out.table())
+            return out
+        for i, item in enumerate(items):
             named.append((item[0], item[1]) if isinstance(item, tuple) and len(item) == 2 else (f"param {i}", item))
     for item in head:
         for given in item.parameters() if isinstance(item, nn.Module) else [item]:
@@ -179,10 +187,10 @@ def muon_groups(
     for name, p in named:
         if not isinstance(p, torch.Tensor):
             raise ValueError(f"muon_groups: {name} is {type(p).__name__}, not a tensor")
-        if not p.requires_grad:
+        if not p.requires_grad and from_model:
             continue
         shape = tuple(p.shape)
-        why = reasons.get(id(p)) or (f"{p.dim()}-D (norm, bias or scale)" if p.dim() < 2 else "")
+        why = reasons.get(id(p)) or (f"{p.dim()}-D (norm, bias or scale)" if _aux_by_dims(p) else "")
         if why:
             rest.append(p)
             routes.append(Route(name, shape, aux_name, why))
@@ -191,8 +199,7 @@ def muon_groups(
             routes.append(Route(name, shape, "muon (flattened)", "convolution weight"))
         else:
             matrices.append(p)
-            routes.append(Route(name, shape, "muon" if p.dim() == 2 else "muon (stacked)",
-                                "matrix" if p.dim() == 2 else f"{p.dim() - 2}-D stack of matrices"))  # fmt: skip
+            routes.append(Route(name, shape, *_matrix_route(p)))
     groups: list[dict[str, Any]] = []
     if matrices:
         groups.append({"params": matrices, "use_muon": True})
@@ -204,3 +211,45 @@ def muon_groups(
     if verbose:
         print(out.table())
     return out
+
+
+def _aux_by_dims(p: torch.Tensor) -> bool:
+    """A param of < 2 dims that could be trained (floating: a frozen one may be unfrozen later)."""
+    return p.dim() < 2 and (p.is_floating_point() or p.is_complex())
+
+
+def _matrix_route(p: torch.Tensor) -> tuple[str, str]:
+    if p.dim() < 2:
+        return "muon", "never stepped (not floating)"
+    return ("muon", "matrix") if p.dim() == 2 else ("muon (stacked)", f"{p.dim() - 2}-D stack of matrices")
+
+
+def _split_groups(groups: list[Any], aux_options: Mapping[str, Any]) -> MuonGroups:
+    """Param groups (Trainer's decay and no-decay groups, say) each split by dims alone: a group
+    that says ``use_muon`` is kept as it is; otherwise its params of < 2 dims that require a
+    gradient (:func:`_aux_by_dims`) go to an aux group right after it, with the group's options (``aux_options`` fill
+    the keys it does not set), the rest stay in place as a Muon group."""
+    out: list[dict[str, Any]] = []
+    routes: list[Route] = []
+    aux_name = str(aux_options.get("aux", "aux rule"))
+    for gi, group in enumerate(groups):
+        if not isinstance(group, Mapping):
+            raise ValueError(f"muon_groups: item {gi} is {type(group).__name__}; mix no param groups with params")
+        params = group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        if "use_muon" in group:
+            out.append({**group, "params": params})
+            rule = "muon" if group["use_muon"] else aux_name
+            routes += [Route(f"group {gi} param {i}", tuple(p.shape), rule, "the group says use_muon") for i, p in enumerate(params)]
+            continue
+        aux = [p for p in params if _aux_by_dims(p)]
+        rest = [p for p in params if not _aux_by_dims(p)]
+        if rest:
+            out.append({**group, "params": rest, "use_muon": True})
+        if aux:
+            out.append({**aux_options, **group, "params": aux, "use_muon": False})
+        for i, p in enumerate(params):
+            why = f"{p.dim()}-D (norm, bias or scale)" if _aux_by_dims(p) else ""
+            rule, because = (aux_name, why) if why else _matrix_route(p)
+            routes.append(Route(f"group {gi} param {i}", tuple(p.shape), rule, because))
+    return MuonGroups(out, routes)

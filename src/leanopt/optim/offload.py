@@ -290,6 +290,10 @@ class Offloaded(Placement):
     def state_device(self, p: torch.Tensor) -> torch.device:
         return torch.device("cpu") if self.transport is not None else torch.device("meta")
 
+    def matrix_device(self, t: torch.Tensor) -> torch.device:
+        # The params' device: a matrix product there is ~1000x the host's (docs/muon.md).
+        return self.device if self.transport is not None else t.device
+
     def _moving(self) -> HostTransport:
         """The transport, for the paths that move data; params on the meta device (a model being
         estimated) have none, and nothing of theirs is ever stepped or copied."""
