@@ -280,3 +280,42 @@ def test_temporaries_are_one_matrix_at_a_time() -> None:
     # 7 more experts add their direction (fp32) and result (bf16) rows, 6 B an element, and not 7
     # more iterations (one iteration's peak here: 25,600 B); slack of two bf16 matrices.
     assert alone - one_expert <= 7 * 64 * 32 * (4 + 2) + 2 * 64 * 32 * 2, (alone, one_expert)
+
+
+_SHARDED = """
+import os, torch, torch.distributed as dist, leanopt
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+dist.init_process_group("gloo", rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+w = torch.nn.Parameter(distribute_tensor(torch.randn(8, 8), mesh, [Shard(0)]))
+b = torch.nn.Parameter(distribute_tensor(torch.randn(8), mesh, [Shard(0)]))
+try:
+    leanopt.Muon([w])
+except ValueError as err:
+    print("refused:", err)
+opt = leanopt.Muon([{"params": [b], "use_muon": False}])  # an aux (elementwise) group shards as AdamW does
+b.grad = distribute_tensor(torch.ones(8), mesh, [Shard(0)])
+opt.step()
+print("aux stepped:", sorted(opt.state[b]))
+dist.destroy_process_group()
+"""
+
+
+def test_a_sharded_matrix_is_refused_by_name_not_orthogonalized_in_pieces() -> None:
+    # Newton-Schulz of a shard is not the shard of Newton-Schulz: until the gathered step exists,
+    # an FSDP2 (DTensor) param in a Muon group is a ValueError naming it, never a silent fallback.
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PORT": str(port), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", _SHARDED], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "refused: Muon: param 0 of group 0 is a DTensor (FSDP2)" in out.stdout
+    assert "aux stepped: ['exp_avg', 'exp_avg_sq', 'step']" in out.stdout
