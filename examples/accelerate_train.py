@@ -68,7 +68,9 @@ def train(
     model = make_model(model_seed)
     cls = resolve_optimizer(optimizer)
     kwargs = {"lr": lr, "relative_step": False, "scale_parameter": False} if cls is leanopt.Adafactor else {"lr": lr}
-    opt = cls(model.parameters(), **kwargs, **(optimizer_kwargs or {}))
+    # A leanopt optimizer's params for the model (Muon: its matrices, and an AdamW group for the rest).
+    params = cls.groups_for_model(model) if issubclass(cls, leanopt.optim.LeanOptimizer) else model.parameters()
+    opt = cls(params, **kwargs, **(optimizer_kwargs or {}))
     loader = torch.utils.data.DataLoader(make_data(), batch_size=batch_size, shuffle=False)
     model, opt, loader = accelerator.prepare(model, opt, loader)
 

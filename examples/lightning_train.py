@@ -39,7 +39,8 @@ class Regressor(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         cls = leanopt.optim.optimizer_class(self.optimizer_name)
-        return cls(self.parameters(), lr=self.lr, rounding="kahan", **self.optimizer_kwargs)
+        # Its params (Muon: its matrices, and an AdamW group for the rest: leanopt.muon_groups).
+        return cls(cls.groups_for_model(self), lr=self.lr, rounding="kahan", **self.optimizer_kwargs)
 
 
 def data(steps: int, batch: int = 32, seed: int = 0) -> torch.utils.data.DataLoader:

@@ -21,6 +21,8 @@ recorded and the next one still runs; the exit status is 1 if any stage failed):
                     reference, step time with and without offload, host bytes;
 ``twins``           every registered rule's Triton twin, its Inductor-compiled graphs and the
                     reference against each other (benchmarks/backend_parity.py).
+``muon``            leanopt.Muon/Muon8bit beside torch.optim.Muon on TinyLlama-1.1B's matrices,
+                    the Newton-Schulz share, offload (momentum on the host, NS on the GPU).
 
 Results go to ``$OUT`` (default ``./gpu_check_out``): results.json, results.md (with the GPU
 targets of issue #11, pass/fail), gpu_check.log (everything printed) and cuda_tests.xml (the
@@ -93,14 +95,17 @@ STAGES = [
     # without a twin runs there) and the reference, held against each other; dry: fp32 params,
     # the graphs traced by dynamo and run eagerly (an Inductor compile per rule is 20-60 s on 2 cores).
     Stage("twins", 150, 60, "benchmarks/backend_parity.py: Triton twins, compiled graphs and the reference"),
+    # Muon: leanopt.Muon/Muon8bit beside torch.optim.Muon on TinyLlama-1.1B's matrices, the
+    # Newton-Schulz share of the step, and offload="cpu" (momentum on the host, NS on the GPU).
+    Stage("muon", 25, 30, "benchmarks/muon_step.py: Muon vs torch.optim.Muon, TinyLlama-1.1B shapes, NS share, offload"),
 ]
 # Whole run: issue #11 asks for <= 6 minutes on the GPU (<= 3 minutes dry), start to finish, for
 # its stages (335 s, 160 s dry); plan_check (issue #12) comes on top.
 PLAN_CHECK_EXTRA_S = 90.0 - 10.0  # plan_check's budget over the 10 s (10 s dry) it had in those totals
 DRY_PLAN_CHECK_EXTRA_S = 150.0 - 10.0
-# + host_step + offload (575 s: one 600 s device call) + twins (150 s: `--only twins` as a second call)
-TOTAL_BUDGET_S = 345.0 + PLAN_CHECK_EXTRA_S + 90.0 + 60.0 + 150.0
-DRY_TOTAL_BUDGET_S = 170.0 + DRY_PLAN_CHECK_EXTRA_S + 30.0 + 30.0 + 60.0
+# + host_step + offload (575 s: one 600 s device call) + twins (150 s) + muon (25 s): `--only twins,muon` as a second call
+TOTAL_BUDGET_S = 345.0 + PLAN_CHECK_EXTRA_S + 90.0 + 60.0 + 150.0 + 25.0
+DRY_TOTAL_BUDGET_S = 170.0 + DRY_PLAN_CHECK_EXTRA_S + 30.0 + 30.0 + 60.0 + 30.0
 GRACE_S = 5.0  # after a stage's budget, before it is killed (it stops itself at the budget)
 # Multiplies every budget (a loaded CI machine running the dry run); 1 on the GPU.
 BUDGET_SCALE = float(os.environ.get("GPU_CHECK_BUDGET_SCALE") or 1.0)
@@ -578,6 +583,7 @@ def stage_main(argv: list[str]) -> int:
         "host_step": stage_host_step,
         "offload": stage_offload,
         "twins": stage_twins,
+        "muon": stage_muon,
     }[args.name]
     try:
         return fn(args, part, deadline) or 0
@@ -1293,6 +1299,31 @@ def stage_twins(args: argparse.Namespace, part: Part, deadline: float) -> int:
         part.update(status="failed", error="; ".join(why))
         return 1
     part.update(status="ok")
+    return 0
+
+
+def stage_muon(args: argparse.Namespace, part: Part, deadline: float) -> int:
+    """Muon (``benchmarks/muon_step.py``): leanopt.Muon and Muon8bit beside torch.optim.Muon on
+    TinyLlama-1.1B's 154 matrices (fp32), interleaved rounds: ms/step, the ratio to torch (goal
+    <= 1.0), the Newton-Schulz share of the step; and ``offload="cpu"`` (momentum on the host,
+    orthogonalization on the GPU) against the on-device step after three steps. Dry: 1/8-width
+    shapes, one layer, on the CPU."""
+    out = Path(os.environ.get("GPU_CHECK_WORK", tempfile.gettempdir())) / "muon.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "muon_step.py"), "--json", str(out), "--offload-check"]
+    if args.dry_run:
+        cmd += ["--device", "cpu", "--shapes", "small", "--layers", "1", "--rounds", "2"]
+    else:
+        cmd += ["--device", "cuda", "--shapes", "tinyllama", "--rounds", "3"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(1.0, deadline - time.time() - 1))
+    print((r.stdout + r.stderr)[-4000:])
+    if r.returncode != 0 or not out.exists():
+        part.update(status="failed", error=f"benchmarks/muon_step.py exited {r.returncode}")
+        return 1
+    result = json.loads(out.read_text())
+    summary = (f"leanopt.Muon x{result['ratio_to_torch']['leanopt.Muon']} of torch.optim.Muon, Muon8bit "
+               f"x{result['ratio_to_torch']['leanopt.Muon8bit']}; Newton-Schulz {result['ns_share_of_leanopt_step']:.0%} "
+               f"of the step; offload max |diff| {result['offload']['max_abs_diff']:.3g}")  # fmt: skip
+    part.update(result=result, summary=summary, status="ok")
     return 0
 
 

@@ -8,7 +8,7 @@
 #                 .whl files in DIR, offline (pip --no-index --no-deps --target <tmp>)
 #   --dry-run     the same stages on the CPU at toy sizes, Triton under its interpreter (<= 3 min)
 #   --out DIR     results folder (default: $OUT if set, else ./gpu_check_out)
-#   --only LIST   some stages only: env,tests,timing_float32,timing_bfloat16,accuracy,plan_check,host_step,offload,twins
+#   --only LIST   some stages only: env,tests,timing_float32,timing_bfloat16,accuracy,plan_check,host_step,offload,twins,muon
 #
 # Writes results.json, results.md, gpu_check.log and cuda_tests.xml to the results folder.
 # leanopt itself is used from src/ (PYTHONPATH): nothing is built or fetched. Exit status 0

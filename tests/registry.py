@@ -27,6 +27,9 @@ families (not the rule families of ``cls.family``, which group optimizers that s
   AdEMAMix, SGD), stepped on the CPU by the native C++ loop or a compiled graph;
 - ``"quantized"``: block-quantized 8- and 4-bit states (AdamW8bit represents them);
 - ``"factored"``: Adafactor, row and column factors and its own kernels;
+- ``"muon"``: Muon and its 8-/4-bit momentum: matrices orthogonalized whole (Newton-Schulz), the
+  rest stepped by an AdamW-family rule in the same optimizer, built over ``param_groups`` (Muon
+  represents them);
 - ``"external"``: rules defined outside leanopt with its public API, registered while their
   tests run, without a Triton or C++ twin (RMSprop represents them);
 - ``"bf16-states"``: the storage variants, dense states stored in bf16 with stochastic
@@ -63,6 +66,8 @@ class Reference:
     extra: dict[str, Any] = field(default_factory=dict)
     rtol: float = 1e-6
     steps: int = 20
+    # The shape of the param stepped (Muon's rule is defined on matrices only).
+    shape: tuple[int, ...] = (4099,)
 
 
 @dataclass(frozen=True)
@@ -104,9 +109,22 @@ class OptimizerCase:
     # runs its family's rule-independent mechanism tests.
     family: str = ""
     represents: bool = False
+    # What it is built over, from a model or a list of params or param groups (Muon refuses a
+    # param of < 2 dims in a Muon group: leanopt.muon_groups puts biases and norms in an aux group).
+    param_groups: Callable[[Any], Any] = field(default=lambda model: _params(model))
+    # Runs on FSDP2 (DTensor) params (tests/test_distributed.py, the DCP conversions). Muon
+    # refuses them: its orthogonalization needs each matrix whole, gathered from its shards.
+    sharded: bool = True
+    # leanopt.plan and leanopt.doctor model its step (tests/test_doctor.py). Muon's (its
+    # Newton-Schulz temporaries, its groups of a model) is not modelled yet.
+    planned: bool = True
 
     def __str__(self) -> str:  # pytest ids
         return self.name
+
+
+def _params(model: Any) -> Any:
+    return model.parameters() if isinstance(model, torch.nn.Module) else model
 
 
 ADAM_INVALID = [
@@ -192,6 +210,20 @@ SGD_INVALID = [
     {"rounding": "up"},
 ]
 
+MUON_INVALID = [
+    {"lr": -1e-3},
+    {"lr": float("nan")},
+    {"momentum": -0.9},
+    {"weight_decay": -0.1},
+    {"ns_steps": 100},
+    {"ns_coefficients": (3.4445, -4.775)},
+    {"eps": 0.0},
+    {"adjust_lr_fn": "spectral"},
+    {"nesterov": 1},
+    {"aux": "lion"},
+    {"rounding": "up"},
+]
+
 RMSPROP_INVALID = [{"lr": -1e-3}, {"alpha": 1.0}, {"eps": -1.0}, {"weight_decay": float("nan")}, {"maximize": 1}]
 
 
@@ -271,6 +303,32 @@ OPTIMIZERS: list[OptimizerCase] = [
                   rounding_drift=SGD_ROUNDING_DRIFT, family="quantized",
                   reference_differences={"bitsandbytes.optim.SGD8bit": {
                       "lr": "bitsandbytes' SGD8bit has no default lr; leanopt keeps torch.optim.SGD's 1e-3"}}),  # fmt: skip
+]
+
+# Muon over a whole model: its matrices orthogonalized, the rest (biases here) in an AdamW group.
+# Held to torch.optim.Muon itself on a matrix (bit-identical: rtol 0), as tests/test_muon.py
+# holds it over 100 steps on every shape class. Trainer's one learning rate: match_rms_adamw
+# scales Muon's update to AdamW's RMS, so the same lr serves both rules.
+# Muon's updates are orthogonalized: every element moves by about lr / sqrt(cols) each step, none
+# by nothing, so nearest rounding loses (or keeps) whole steps alike and stochastic rounding's
+# per-step noise is a larger share of the distance than for AdamW's. Measured (2026-12-03):
+# stochastic 0.70x / 0.72x / 0.65x and Kahan 0.21x / 0.24x / 0.23x nearest's distance (Muon,
+# Muon8bit, Muon4bit).
+MUON_ROUNDING_DRIFT = {"stochastic": 0.8, "kahan": 0.3}
+MUON_ARGS = lambda args: {"weight_decay": args.weight_decay, "adjust_lr_fn": "match_rms_adamw",  # noqa: E731
+                          "aux_betas": (args.adam_beta1, args.adam_beta2), "aux_eps": args.adam_epsilon}
+OPTIMIZERS += [
+    OptimizerCase("muon", leanopt.Muon, {"lr": 0.02}, MUON_INVALID, param_groups=leanopt.muon_groups, bytes_per_param=4.0, sharded=False, planned=False, rounding_drift=MUON_ROUNDING_DRIFT,
+                  family="muon", represents=True,
+                  reference=Reference("torch.optim.Muon", ({}, {"nesterov": False, "adjust_lr_fn": "match_rms_adamw"}), rtol=0.0,
+                                      shape=(96, 40)),
+                  from_training_args=MUON_ARGS),  # fmt: skip
+    OptimizerCase("muon8bit", leanopt.Muon8bit, {"lr": 0.02}, MUON_INVALID + STORAGE_INVALID, param_groups=leanopt.muon_groups,
+                  bytes_per_param=1.02, from_training_args=MUON_ARGS, sharded=False, planned=False, rounding_drift=MUON_ROUNDING_DRIFT,
+                  family="muon"),  # fmt: skip
+    OptimizerCase("muon4bit", leanopt.Muon4bit, {"lr": 0.02}, MUON_INVALID + STORAGE_INVALID, param_groups=leanopt.muon_groups,
+                  bytes_per_param=0.54, from_training_args=MUON_ARGS, sharded=False, planned=False, rounding_drift=MUON_ROUNDING_DRIFT,
+                  family="muon"),  # fmt: skip
 ]
 
 EXTERNAL: list[OptimizerCase] = [

@@ -94,7 +94,7 @@ def test_bf16_params_keep_fp32_state_through_save_and_load_state(name: str, tmp_
         model = example.make_model(seed).to(torch.bfloat16)
         cls = resolve_optimizer(name)
         kwargs = {**CASES[name].kwargs, "lr": 1e-3}  # the registry's (Adafactor: a plain lr)
-        model, opt = accelerator.prepare(model, cls(model.parameters(), **kwargs))
+        model, opt = accelerator.prepare(model, cls(CASES[name].param_groups(model), **kwargs))
         return accelerator, model, opt
 
     accelerator, model, opt = prepared(0)
@@ -120,7 +120,7 @@ def _accelerate_run(name: str, *, release: bool, rounding: str, steps: int = 6) 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.Tanh(), torch.nn.Linear(256, 1)).to(torch.bfloat16)
     cls = resolve_optimizer(name)
-    opt = cls(model.parameters(), **{**CASES[name].kwargs, "lr": 1e-3}, rounding=rounding)  # the registry's (Adafactor: a plain lr)
+    opt = cls(CASES[name].param_groups(model), **{**CASES[name].kwargs, "lr": 1e-3}, rounding=rounding)  # the registry's (Adafactor: a plain lr)
     accelerator = Accelerator(cpu=True)
     model, opt = accelerator.prepare(model, opt)
     import leanopt

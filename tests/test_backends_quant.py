@@ -20,7 +20,9 @@ SHAPES = [(1,), (0,), (5,), (300,), (2049,), (4097,), (33, 65), (3, 0)]
 LR = 1e-2
 BACKENDS = ["cpu"] + (["triton"] if importlib.util.find_spec("triton") else [])
 # Every registered low-bit optimizer (tests/registry.py).
-LOW_BIT = [c.cls for c in OPTIMIZERS if hasattr(c.cls, "state_bits")]
+# Elementwise rules on quantized storage (Muon8bit's direction is orthogonalized whole: its
+# skipped elements do not keep their params; tests/test_muon_lowbit.py).
+LOW_BIT = [c.cls for c in OPTIMIZERS if hasattr(c.cls, "state_bits") and issubclass(c.cls, leanopt.ElementwiseOptimizer)]
 # What each needs besides its defaults to keep a state (tests/registry.py: SGD8bit's momentum).
 STATEFUL = {c.cls: c.state_kwargs for c in OPTIMIZERS}
 @pytest.mark.parametrize("backend", BACKENDS)

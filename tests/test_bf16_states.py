@@ -73,7 +73,7 @@ def test_backend_matches_the_reference(case: OptimizerCase, backend: str, param_
         for b in ("reference", backend):
             gen = torch.Generator().manual_seed(seed)
             w = torch.nn.Parameter(torch.randn(n, generator=gen).to(param_dtype))
-            opt = case.cls([w], backend=b, **case.kwargs)
+            opt = case.cls(case.param_groups([w]), backend=b, **case.kwargs)
             for _ in range(6):
                 w.grad = (torch.randn(n, generator=gen) * 0.1).to(param_dtype)
                 opt.step()

@@ -247,7 +247,7 @@ def _undeclared(sd: dict) -> dict:
 
 @pytest.mark.parametrize("case", OPTIMIZERS, ids=str)
 def test_inspect_reports_the_declared_optimizer(case, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    model, opt = _trained(lambda m: case.cls(m.parameters(), **{**case.kwargs, "backend": "reference"}), _quantizable())
+    model, opt = _trained(lambda m: case.cls(case.param_groups(m), **{**case.kwargs, "backend": "reference"}), _quantizable())
     sd = opt.state_dict()
     report = inspect_state_dict(sd)
     formats = sorted({v.format.name for st in opt.state.values() for v in st.values() if isinstance(v, QuantizedState)})

@@ -97,7 +97,7 @@ def test_convert_by_declared_name_loads_into_the_target(src: str, dst: str, tmp_
     assert main(["inspect", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["optimizer"] == dst
     case = CASES[dst]
-    opt = case.cls(model.parameters(), **{**case.kwargs, "backend": "reference"})
+    opt = case.cls(case.param_groups(model), **{**case.kwargs, "backend": "reference"})
     opt.load_state_dict(sd)
     quantized = isinstance(opt.state[model[0].weight][opt.state_keys(opt.param_groups[0])[0]], QuantizedState)
     assert quantized == (getattr(case.cls, "state_bits", None) is not None)

@@ -83,7 +83,7 @@ def saved_states(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for case in OPTIMIZERS:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(128, 64), torch.nn.Linear(64, 4))
-        opt = case.cls(model.parameters(), **case.kwargs)
+        opt = case.cls(case.param_groups(model), **case.kwargs)
         model(torch.randn(8, 128)).square().mean().backward()
         opt.step()
         files[case.name] = folder / f"{case.name}.pt"

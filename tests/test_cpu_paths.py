@@ -39,7 +39,7 @@ def _train(case, mode: str, shapes, steps: int = 5) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
     backend = "reference" if mode == "reference" else "cpu"
-    opt = case.cls(params, **{**case.kwargs, "backend": backend})
+    opt = case.cls(case.param_groups(params), **{**case.kwargs, "backend": backend})
     for _ in range(steps):
         for p in params:
             g = torch.randn(p.shape, generator=gen) * 1e-2

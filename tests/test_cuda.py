@@ -203,7 +203,7 @@ QUANT_CASES = [(torch.float32, {}), (torch.bfloat16, {}), (torch.float16, {"weig
 
 
 # Every registered low-bit optimizer, and every other elementwise one (tests/registry.py).
-LOW_BIT = [c.cls for c in OPTIMIZERS if hasattr(c.cls, "state_bits")]
+LOW_BIT = [c.cls for c in OPTIMIZERS if hasattr(c.cls, "state_bits") and issubclass(c.cls, ElementwiseOptimizer)]
 OTHER_RULES = [c.cls for c in OPTIMIZERS if issubclass(c.cls, ElementwiseOptimizer) and not hasattr(c.cls, "state_bits")
                and c.cls is not leanopt.AdamW]  # fmt: skip
 # What each needs besides its defaults to keep a state (tests/registry.py: SGD's momentum).

@@ -67,19 +67,19 @@ def test_loss_goes_down(case: OptimizerCase) -> None:
             return torch.nn.functional.mse_loss(model(x), y).item()
 
     before = held_out_loss()
-    train(model, case.cls(model.parameters(), **case.kwargs), 30)
+    train(model, case.cls(case.param_groups(model), **case.kwargs), 30)
     assert held_out_loss() < 0.6 * before
 
 
 @cases
 def test_state_dict_round_trip_continues_bit_identically(case: OptimizerCase, tmp_path) -> None:
     model = make_model()
-    opt = case.cls(model.parameters(), **case.kwargs)
+    opt = case.cls(case.param_groups(model), **case.kwargs)
     train(model, opt, 5)
     path = tmp_path / "optimizer.pt"
     torch.save(opt.state_dict(), path)
     twin = copy.deepcopy(model)
-    twin_opt = case.cls(twin.parameters(), **case.kwargs)
+    twin_opt = case.cls(case.param_groups(twin), **case.kwargs)
     twin_opt.load_state_dict(torch.load(path, weights_only=True))
     train(model, opt, 5, start=5)
     train(twin, twin_opt, 5, start=5)
@@ -89,10 +89,10 @@ def test_state_dict_round_trip_continues_bit_identically(case: OptimizerCase, tm
 @cases
 def test_deepcopy_continues_bit_identically(case: OptimizerCase) -> None:
     model = make_model()
-    opt = case.cls(model.parameters(), **case.kwargs)
+    opt = case.cls(case.param_groups(model), **case.kwargs)
     train(model, opt, 3)
     twin_model = copy.deepcopy(model)
-    twin_opt = case.cls(twin_model.parameters(), **case.kwargs)
+    twin_opt = case.cls(case.param_groups(twin_model), **case.kwargs)
     twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
     copied = copy.deepcopy(opt)  # a deepcopy of the optimizer itself is independent
     train(model, opt, 3, start=3)
@@ -109,7 +109,7 @@ def test_params_without_grad_untouched_and_stateless(case: OptimizerCase) -> Non
     unused = torch.nn.Parameter(torch.randn(64, 80))
     frozen = torch.nn.Parameter(torch.randn(10), requires_grad=False)
     before = unused.detach().clone(), frozen.detach().clone()
-    opt = case.cls([used, unused, frozen], **case.kwargs)
+    opt = case.cls(case.param_groups([used, unused, frozen]), **case.kwargs)
     for _ in range(3):
         used.grad = torch.randn_like(used)
         opt.step()
@@ -124,7 +124,7 @@ def test_params_without_grad_untouched_and_stateless(case: OptimizerCase) -> Non
 def test_zero_size_params(case: OptimizerCase) -> None:
     empty = [torch.nn.Parameter(torch.zeros(0)), torch.nn.Parameter(torch.zeros(0, 5)), torch.nn.Parameter(torch.zeros(3, 0, 2))]
     w = torch.nn.Parameter(torch.randn(4, 4))
-    opt = case.cls(empty + [w], **case.kwargs)
+    opt = case.cls(case.param_groups(empty + [w]), **case.kwargs)
     for _ in range(2):
         for p in empty + [w]:
             p.grad = torch.randn_like(p)
@@ -137,7 +137,7 @@ def test_zero_size_params(case: OptimizerCase) -> None:
 @families
 def test_closure_runs_with_grad_and_returns_loss(case: OptimizerCase) -> None:
     model = make_model()
-    opt = case.cls(model.parameters(), **case.kwargs)
+    opt = case.cls(case.param_groups(model), **case.kwargs)
     x, y = batch(0)
 
     def closure() -> torch.Tensor:
@@ -158,7 +158,7 @@ def test_tiny_lr_group_leaves_params_unchanged(case: OptimizerCase) -> None:
         pytest.skip("optimizer has no plain learning rate")
     model = make_model()
     first, rest = list(model.parameters())[:2], list(model.parameters())[2:]
-    opt = case.cls([{"params": first, case.lr_key: 1e-30}, {"params": rest}], **case.kwargs)
+    opt = case.cls(case.param_groups([{"params": first, case.lr_key: 1e-30}, {"params": rest}]), **case.kwargs)
     before = params_of(model)
     train(model, opt, 3)
     after = params_of(model)
@@ -171,14 +171,16 @@ def test_tiny_lr_group_leaves_params_unchanged(case: OptimizerCase) -> None:
 def test_add_param_group(case: OptimizerCase) -> None:
     model = make_model()
     params = list(model.parameters())
-    opt = case.cls(params[:2], **case.kwargs)
+    opt = case.cls(case.param_groups(params[:2]), **case.kwargs)
     train(model, opt, 2)
     before_tail = params_of(model)[2:]
-    opt.add_param_group({"params": params[2:]})
-    assert len(opt.param_groups) == 2
+    n = len(opt.param_groups)
+    for group in case.param_groups([{"params": params[2:]}]):
+        opt.add_param_group(group)
+    assert len(opt.param_groups) > n
     for k, v in case.kwargs.items():
         # defaults fill the new group (a dtype as its name: param groups hold plain values)
-        assert opt.param_groups[1][k] == (str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v)
+        assert opt.param_groups[n][k] == (str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v)
     train(model, opt, 2, start=2)
     assert all(not torch.equal(a, b) for a, b in zip(before_tail, params_of(model)[2:]))
     assert all(p in opt.state for p in params[2:])
@@ -190,7 +192,7 @@ def test_invalid_hyperparameters_raise_value_error(case: OptimizerCase) -> None:
     w = torch.nn.Parameter(torch.randn(3))
     for bad in case.invalid:
         with pytest.raises(ValueError):
-            case.cls([w], **{**case.kwargs, **bad})
+            case.cls(case.param_groups([w]), **{**case.kwargs, **bad})
 
 
 # One per family: LeanOptimizer.load_state_dict checks each saved state against the param's
@@ -199,11 +201,11 @@ def test_invalid_hyperparameters_raise_value_error(case: OptimizerCase) -> None:
 def test_mismatched_state_dict_names_the_parameter(case: OptimizerCase) -> None:
     a = torch.nn.Parameter(torch.randn(64, 80))
     b = torch.nn.Parameter(torch.randn(5))
-    opt = case.cls([a, b], **case.kwargs)
+    opt = case.cls(case.param_groups([a, b]), **case.kwargs)
     a.grad, b.grad = torch.randn_like(a), torch.randn_like(b)
     opt.step()
     sd = opt.state_dict()
-    other = case.cls([torch.nn.Parameter(torch.randn(80, 64)), torch.nn.Parameter(torch.randn(5))], **case.kwargs)
+    other = case.cls(case.param_groups([torch.nn.Parameter(torch.randn(80, 64)), torch.nn.Parameter(torch.randn(5))]), **case.kwargs)
     with pytest.raises(ValueError, match=r"param 0 .*shape \(80, 64\)"):
         other.load_state_dict(sd)
     assert len(other.state) == 0  # nothing was half-loaded
@@ -224,7 +226,7 @@ def test_estimate_equals_measure_to_the_byte(case: OptimizerCase) -> None:
         whole = torch.nn.ModuleDict({"net": model, "frozen": torch.nn.Linear(3, 3).to(dtype)})
         whole.frozen.requires_grad_(False)  # no grad -> no state, and not in the estimate
         backend = BF16_STEP if dtype == torch.bfloat16 else {}
-        opt = case.cls([p for p in whole.parameters() if p.requires_grad], **case.kwargs, **backend)
+        opt = case.cls(case.param_groups([p for p in whole.parameters() if p.requires_grad]), **case.kwargs, **backend)
         train(model, opt, 1)
         measured = leanopt.measure(opt)
         predicted = leanopt.estimate(whole, case.cls, **case.kwargs)
@@ -237,12 +239,12 @@ def test_estimate_equals_measure_to_the_byte(case: OptimizerCase) -> None:
 def test_low_precision_params_keep_fp32_state_through_save_load(case: OptimizerCase) -> None:
     # The state's dtype is decided where it is allocated, before any backend runs (BF16_STEP).
     model = make_model(dtype=torch.bfloat16)
-    opt = case.cls(model.parameters(), **case.kwargs, **BF16_STEP)
+    opt = case.cls(case.param_groups(model), **case.kwargs, **BF16_STEP)
     train(model, opt, 2)
     buf = io.BytesIO()
     torch.save(opt.state_dict(), buf)
     buf.seek(0)
-    twin = case.cls(model.parameters(), **case.kwargs, **BF16_STEP)
+    twin = case.cls(case.param_groups(model), **case.kwargs, **BF16_STEP)
     twin.load_state_dict(torch.load(buf, weights_only=True))
     for p in model.parameters():
         for key, value in opt.state[p].items():
@@ -257,11 +259,11 @@ def test_low_precision_params_keep_fp32_state_through_save_load(case: OptimizerC
 @families
 def test_load_state_dict_hooks_see_the_full_state(case: OptimizerCase) -> None:
     model = make_model()
-    opt = case.cls(model.parameters(), **case.kwargs)
+    opt = case.cls(case.param_groups(model), **case.kwargs)
     train(model, opt, 1)
     sd = opt.state_dict()
     seen = []
-    twin = case.cls(model.parameters(), **case.kwargs)
+    twin = case.cls(case.param_groups(model), **case.kwargs)
     twin.register_load_state_dict_pre_hook(lambda o, s: seen.append(("pre", len(s["state"]))))
     twin.register_load_state_dict_post_hook(lambda o: seen.append(("post", len(o.state))))
     twin.load_state_dict(sd)
@@ -275,7 +277,7 @@ def test_steps_on_the_meta_device_and_allocates_what_estimate_says(case: Optimiz
     # AdamW8bit's reference path used to call Tensor.item() there.
     with torch.device("meta"):
         model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 3))
-    opt = case.cls(model.parameters(), **case.kwargs)
+    opt = case.cls(case.param_groups(model), **case.kwargs)
     for _ in range(2):
         for p in model.parameters():
             p.grad = torch.empty_like(p)
@@ -291,7 +293,7 @@ def test_integer_params_with_a_gradient_are_refused_naming_them(case: OptimizerC
     w = torch.nn.Parameter(torch.randn(8, 8))
     counts = [torch.tensor([5, 5, 5]), torch.tensor([1, 0], dtype=torch.uint8), torch.tensor([True])]
     frozen = torch.tensor([7, 7])  # an integer tensor without a gradient is never stepped: fine, as in torch
-    opt = case.cls([{"params": [w, frozen]}, {"params": counts}], **case.kwargs)
+    opt = case.cls(case.param_groups([{"params": [w, frozen]}, {"params": counts}]), **case.kwargs)
     for i, n in enumerate(counts):
         before = [t.clone() for t in (w.detach(), *counts)]
         w.grad = torch.randn_like(w)

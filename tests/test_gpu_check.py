@@ -153,6 +153,18 @@ def test_dry_run_offload(dry_run) -> None:
     assert 0.0 <= result["hidden_share"] <= 1.0
 
 
+def test_dry_run_muon(dry_run) -> None:
+    # benchmarks/muon_step.py at 1/8 width: the three optimizers timed, the NS share, offload's
+    # host step bit-identical to the on-device one (both on the CPU here).
+    stage = _results(dry_run)["stages"]["muon"]
+    assert stage["status"] == "ok", stage
+    result = stage["result"]
+    assert set(result["ratio_to_torch"]) == {"torch.optim.Muon", "leanopt.Muon", "leanopt.Muon8bit"}
+    assert 0.0 < result["ns_share_of_leanopt_step"] <= 1.5 and result["offload"]["bit_identical"] is True
+    muon_step = gpu_check.benchmark("muon_step")
+    assert sum(math.prod(s) for s in muon_step.shapes_of("tinyllama", None)) == 968_884_224  # TinyLlama's 154 matrices
+
+
 def test_tinyllama_shapes_are_the_model() -> None:
     shapes = step_time.llama_shapes(step_time.TINYLLAMA)
     assert sum(math.prod(s) for s in shapes) == step_time.TINYLLAMA_PARAMS == 1_100_048_384

@@ -74,7 +74,7 @@ def test_an_entry_of_another_shape_is_refused_for_every_optimizer(case, tmp_path
     one entry alone is a consistent state of another param)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 80), torch.nn.Linear(80, 4))
-    opt = case.cls(model.parameters(), **{**case.kwargs, "backend": "reference"})
+    opt = case.cls(case.param_groups(model), **{**case.kwargs, "backend": "reference"})
     for _ in range(2):
         opt.zero_grad()
         model(torch.randn(8, 64)).square().mean().backward()
@@ -213,7 +213,7 @@ def test_inspect_counts_param_elements_in_its_header_and_state_elements_in_its_r
     # Every optimizer: a key's elements are its states' own, quantized or not (the gradients of
     # the backward above step each one).
     for case in OPTIMIZERS:
-        o = case.cls(model.parameters(), **{**case.kwargs, "backend": "reference"})
+        o = case.cls(case.param_groups(model), **{**case.kwargs, "backend": "reference"})
         o.step()
         want: dict[str, int] = {}
         for st in o.state.values():

@@ -72,7 +72,7 @@ def step(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int = 1) -> 
 def test_the_lesson_s_function_gives_the_true_state_bytes(case: OptimizerCase, dtype: torch.dtype, offload: str | None) -> None:
     model = make_model(dtype)
     kwargs = {**case.kwargs, **case.state_kwargs}
-    opt = case.cls(model.parameters(), **kwargs, offload=offload)
+    opt = case.cls(case.param_groups(model), **kwargs, offload=offload)
     step(model, opt)
     measured = leanopt.measure(opt)
     assert measured.bytes > 0

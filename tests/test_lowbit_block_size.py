@@ -41,12 +41,12 @@ def _steps(opt: torch.optim.Optimizer, p: torch.nn.Parameter, steps: int = 2) ->
 @pytest.mark.parametrize("block_size", [127, 1, 255])
 def test_odd_4bit_blocks_are_refused_by_the_constructor(case: OptimizerCase, block_size: int) -> None:
     with pytest.raises(ValueError, match=rf"Invalid block_size: {block_size} .*even"):
-        case.cls([_param()], **case.kwargs, block_size=block_size)
+        case.cls(case.param_groups([_param()]), **case.kwargs, block_size=block_size)
 
 
 @pytest.mark.parametrize("case", FOUR_BIT, ids=str)
 def test_odd_4bit_blocks_are_refused_in_a_param_group(case: OptimizerCase) -> None:
-    opt = case.cls([_param()], **case.kwargs)
+    opt = case.cls(case.param_groups([_param()]), **case.kwargs)
     with pytest.raises(ValueError, match=r"Invalid block_size: 127 .*even"):
         opt.add_param_group({"params": [_param(300)], "block_size": 127})
 
@@ -54,7 +54,7 @@ def test_odd_4bit_blocks_are_refused_in_a_param_group(case: OptimizerCase) -> No
 @pytest.mark.parametrize("case", FOUR_BIT, ids=str)
 def test_odd_4bit_blocks_are_refused_by_convert(case: OptimizerCase) -> None:
     p = _param()
-    opt = case.cls([p], **case.kwargs, min_quant_size=0)
+    opt = case.cls(case.param_groups([p]), **case.kwargs, min_quant_size=0)
     _steps(opt, p)
     with pytest.raises(ValueError, match=r"param group 0: Invalid block_size: 127 .*even"):
         convert_state_dict(opt.state_dict(), case.name, block_size=127)
@@ -65,7 +65,7 @@ def test_a_checkpoint_with_odd_4bit_states_loads_into_the_optimizers_blocks(case
     """States saved in odd 4-bit blocks (hand-made, or by a leanopt that took them) are
     converted on load to the optimizer's own blocks, and it steps on the default backend."""
     p = _param()
-    opt = case.cls([p], **case.kwargs, min_quant_size=0)
+    opt = case.cls(case.param_groups([p]), **case.kwargs, min_quant_size=0)
     _steps(opt, p)
     saved = opt.state_dict()
     for st in saved["state"].values():
@@ -74,7 +74,7 @@ def test_a_checkpoint_with_odd_4bit_states_loads_into_the_optimizers_blocks(case
                 odd = BlockFormat(format_by_name(value["format"]).code, 127)
                 st[key] = odd.from_dense(QuantizedState.from_state_dict(value).dequantize()).to_state_dict()
                 assert st[key]["format"].endswith("/b127")
-    fresh = case.cls([p], **case.kwargs, min_quant_size=0)
+    fresh = case.cls(case.param_groups([p]), **case.kwargs, min_quant_size=0)
     fresh.load_state_dict(saved)
     for st in fresh.state.values():
         for value in st.values():

@@ -53,15 +53,15 @@ def train(case, *, offload: str | None = None, release: bool = False, steps: int
     "torch" (torch.nn.utils.clip_grad_norm_ on the model), "optimizer" (its clip_grad_norm_) or
     "value" (torch.nn.utils.clip_grad_value_ on the model)."""
     model = make_model() if model is None else model
-    opt = case.cls(model.parameters(), **case.kwargs, offload=offload) if opt is None else opt
+    opt = case.cls(case.param_groups(model), **case.kwargs, offload=offload) if opt is None else opt
     handle = leanopt.release_gradients(model, opt) if release else None
     sched = scheduler_for(scheduler, opt)
     norms = []
     for step in range(first_step, first_step + steps):
         for micro in range(accumulate):
             (loss_of(model, batch(step, micro)) / accumulate).backward()
-        if clip == "torch":
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+        if clip == "torch":  # in the optimizer's order (Muon's groups reorder the model's params)
+            norms.append(torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], 0.05))
         elif clip == "optimizer":
             norms.append(opt.clip_grad_norm_(0.05))
         elif clip == "value":
@@ -127,7 +127,7 @@ def test_a_declared_backward_pass_steps_the_params_as_their_gradients_arrive(cas
     # step_in_backward=2: from the very first step, the 2nd backward pass after a step() steps
     # each param on the host as its gradient arrives; step() then has nothing left to do.
     model = make_model()
-    opt = case.cls(model.parameters(), **case.kwargs, offload="cpu")
+    opt = case.cls(case.param_groups(model), **case.kwargs, offload="cpu")
     handle = leanopt.release_gradients(model, opt, step_in_backward=2)
     counts = []
     for step in range(4):
@@ -147,7 +147,7 @@ def test_a_declared_backward_pass_steps_the_params_as_their_gradients_arrive(cas
 def test_a_backward_pass_beyond_the_declared_one_is_refused_before_it_is_applied() -> None:
     case = OPTIMIZERS[0]
     model = make_model()
-    opt = case.cls(model.parameters(), **case.kwargs, offload="cpu")
+    opt = case.cls(case.param_groups(model), **case.kwargs, offload="cpu")
     leanopt.release_gradients(model, opt, step_in_backward=2)
     for micro in range(2):
         loss_of(model, batch(0, micro)).backward()  # the second is stepped inside backward
@@ -232,7 +232,7 @@ class DeferredTransport(offload_module.HostTransport):
 def test_the_engine_waits_for_every_asynchronous_copy(case, release) -> None:
     ref = train(case, steps=6, accumulate=2, scheduler="step")
     model = make_model()
-    opt = case.cls(model.parameters(), **case.kwargs, offload="cpu")
+    opt = case.cls(case.param_groups(model), **case.kwargs, offload="cpu")
     opt.placement.transport = DeferredTransport()
     got = train(case, model=model, opt=opt, release=release, steps=6, accumulate=2, scheduler="step")
     assert_same_run(ref, got)
@@ -250,9 +250,9 @@ def bf16_run_beside_fp32_masters(case, steps: int):
     without offload, on fp32 copies given the same gradients (the device param is the master
     rounded to nearest); the offloaded optimizer, for further checks."""
     model = make_model(dtype=torch.bfloat16)
-    opt = case.cls(model.parameters(), **case.kwargs, offload="cpu")
+    opt = case.cls(case.param_groups(model), **case.kwargs, offload="cpu")
     masters = [torch.nn.Parameter(p.detach().float()) for p in model.parameters()]
-    ref = case.cls(masters, **case.kwargs)
+    ref = case.cls(case.param_groups(masters), **case.kwargs)
     for step in range(steps):
         loss_of(model, batch(step, 0, torch.bfloat16)).backward()
         for m, p in zip(masters, model.parameters()):
@@ -296,7 +296,7 @@ def test_a_checkpoint_moves_between_offloaded_and_on_device_training(case, first
     ref = train(case, steps=10, accumulate=2)
     model, opt, _ = train(case, offload=first, steps=5, accumulate=2)
     saved = _roundtrip(opt.state_dict())
-    resumed = case.cls(model.parameters(), **case.kwargs, offload=second)
+    resumed = case.cls(case.param_groups(model), **case.kwargs, offload=second)
     resumed.load_state_dict(saved)
     got = train(case, model=model, opt=resumed, steps=5, first_step=5, accumulate=2,
                 release=second == "cpu")  # fmt: skip
@@ -322,7 +322,7 @@ def test_a_model_converted_after_the_optimizer_was_built_is_refused(case) -> Non
     # offloaded, the fp32 host copy would go on training the fp64 params in fp32, silently.
     for offload in (None, "cpu"):
         model = make_model()
-        opt = case.cls(model.parameters(), **case.kwargs, offload=offload)
+        opt = case.cls(case.param_groups(model), **case.kwargs, offload=offload)
         loss_of(model, batch(0, 0)).backward()
         opt.step()
         opt.zero_grad()
@@ -339,7 +339,7 @@ def test_a_model_converted_after_the_optimizer_was_built_is_refused(case) -> Non
 def test_invalid_offload_values_are_refused(value) -> None:
     for case in OPTIMIZERS:
         with pytest.raises(ValueError, match="Invalid offload"):
-            case.cls(make_model().parameters(), **case.kwargs, offload=value)
+            case.cls(case.param_groups(make_model()), **case.kwargs, offload=value)
 
 
 def test_params_on_several_devices_are_refused() -> None:
@@ -374,7 +374,7 @@ def test_offload_is_a_keyword_of_every_constructor_and_not_saved() -> None:
     for case in OPTIMIZERS:
         parameter = inspect.signature(case.cls.__init__).parameters["offload"]
         assert parameter.kind is inspect.Parameter.KEYWORD_ONLY and parameter.default is None
-        opt = case.cls(make_model().parameters(), **case.kwargs, offload="cpu")
+        opt = case.cls(case.param_groups(make_model()), **case.kwargs, offload="cpu")
         assert "offload" not in opt.param_groups[0] and "offload" not in opt.defaults
 
 
@@ -400,7 +400,7 @@ def test_host_bytes_per_bf16_param_within_the_issue_s_budget(name: str, limit: f
 def test_training_memory_counts_what_the_engine_holds(case, precision, release) -> None:
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16
     model = make_model(dtype=dtype)
-    opt = case.cls(model.parameters(), **case.kwargs, offload="cpu")
+    opt = case.cls(case.param_groups(model), **case.kwargs, offload="cpu")
     m = leanopt.training_memory(make_model(), case.cls, precision=precision, grad_release=release, offload=True,
                                 **case.kwargs)  # fmt: skip
     assert m.host_bytes == opt.placement.host_bytes(released=release)
@@ -475,7 +475,8 @@ def test_trainer_with_clipping_and_a_scheduler_matches_the_on_device_run(case, t
     for mode in ("device", "offload+release"):  # (offload without release: the loops above)
         model = tiny_distilbert()
         cls, kwargs = optimizer_cls_and_kwargs(case.name, lr=LR)
-        opt = cls(model.parameters(), **kwargs, offload=None if mode == "device" else "cpu")
+        cls = getattr(cls, "optimizer_class", cls)  # a factory Trainer calls with the model (Muon's)
+        opt = cls(case.param_groups(model), **kwargs, offload=None if mode == "device" else "cpu")
         handle = leanopt.release_gradients(model, opt) if mode == "offload+release" else None
         # Trainer's defaults: max_grad_norm=1.0 (clipping through accelerate), a linear schedule.
         trainer = transformers.Trainer(model=model, args=training_args(tmp_path / mode, gradient_accumulation_steps=2),
@@ -500,7 +501,7 @@ def test_accelerate_loop_with_accumulation_and_clipping_matches_the_on_device_ru
     finals = []
     for offload, release in ((None, False), ("cpu", False), ("cpu", True)):
         model = make_model()
-        opt = case.cls(model.parameters(), **case.kwargs, offload=offload)
+        opt = case.cls(case.param_groups(model), **case.kwargs, offload=offload)
         accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
         model, prepared = accelerator.prepare(model, opt)
         handle = leanopt.release_gradients(model, opt) if release else None

@@ -95,7 +95,7 @@ class _Counted(offload_module.HostTransport):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_host_bytes_is_what_the_engine_allocates(case, dtype, small_chunks) -> None:
     model = make_model(dtype=dtype)
-    opt = case.cls(model.parameters(), **{**case.kwargs, **case.state_kwargs}, offload="cpu")
+    opt = case.cls(case.param_groups(model), **{**case.kwargs, **case.state_kwargs}, offload="cpu")
     counted = opt.placement.transport = _Counted()
     for step in range(3):
         loss_of(model, batch(step, 0, dtype)).backward()

@@ -66,8 +66,8 @@ def assert_same_training(ours: torch.nn.Module, opt, usual: torch.nn.Module, usu
 def test_released_training_is_bit_identical_to_the_usual_loop(case: OptimizerCase, backend: str) -> None:
     steps = 20 if backend != "triton" else 6  # the interpreter is slow
     ours, usual = model(), model()
-    opt = case.cls(ours.parameters(), backend=backend, **case.kwargs)
-    usual_opt = case.cls(usual.parameters(), backend=backend, **case.kwargs)
+    opt = case.cls(case.param_groups(ours), backend=backend, **case.kwargs)
+    usual_opt = case.cls(case.param_groups(usual), backend=backend, **case.kwargs)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5) if case.lr_key else None
     usual_sched = torch.optim.lr_scheduler.StepLR(usual_opt, step_size=3, gamma=0.5) if case.lr_key else None
     handle = leanopt.release_gradients(ours, opt)
@@ -98,7 +98,7 @@ def test_a_second_backward_before_step_is_refused(case: OptimizerCase, calls: st
     # before step() -- gradient accumulation, or a loop that never calls step() -- is refused
     # at its first gradient, before anything of it is applied.
     m = model()
-    opt = case.cls(m.parameters(), **case.kwargs)
+    opt = case.cls(case.param_groups(m), **case.kwargs)
     with leanopt.release_gradients(m, opt):
         if calls == "zero_grad-first":
             opt.zero_grad()
@@ -188,10 +188,11 @@ def hookless_run(case: OptimizerCase, path: str, released: bool, steps: int = 3)
             p.requires_grad_(False)
     if path == "grad_set_by_hand":  # a param outside the graph, given its gradient by hand
         m.register_parameter("extra", torch.nn.Parameter(torch.zeros(4)))
-    opt = case.cls(last if path == "group_added_after_release" else m.parameters(), **case.kwargs)
+    opt = case.cls(case.param_groups(last if path == "group_added_after_release" else m.parameters()), **case.kwargs)
     handle = leanopt.release_gradients(m, opt) if released else None
     if path == "group_added_after_release":
-        opt.add_param_group({"params": first})
+        for group in case.param_groups([{"params": first}]):
+            opt.add_param_group(group)
     for step in range(steps):
         if path == "unfrozen_after_release" and step == 1:
             for p in first:
@@ -226,7 +227,7 @@ def test_params_no_hook_sees_are_trained_as_in_the_usual_loop(case: OptimizerCas
 @pytest.mark.parametrize("case", MECHANISMS, ids=str)
 def test_a_grad_scaler_is_refused_before_the_first_released_step(case: OptimizerCase) -> None:
     m = model()
-    opt = case.cls(m.parameters(), **case.kwargs)
+    opt = case.cls(case.param_groups(m), **case.kwargs)
     before = [p.detach().clone() for p in m.parameters()]
     scaler = torch.amp.GradScaler("cpu")
     with leanopt.release_gradients(m, opt):
@@ -313,7 +314,7 @@ def test_reentrant_checkpointing_steps_each_param_once_on_its_whole_gradient(cas
     runs = []
     for released in (False, True):
         m = Segments(layout)
-        opt = case.cls(m.parameters(), **case.kwargs)
+        opt = case.cls(case.param_groups(m), **case.kwargs)
         handle = leanopt.release_gradients(m, opt) if released else None
         for step in range(3):
             opt.zero_grad()
@@ -376,7 +377,7 @@ def test_a_weight_used_inside_and_outside_a_reentrant_checkpoint(case: Optimizer
     runs = []
     for released in (False, True):
         m = InsideAndOutside("outside_first")
-        opt = case.cls(m.parameters(), **case.kwargs)
+        opt = case.cls(case.param_groups(m), **case.kwargs)
         handle = leanopt.release_gradients(m, opt) if released else None
         for step in range(3):
             opt.zero_grad()
@@ -387,7 +388,7 @@ def test_a_weight_used_inside_and_outside_a_reentrant_checkpoint(case: Optimizer
     handle.remove()
     # Outside part first: it was stepped when the inside part arrives, which is refused.
     m = InsideAndOutside("inside_first")
-    opt = case.cls(m.parameters(), **case.kwargs)
+    opt = case.cls(case.param_groups(m), **case.kwargs)
     with leanopt.release_gradients(m, opt), pytest.raises(RuntimeError, match="inside and outside checkpoint"):
         m(torch.randn(8, 16)).square().mean().backward()
 
@@ -395,7 +396,7 @@ def test_a_weight_used_inside_and_outside_a_reentrant_checkpoint(case: Optimizer
 # ---- clipping after an on-device release: refused, not a silent no-op -------------------------
 def _released_after_backward(case: OptimizerCase):
     m = model()
-    opt = case.cls(m.parameters(), **{**case.kwargs, **case.state_kwargs})
+    opt = case.cls(case.param_groups(m), **{**case.kwargs, **case.state_kwargs})
     handle = leanopt.release_gradients(m, opt)
     loss_of(m, 0).backward()  # every param stepped and its gradient freed
     return m, opt, handle
@@ -465,7 +466,7 @@ def test_trainer_with_release_and_its_default_clipping_raises_the_clear_error(ca
 
     def trainer(max_grad_norm: float, accumulate: int = 1):
         m = tiny_distilbert()
-        opt = case.cls(m.parameters(), **{**case.kwargs, **case.state_kwargs})
+        opt = case.cls(case.param_groups(m), **{**case.kwargs, **case.state_kwargs})
         handle = leanopt.release_gradients(m, opt)
         args = training_args(tmp_path / f"{max_grad_norm}-{accumulate}", max_grad_norm=max_grad_norm, max_steps=2,
                              logging_steps=1, gradient_accumulation_steps=accumulate)  # fmt: skip

@@ -70,13 +70,13 @@ def test_small_updates_survive_with_kahan_and_stochastic_rounding(case: Optimize
     # follow the fp32 run (measured: AdamW moved 4.1 / 22.8 / 22.2 against fp32's 22.2, and
     # ended 19.5 / 7.4 / 1.5 away from it).
     ref = model(torch.float32)
-    train(ref, case.cls(ref.parameters(), **kwargs(case)), 100)
+    train(ref, case.cls(case.param_groups(ref), **kwargs(case)), 100)
     start = list(model(torch.float32).parameters())
     ref_moved = total_abs(ref.parameters(), start)
     moved, dist = {}, {}
     for rounding in ("nearest", "stochastic", "kahan"):
         m = model(torch.bfloat16)
-        train(m, case.cls(m.parameters(), **kwargs(case, rounding=rounding)), 100)
+        train(m, case.cls(case.param_groups(m), **kwargs(case, rounding=rounding)), 100)
         moved[rounding] = total_abs(m.parameters(), model(torch.bfloat16).parameters())
         dist[rounding] = total_abs(m.parameters(), ref.parameters())
     assert moved["nearest"] < 0.5 * ref_moved, (moved, ref_moved)
@@ -95,7 +95,7 @@ def test_fast_backends_match_the_reference(case: OptimizerCase, backend: str, dt
         runs = {}
         for b in ("reference", backend):
             m = model(dtype)
-            opt = case.cls(m.parameters(), backend=b, **kwargs(case, lr=1e-3, rounding=rounding))
+            opt = case.cls(case.param_groups(m), backend=b, **kwargs(case, lr=1e-3, rounding=rounding))
             train(m, opt, 4)
             runs[b] = (m, opt)
         (m_ref, o_ref), (m_fast, o_fast) = runs["reference"], runs[backend]
@@ -113,19 +113,19 @@ def test_fast_backends_match_the_reference(case: OptimizerCase, backend: str, dt
 def test_stochastic_rounding_is_reproducible_and_resumes_identically(case: OptimizerCase) -> None:
     def run(steps: int) -> torch.nn.Module:
         m = model(torch.bfloat16)
-        train(m, case.cls(m.parameters(), **kwargs(case, rounding="stochastic")), steps)
+        train(m, case.cls(case.param_groups(m), **kwargs(case, rounding="stochastic")), steps)
         return m
 
     a, b = run(8), run(8)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     half = model(torch.bfloat16)
-    opt = case.cls(half.parameters(), **kwargs(case, rounding="stochastic"))
+    opt = case.cls(case.param_groups(half), **kwargs(case, rounding="stochastic"))
     train(half, opt, 4)
     buf = io.BytesIO()
     torch.save(opt.state_dict(), buf)
     buf.seek(0)
     resumed = copy.deepcopy(half)
-    opt2 = case.cls(resumed.parameters(), **kwargs(case, rounding="stochastic"))
+    opt2 = case.cls(case.param_groups(resumed), **kwargs(case, rounding="stochastic"))
     opt2.load_state_dict(torch.load(buf, weights_only=True))
     train(resumed, opt2, 4, start=4)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), resumed.parameters()))
@@ -136,14 +136,14 @@ def test_stochastic_rounding_is_reproducible_and_resumes_identically(case: Optim
 @families
 def test_kahan_state_is_estimated_to_the_byte_and_fp32_params_ignore_rounding(case: OptimizerCase) -> None:
     m = model(torch.bfloat16)
-    opt = case.cls(m.parameters(), **kwargs(case, rounding="kahan"))
+    opt = case.cls(case.param_groups(m), **kwargs(case, rounding="kahan"))
     train(m, opt, 1)
     measured = leanopt.measure(opt)
     assert measured.by_key["kahan_comp"] == 2 * sum(p.numel() for p in m.parameters())  # 2 B/param in bf16
     assert leanopt.estimate(m, case.cls, **kwargs(case, rounding="kahan")).bytes == measured.bytes
     plain, kahan = model(torch.float32), model(torch.float32)
-    train(plain, case.cls(plain.parameters(), **kwargs(case)), 3)
-    opt = case.cls(kahan.parameters(), **kwargs(case, rounding="kahan"))
+    train(plain, case.cls(case.param_groups(plain), **kwargs(case)), 3)
+    opt = case.cls(case.param_groups(kahan), **kwargs(case, rounding="kahan"))
     train(kahan, opt, 3)
     assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), kahan.parameters()))
     assert all("kahan_comp" not in st for st in opt.state.values())
@@ -153,8 +153,8 @@ def test_kahan_state_is_estimated_to_the_byte_and_fp32_params_ignore_rounding(ca
 @families
 def test_rounding_with_released_gradients_equals_the_usual_loop(case: OptimizerCase) -> None:
     usual, released = model(torch.bfloat16), model(torch.bfloat16)
-    train(usual, case.cls(usual.parameters(), **kwargs(case, rounding="kahan")), 5)
-    opt = case.cls(released.parameters(), **kwargs(case, rounding="kahan"))
+    train(usual, case.cls(case.param_groups(usual), **kwargs(case, rounding="kahan")), 5)
+    opt = case.cls(case.param_groups(released), **kwargs(case, rounding="kahan"))
     with leanopt.release_gradients(released, opt):
         train(released, opt, 5)
     assert all(torch.equal(p, q) for p, q in zip(usual.parameters(), released.parameters()))

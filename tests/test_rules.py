@@ -120,7 +120,7 @@ def _run(case: OptimizerCase, backend: str, dtype: torch.dtype, seed: int, kwarg
     kwargs = {**case.kwargs, **kwargs}
     if safe:
         kwargs["min_quant_size"] = 100  # small shapes take the quantized path, with a dense tail
-    opt = case.cls(params, backend="reference" if switch_at else backend, **kwargs)
+    opt = case.cls(case.param_groups(params), backend="reference" if switch_at else backend, **kwargs)
     for step in range(steps):
         if switch_at and step == switch_at:
             opt.backend = backend
@@ -266,8 +266,8 @@ def test_matches_its_reference(case: OptimizerCase, backend: str) -> None:
     gen = torch.Generator().manual_seed(seed)
     for variant in ref.variants:
         kwargs = {**case.kwargs, **variant}
-        p0 = torch.randn(4099, generator=gen)
-        grads = [torch.randn(4099, generator=gen) * 0.1 for _ in range(ref.steps)]
+        p0 = torch.randn(ref.shape, generator=gen)
+        grads = [torch.randn(ref.shape, generator=gen) * 0.1 for _ in range(ref.steps)]
         out = []
         for make in (lambda ps: case.cls(ps, backend=backend, **kwargs), lambda ps: theirs_cls(ps, **kwargs, **ref.extra)):
             w = torch.nn.Parameter(p0.clone())
@@ -316,7 +316,7 @@ def _nan_params() -> list:
 def test_lowbit_nan_element_skipped_without_touching_neighbours(case: OptimizerCase, backend: str) -> None:
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(1024))
-    opt = case.cls([w], backend=backend, min_quant_size=1, **case.kwargs)
+    opt = case.cls(case.param_groups([w]), backend=backend, min_quant_size=1, **case.kwargs)
     w.grad = torch.randn(1024)
     opt.step()
     twin = torch.nn.Parameter(w.detach().clone())
@@ -456,7 +456,7 @@ def test_constructor_defaults_step_save_and_load(case: OptimizerCase) -> None:
     # Every optimizer once with nothing but its own defaults (SGD: momentum 0, no state at all).
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 80), torch.nn.Tanh(), torch.nn.Linear(80, 1))
-    opt = case.cls(model.parameters())
+    opt = case.cls(case.param_groups(model))
     x, y = torch.randn(32, 64), torch.randn(32, 1)
     losses = []
     for _ in range(5):
@@ -467,6 +467,6 @@ def test_constructor_defaults_step_save_and_load(case: OptimizerCase) -> None:
         losses.append(loss.item())
     assert losses[-1] < losses[0], losses
     assert leanopt.estimate(model, case.cls).bytes == leanopt.measure(opt).bytes
-    twin = case.cls(model.parameters())
+    twin = case.cls(case.param_groups(model))
     twin.load_state_dict(opt.state_dict())
     assert twin.state_dict()["state"].keys() == opt.state_dict()["state"].keys()

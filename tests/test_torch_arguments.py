@@ -44,7 +44,8 @@ def takes_flag(ref: type, flag: str) -> bool:
 def model() -> torch.nn.Module:
     torch.manual_seed(0)
     # Under min_quant_size: the low-bit optimizers keep dense states and step as their fp32 rule.
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    # Matrices only, so that torch.optim.Muon (2-D params only) takes it as Muon does.
+    return torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.Tanh(), torch.nn.Linear(16, 2, bias=False))
 
 
 def run(make, steps: int = 3) -> list[torch.Tensor]:
@@ -86,7 +87,7 @@ def test_a_call_with_every_mirrored_argument_means_the_same(case: OptimizerCase,
 def test_fused_and_foreach_choose_leanopt_s_fast_path(case: OptimizerCase, ref: type, flags: dict) -> None:
     if not all(takes_flag(ref, f) for f in flags):
         pytest.skip(f"{ref.__name__} has no {list(flags)}")
-    opt = case.cls(model().parameters(), **case.kwargs, **flags)
+    opt = case.cls(case.param_groups(model()), **case.kwargs, **flags)
     assert opt.backend == "auto"
     assert all(torch.equal(a, b) for a, b in zip(run(lambda ps: case.cls(ps, **case.kwargs, **flags)),
                                                   run(lambda ps: case.cls(ps, **case.kwargs))))  # fmt: skip
@@ -97,7 +98,7 @@ def test_fused_and_foreach_choose_leanopt_s_fast_path(case: OptimizerCase, ref: 
 def test_foreach_false_is_the_reference_backend(case: OptimizerCase, ref: type, flags: dict) -> None:
     if not all(takes_flag(ref, f) for f in flags):
         pytest.skip(f"{ref.__name__} has no {list(flags)}")
-    assert case.cls(model().parameters(), **case.kwargs, **flags).backend == "reference"
+    assert case.cls(case.param_groups(model()), **case.kwargs, **flags).backend == "reference"
     assert all(torch.equal(a, b) for a, b in zip(run(lambda ps: case.cls(ps, **case.kwargs, **flags)),
                                                   run(lambda ps: case.cls(ps, **case.kwargs, backend="reference"))))  # fmt: skip
 
@@ -107,11 +108,11 @@ def test_foreach_false_is_the_reference_backend(case: OptimizerCase, ref: type, 
 def test_what_cannot_be_honoured_is_refused_by_name(case: OptimizerCase, ref: type, flag: str) -> None:
     if not takes_flag(ref, flag):
         pytest.skip(f"{ref.__name__} has no {flag}")
-    case.cls(model().parameters(), **case.kwargs, **{flag: False})
+    case.cls(case.param_groups(model()), **case.kwargs, **{flag: False})
     with pytest.raises(ValueError, match=f"{flag}=True is not supported"):
-        case.cls(model().parameters(), **case.kwargs, **{flag: True})
+        case.cls(case.param_groups(model()), **case.kwargs, **{flag: True})
     with pytest.raises(ValueError, match=flag):
-        case.cls(model().parameters(), **case.kwargs, **{flag: "yes"})
+        case.cls(case.param_groups(model()), **case.kwargs, **{flag: "yes"})
 
 
 @pairs
@@ -120,11 +121,11 @@ def test_contradictory_flags_are_refused(case: OptimizerCase, ref: type) -> None
         pytest.skip(f"{ref.__name__} has no fused/foreach")
     params = list(model().parameters())
     with pytest.raises(ValueError, match="fused=True and foreach=True"):
-        case.cls(params, **case.kwargs, fused=True, foreach=True)
+        case.cls(case.param_groups(params), **case.kwargs, fused=True, foreach=True)
     with pytest.raises(ValueError, match="fused=True asks for a fast backend, but backend='reference'"):
-        case.cls(params, **case.kwargs, fused=True, backend="reference")
+        case.cls(case.param_groups(params), **case.kwargs, fused=True, backend="reference")
     with pytest.raises(ValueError, match="foreach=False asks for the reference backend, but backend='cpu'"):
-        case.cls(params, **case.kwargs, foreach=False, backend="cpu")
+        case.cls(case.param_groups(params), **case.kwargs, foreach=False, backend="cpu")
     with pytest.raises(ValueError, match="fused must be True, False or None"):
-        case.cls(params, **case.kwargs, fused=1)
-    assert case.cls(params, **case.kwargs, fused=True, backend="cpu").backend == "cpu"
+        case.cls(case.param_groups(params), **case.kwargs, fused=1)
+    assert case.cls(case.param_groups(params), **case.kwargs, fused=True, backend="cpu").backend == "cpu"

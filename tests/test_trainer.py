@@ -72,9 +72,13 @@ def training_args(out, **kw) -> transformers.TrainingArguments:
     return transformers.TrainingArguments(**base)
 
 
-def make_optimizer(name: str, params) -> torch.optim.Optimizer:
+CASES = {case.name: case for case in REGISTERED}
+
+
+def make_optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
     cls, kwargs = optimizer_cls_and_kwargs(name, lr=LR, **EXTRA[name])
-    return cls(params, **kwargs)
+    cls = getattr(cls, "optimizer_class", cls)  # a factory Trainer calls with the model (Muon's)
+    return cls(CASES[name].param_groups(model), **kwargs)
 
 
 def state_steps(opt: torch.optim.Optimizer) -> set[int]:
@@ -84,7 +88,7 @@ def state_steps(opt: torch.optim.Optimizer) -> set[int]:
 @names
 def test_optimizers_tuple_trains_and_the_callback_logs_measured_bytes_once(name: str, tmp_path) -> None:
     model = tiny_distilbert()
-    opt = make_optimizer(name, model.parameters())
+    opt = make_optimizer(name, model)
     callback = OptimizerStateCallback()
     trainer = transformers.Trainer(
         model=model,
@@ -122,11 +126,11 @@ def test_optimizer_cls_and_kwargs_gets_trainers_decay_groups_and_args(name: str,
     trainer.train()
     opt = unwrap_optimizer(trainer.optimizer)
     assert type(opt) is resolve_optimizer(name)
-    decay, no_decay = opt.param_groups
-    assert decay["optimizer"] == no_decay["optimizer"] == name
-    assert decay["weight_decay"] == 0.01 and no_decay["weight_decay"] == 0.0
-    assert decay["lr"] == no_decay["lr"] == LR  # from TrainingArguments, which Trainer doesn't pass
-    assert len(no_decay["params"]) > 0 and state_steps(opt) == {4}
+    # Trainer's two groups (Muon's factory: its matrices, and its aux groups split the same way).
+    assert {g["optimizer"] for g in opt.param_groups} == {name}
+    assert {g["weight_decay"] for g in opt.param_groups} == {0.01, 0.0}
+    assert {g["lr"] for g in opt.param_groups} == {LR}  # from TrainingArguments, which Trainer doesn't pass
+    assert sum(len(g["params"]) for g in opt.param_groups if g["weight_decay"] == 0.0) > 0 and state_steps(opt) == {4}
 
 
 def test_optimizer_cls_and_kwargs_fills_from_training_arguments(tmp_path) -> None:
@@ -147,9 +151,11 @@ def test_optimizer_cls_and_kwargs_fills_from_training_arguments(tmp_path) -> Non
     # what each fills is declared in its registry entry (tests/registry.py, from_training_args).
     for case in OPTIMIZERS:
         cls, kwargs = optimizer_cls_and_kwargs(case.name, args)
-        assert cls is case.cls and kwargs["lr"] == 3e-4
+        assert getattr(cls, "optimizer_class", cls) is case.cls and kwargs["lr"] == 3e-4
         assert kwargs == {"lr": 3e-4, **case.from_training_args(args)}, case.name
-        cls(torch.nn.Linear(2, 2).parameters(), **kwargs)  # the class takes them
+        lin = torch.nn.Linear(2, 2)
+        built = cls()(lin, **kwargs) if hasattr(cls, "optimizer_class") else cls(lin.parameters(), **kwargs)  # it takes them
+        assert type(built) is case.cls
     assert optimizer_cls_and_kwargs("torch-adamw", args)[1] == {"lr": 3e-4, "betas": (0.8, 0.99), "eps": 1e-6}
     assert optimizer_cls_and_kwargs("torch-adafactor", args)[1] == {"lr": 3e-4}  # takes no relative_step
 
@@ -272,7 +278,7 @@ def test_released_gradients_under_trainer_equal_the_usual_run(name: str, tmp_pat
     finals = []
     for release in (False, True):
         model = tiny_distilbert()
-        opt = make_optimizer(name, model.parameters())
+        opt = make_optimizer(name, model)
         handle = leanopt.release_gradients(model, opt) if release else None
         trainer = transformers.Trainer(
             model=model, args=training_args(tmp_path / str(release), max_grad_norm=0.0),

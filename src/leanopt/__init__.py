@@ -22,11 +22,12 @@ if TYPE_CHECKING:
     from leanopt.memory.resident import pin_allocator
     from leanopt.optim import *  # noqa: F403  (every optimizer class, with its own signature)
     from leanopt.optim import ElementwiseOptimizer, LowBit, register
+    from leanopt.optim.muon_groups import muon_groups
     from leanopt.optim.release import release_gradients
 
 __version__ = "0.1.0"
 __all__ = ["OPTIMIZER_NAMES", "ElementwiseOptimizer", "LowBit", "Rule", "StateKind", "compute_optimizer_size", "doctor", "estimate",
-           "measure", "pin_allocator", "plan", "register", "release_gradients", "training_memory",
+           "measure", "muon_groups", "pin_allocator", "plan", "register", "release_gradients", "training_memory",
            *optimizer_classes()]  # fmt: skip
 
 # Every public name is imported on first use, from the module that defines it: `import leanopt`
@@ -40,6 +41,7 @@ _LAZY = {
     "pin_allocator": "leanopt.memory.resident",
     **dict.fromkeys(["ElementwiseOptimizer", "LowBit", "register", *optimizer_classes()], "leanopt.optim"),
     "release_gradients": "leanopt.optim.release",
+    "muon_groups": "leanopt.optim.muon_groups",
     "plan": "leanopt.memory.plan",
     "doctor": "leanopt.memory.doctor",
 }  # fmt: skip

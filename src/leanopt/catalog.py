@@ -10,7 +10,7 @@ command line, so the registry stays the one list for code.
 
 from __future__ import annotations
 
-__all__ = ["BUILTIN_OPTIMIZERS", "PEER_NAMES", "ROUNDINGS", "TORCH_ADAMW", "known_optimizer", "optimizer_classes", "optimizer_families"]
+__all__ = ["BUILTIN_OPTIMIZERS", "PEER_NAMES", "ROUNDINGS", "TORCH_ADAMW", "TORCH_MUON", "known_optimizer", "optimizer_classes", "optimizer_families"]
 
 # name -> (family, class): leanopt's own optimizers, in the registry's order. Optimizers of one
 # family share an update rule and convert into each other; ``leanopt.<class>`` is exported from
@@ -27,6 +27,9 @@ BUILTIN_OPTIMIZERS: dict[str, tuple[str, str]] = {
     "ademamix8bit": ("ademamix", "AdEMAMix8bit"),
     "sgd": ("sgd", "SGD"),
     "sgd8bit": ("sgd", "SGD8bit"),
+    "muon": ("muon", "Muon"),
+    "muon8bit": ("muon", "Muon8bit"),
+    "muon4bit": ("muon", "Muon4bit"),
 }
 
 # Peers, by hand: name -> "module:attribute", resolved lazily so that an optional peer is
@@ -37,6 +40,7 @@ PEER_NAMES: dict[str, str] = {
     "hf-adafactor": "transformers.optimization:Adafactor",
 }
 TORCH_ADAMW = "torch-adamw"  # plain torch.optim.AdamW, what `convert --to` writes for it
+TORCH_MUON = "torch-muon"  # torch.optim.Muon, what `convert --to` writes for it
 
 ROUNDINGS = ("nearest", "stochastic", "kahan")  # how a low-precision param takes its update
 

@@ -61,6 +61,7 @@ from typing import Any
 
 import torch
 
+from leanopt.catalog import TORCH_ADAMW, TORCH_MUON
 from leanopt.optim.base import LeanOptimizer
 from leanopt.optim.identity import IDENTITY_KEY, declared_optimizer, recognize_states, tensor_subclass
 from leanopt.optim.lowbit import STORAGE_OPTIONS, LowBit
@@ -71,11 +72,12 @@ from leanopt.optim.validation import check_block_size, check_min_quant_size
 from leanopt.quant import QuantizedState, format_by_name
 from leanopt.quant.bf16 import check_state_dtype, state_dtype_name
 
-__all__ = ["IDENTITY_KEY", "TORCH_ADAMW", "Conversion", "check_loads", "convert_checkpoint", "convert_state_dict", "declared_optimizer",
+__all__ = ["IDENTITY_KEY", "TORCH_ADAMW", "TORCH_MUON", "TORCH_TARGETS", "Conversion", "check_loads", "convert_checkpoint", "convert_state_dict", "declared_optimizer",
            "family_members", "from_peer", "state_dict_layout"]  # fmt: skip
 
-# The target name of torch.optim.AdamW (as `leanopt estimate` names torch's optimizers).
-TORCH_ADAMW = "torch-adamw"
+# torch's optimizers a state converts to: target name -> (the leanopt member it is converted as
+# first, torch's class path).
+TORCH_TARGETS = {TORCH_ADAMW: ("adamw", "AdamW"), TORCH_MUON: ("muon", "Muon")}
 
 def family_members(name: str) -> list[str]:
     """The registry names (in registration order) of the optimizers that run the same rule as
@@ -189,8 +191,9 @@ def convert_checkpoint(
     leanopt's (``optimizer``, ``rounding``, the storage options); a Kahan compensation
     (``kahan_comp``) and a rounding other than nearest are left out, and ``notes`` says so.
     """
-    to_torch = isinstance(to, str) and to.lower() == TORCH_ADAMW
-    target_cls = optimizer_class("adamw" if to_torch else to)
+    torch_target = to.lower() if isinstance(to, str) and to.lower() in TORCH_TARGETS else None
+    to_torch = torch_target is not None
+    target_cls = optimizer_class(TORCH_TARGETS[torch_target][0] if torch_target else to)
     check_state_dict(state_dict)
     _check_backed(state_dict)  # before anything is dequantized or copied
     read_as = None
@@ -202,22 +205,25 @@ def convert_checkpoint(
     source = state_dict_layout(state_dict)  # validates the structure
     if rule is not None and read_as is None and REGISTRY[source].family != rule:
         raise ValueError(f"rule={rule!r}, but the state_dict holds {source} states (the {REGISTRY[source].family} rule)")
-    if to_torch and REGISTRY[source].family != target_cls.family:
+    if torch_target and REGISTRY[source].family != target_cls.family:
         raise ValueError(
-            f"cannot convert the {source} state_dict to {TORCH_ADAMW}: {REGISTRY[source].__name__} runs the "
-            f"{REGISTRY[source].family} rule, torch.optim.AdamW the adamw rule (a state of one rule cannot continue another)"
+            f"cannot convert the {source} state_dict to {torch_target}: {REGISTRY[source].__name__} runs the "
+            f"{REGISTRY[source].family} rule, torch.optim.{TORCH_TARGETS[torch_target][1]} the {target_cls.family} rule "
+            "(a state of one rule cannot continue another)"
         )
     stored = check_state_dtype(state_dtype)
     if stored != torch.float32 and (to_torch or "state_dtype" not in inspect.signature(target_cls).parameters):
-        whose = (f"{TORCH_ADAMW} keeps its states in each param's dtype (torch.optim.AdamW has no state_dtype)" if to_torch
+        whose = (f"{torch_target} keeps its states in each param's dtype (torch's optimizer has no state_dtype)" if to_torch
                  else f"{target_cls.__name__} has no state_dtype option (its states are not the elementwise moments)")
         raise ValueError(f"state_dtype={state_dtype_name(stored)} cannot be written for {to}: {whose}")
     shapes = _param_shapes(state_dict, source)
     converted = _convert(state_dict, source, target_cls, block_size, min_quant_size, stored)
     notes: list[str] = []
-    if to_torch:
+    if torch_target == TORCH_ADAMW:
         converted = _as_torch_adamw(converted, state_dict, notes)
-    target = TORCH_ADAMW if to_torch else target_cls.name
+    elif torch_target == TORCH_MUON:
+        converted = _as_torch_muon(converted, shapes, notes)
+    target = torch_target or target_cls.name
     check_loads(converted, target, shapes)
     return Conversion(converted, source, read_as or source, target, notes, shapes)
 
@@ -243,7 +249,8 @@ def check_loads(state_dict: Mapping[str, Any], target: str, shapes: Mapping[Any,
         return  # no state to load (torch refuses to build an optimizer over no param)
     listed = {pid for g in state_dict["param_groups"] for pid in g["params"]}
     kept = {pid: st for pid, st in states.items() if pid in loaded or pid not in listed}  # an unlisted id is refused on load
-    cls: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW if target == TORCH_ADAMW else optimizer_class(target)
+    cls: Callable[..., torch.optim.Optimizer] = (getattr(torch.optim, TORCH_TARGETS[target][1]) if target in TORCH_TARGETS
+                                                 else optimizer_class(target))  # fmt: skip
     built = [{**{k: v for k, v in g.items() if k != IDENTITY_KEY}, "params": [param(pid) for pid in g["params"]]} for g in groups]
     try:
         cls(built).load_state_dict({**state_dict, "state": kept, "param_groups": groups})
@@ -262,27 +269,25 @@ def _convert(state_dict: Mapping[str, Any], source: str, target_cls: type[LeanOp
             f"{target_cls.__name__} the {target_cls.family} rule (a state of one rule cannot continue another; "
             f"convert within a family: {', '.join(family_members(source))})"
         )
-    # The target's class as a LowBit one when it is (None otherwise): its storage constants.
-    low_bit_cls = target_cls if issubclass(target_cls, LowBit) else None
-    low_bit = low_bit_cls is not None
-    if low_bit_cls is not None:
-        block_size = low_bit_cls.default_block_size if block_size is None else block_size
-        check_block_size(block_size)
-        check_min_quant_size(min_quant_size)
+    check_min_quant_size(min_quant_size)
     # ignore: a class is hashable, but mypy does not see type[X] as Hashable for functools.cache (python/mypy#11470)
     target, origin = _blank(target_cls), _blank(source_cls)  # type: ignore[arg-type]
 
     groups_out = []
-    group_of: dict[Any, tuple[dict[str, Any], list[str], list[str]]] = {}
+    group_of: dict[Any, tuple[dict[str, Any], Any, list[str]]] = {}
     for gi, group in enumerate(state_dict["param_groups"]):
         g = {k: v for k, v in group.items() if k not in STORAGE_OPTIONS}
-        if low_bit_cls is not None:
-            g.update(quantize=group.get("quantize", True), block_size=block_size, min_quant_size=min_quant_size,
-                     state_bits=low_bit_cls.state_bits)  # fmt: skip
+        # Where the group's states are stored: the target itself, or (Muon) the group's rule runner.
+        store = target.storage(_filled(target, g))
+        if isinstance(store, LowBit):  # its storage constants
+            blocks = type(store).default_block_size if block_size is None else block_size
+            check_block_size(blocks)
+            g.update(quantize=group.get("quantize", True), block_size=blocks, min_quant_size=min_quant_size,
+                     state_bits=store.state_bits)  # fmt: skip
         if "state_dtype" in target.defaults:
             g["state_dtype"] = state_dtype_name(state_dtype)
         g[IDENTITY_KEY] = to
-        filled = {**target.defaults, **g}
+        filled = _filled(target, g)
         try:
             target.validate_group(filled, loaded=True)
         except ValueError as err:
@@ -294,21 +299,21 @@ def _convert(state_dict: Mapping[str, Any], source: str, target_cls: type[LeanOp
             raise ValueError(f"cannot convert the {source} state_dict to {to}: param group {gi} keeps {lost}, which {to} has no place for")
         groups_out.append(g)
         for pid in group["params"]:
-            group_of[pid] = (filled, source_keys, target_keys)
+            group_of[pid] = (filled, store, target_keys)
 
     state_out: dict[Any, Any] = {}
     for pid, st in state_dict["state"].items():
         if pid not in group_of:  # not a param's state (e.g. a hook's own entry): kept as it is
             state_out[pid] = st
             continue
-        filled, _, target_keys = group_of[pid]
+        filled, store, target_keys = group_of[pid]
         new = dict(st)
         for key, value in st.items():
             where = f"{key!r} of param {pid!r}"
-            if key in target_keys and low_bit:
+            if key in target_keys and isinstance(store, LowBit):
                 shape = _shape_of(value, where)
-                if target.quantizes(shape, filled):
-                    new[key] = _to_quantized(value, target.state_format(key, filled), where)
+                if store.quantizes(shape, filled):
+                    new[key] = _to_quantized(value, store.state_format(key, filled), where)
                     continue
                 new[key] = _stored(_to_dense(value, where), state_dtype)
             elif key in target_keys or _as_quantized(value, where) is not None:
@@ -392,7 +397,7 @@ def _param_shapes(state_dict: Mapping[str, Any], name: str) -> dict[Any, tuple[i
         # A param's shape is one entry's (a moment), or, for factored states (Adafactor's row and
         # column statistics of a matrix: shape[:-1] and shape[:-2] + shape[-1:]), two entries' joined.
         candidates = [*seen.values(), *(a + b[-1:] for a in seen.values() for b in seen.values() if a and len(a) == len(b))]
-        group = {**opt.defaults, **group_of[pid]}
+        group = _filled(opt, group_of[pid])
         for shape in dict.fromkeys(candidates):
             laid_out = {spec.key: spec.shape for spec in opt.state_layout(shape, torch.float32, group)}
             laid_out["kahan_comp"] = shape
@@ -455,20 +460,63 @@ def _as_torch_adamw(converted: dict[str, Any], source: Mapping[str, Any], notes:
     return {**converted, "state": state, "param_groups": groups}
 
 
+# ---- leaving leanopt: torch.optim.Muon ------------------------------------------------------------
+@functools.cache
+def _torch_muon_defaults() -> dict[str, Any]:
+    """The options ``torch.optim.Muon`` saves in every param group (its defaults, in its order)."""
+    return dict(torch.optim.Muon([torch.nn.Parameter(torch.empty(0, 0, device="meta"))]).defaults)
+
+
+def _as_torch_muon(converted: dict[str, Any], shapes: Mapping[Any, tuple[int, ...]], notes: list[str]) -> dict[str, Any]:
+    """An fp32 leanopt Muon state_dict (converted) as ``torch.optim.Muon(...).state_dict()`` holds
+    it: torch's group options, ``momentum_buffer`` alone; refused where torch has no place for
+    a group (an aux group, a param that is not a matrix)."""
+    torch_options = _torch_muon_defaults()
+    groups = []
+    for gi, group in enumerate(converted["param_groups"]):
+        if not group.get("use_muon", True):
+            raise ValueError(f"cannot convert to {TORCH_MUON}: param group {gi} is an aux ({group.get('aux', 'adamw')}) group, "
+                             "and torch.optim.Muon holds Muon groups only (keep the leanopt file, or convert a file "
+                             "of Muon groups)")  # fmt: skip
+        for pid in group["params"]:
+            if pid in shapes and len(shapes[pid]) != 2:
+                raise ValueError(f"cannot convert to {TORCH_MUON}: param {pid!r} of group {gi} has shape {shapes[pid]}; "
+                                 "torch.optim.Muon takes 2-D params only")  # fmt: skip
+        groups.append({"params": group["params"], **{k: group.get(k, default) for k, default in torch_options.items()}})
+    stepped = 0
+    state: dict[Any, Any] = {}
+    for pid, st in converted["state"].items():
+        if not isinstance(st, Mapping) or "momentum_buffer" not in st:  # not a param's state: kept as it is
+            state[pid] = st
+            continue
+        stepped += "step" in st
+        buf = st["momentum_buffer"]
+        state[pid] = {"momentum_buffer": buf.clone() if isinstance(buf, torch.Tensor) else buf}
+    if stepped:
+        notes.append(f"step of {stepped} param{'s' if stepped != 1 else ''} left out: torch.optim.Muon keeps no step count")
+    return {**converted, "state": state, "param_groups": groups}
+
+
 # ---- helpers -----------------------------------------------------------------------------------
 @functools.cache
 def _blank(cls: type[LeanOptimizer]) -> Any:
-    """An instance of ``cls`` on one empty meta param: its defaults, checks and layout methods."""
+    """An instance of ``cls`` on one empty meta param (a matrix: Muon takes no other): its
+    defaults, checks and layout methods."""
     # A registered class's own constructor takes params alone (its defaults are its keywords'),
     # unlike LeanOptimizer.__init__(params, defaults) that mypy would check the call against.
     make: Callable[..., LeanOptimizer] = cls
-    return make([torch.nn.Parameter(torch.empty(0, device="meta"))])
+    return make([torch.nn.Parameter(torch.empty(0, 0, device="meta"))])
 
 
 def _state_keys(opt: Any, group: Mapping[str, Any]) -> list[str]:
     """The rule's state keys (besides ``step``) for ``group``; [] for a non-elementwise optimizer."""
     state_keys = getattr(opt, "state_keys", None)
-    return list(state_keys({**opt.defaults, **group})) if state_keys is not None else []
+    return list(state_keys(_filled(opt, group))) if state_keys is not None else []
+
+
+def _filled(opt: Any, group: Mapping[str, Any]) -> dict[str, Any]:
+    """``group`` with the options it does not set taken from ``opt``'s defaults for such a group."""
+    return {**opt.group_defaults(group), **group}
 
 
 def _check_states(state_dict: Mapping[str, Any], name: str) -> None:
@@ -485,7 +533,7 @@ def _check_states(state_dict: Mapping[str, Any], name: str) -> None:
     keys_of = {}
     for gi, g in enumerate(state_dict["param_groups"]):
         try:
-            opt.validate_group({**opt.defaults, **g}, loaded=True)
+            opt.validate_group(_filled(opt, g), loaded=True)
         except ValueError as err:
             raise refuse(f"param group {gi} does not hold {name} options ({err})") from None
         keys_of.update({pid: (*_rule_keys(opt, g), g) for pid in g["params"]})
@@ -507,7 +555,7 @@ def _fills_on_load(opt: Any, group: Mapping[str, Any] | None, key: str, saved: M
     """Whether ``opt``'s ``load_state_dict`` makes state ``key`` from ``saved`` (its ``_missing_state``)."""
     if group is None:
         return False
-    specs = {spec.key: spec for spec in opt.state_layout((4,), torch.float32, {**opt.defaults, **group})}
+    specs = {spec.key: spec for spec in opt.state_layout((4, 4), torch.float32, _filled(opt, group))}
     return key in specs and opt._missing_state(specs[key], torch.empty(4), saved) is not None
 
 
@@ -515,10 +563,12 @@ def _rule_keys(opt: Any, group: Mapping[str, Any]) -> tuple[list[str], set[str]]
     """The state keys every param of ``group`` holds, and all those one may hold: the layouts of
     a vector and of a matrix (Adafactor factors matrices), the rounding's compensation, and the
     peers' bookkeeping the optimizer drops on load."""
-    group = {**opt.defaults, **group}
-    layouts = [[spec.key for spec in opt.state_layout(shape, torch.float32, group)] for shape in ((4,), (4, 4))]
-    required = [k for k in layouts[0] if k in layouts[1]]
-    return required, {*layouts[0], *layouts[1], "kahan_comp", *opt.ignored_state_keys}
+    group = _filled(opt, group)
+    # A matrix's layout too (Adafactor factors matrices); Muon's groups take matrices only.
+    shapes = ((4, 4),) if group.get("use_muon") else ((4,), (4, 4))
+    layouts = [[spec.key for spec in opt.state_layout(shape, torch.float32, group)] for shape in shapes]
+    required = [k for k in layouts[0] if all(k in other for other in layouts[1:])]
+    return required, {*(k for keys in layouts for k in keys), "kahan_comp", *opt.ignored_state_keys}
 
 
 def _recognized_member(state_dict: Mapping[str, Any]) -> str:

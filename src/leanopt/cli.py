@@ -36,7 +36,7 @@ from rich.console import Console
 # what it needs inside (tests/test_newcomer.py).
 from leanopt import __version__
 from leanopt.arguments import Parser, UsageError, whole_number
-from leanopt.catalog import BUILTIN_OPTIMIZERS, PEER_NAMES, ROUNDINGS, TORCH_ADAMW, known_optimizer, optimizer_families
+from leanopt.catalog import BUILTIN_OPTIMIZERS, PEER_NAMES, ROUNDINGS, TORCH_ADAMW, TORCH_MUON, known_optimizer, optimizer_families
 from leanopt.memory.presets import locate_model
 from leanopt.tables import console as _console
 from leanopt.tables import new_table, print_table
@@ -174,17 +174,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="re-save a state for another optimizer of its family",
         description="Read a saved optimizer state_dict (e.g. a Trainer optimizer.pt, a DCP checkpoint folder) and "
         f"write it for another optimizer of the same family (the same rule): {', '.join('/'.join(f) for f in families.values() if len(f) > 1)}, "
-        f"or for torch.optim.AdamW ({TORCH_ADAMW}). The source is the optimizer its param groups declare "
+        f"or for torch.optim.AdamW ({TORCH_ADAMW}) or torch.optim.Muon ({TORCH_MUON}). The source is the optimizer its param groups declare "
         "(\"optimizer\"); a file without one is read as the family its states show: torch.optim.AdamW, older "
-        "leanopt files, bitsandbytes' AdamW8bit/Lion8bit/AdEMAMix8bit and torchao's AdamW8bit/AdamW4bit (dequantized "
+        "leanopt files, torch.optim.Muon and KellerJordan's MuonWithAuxAdam, bitsandbytes' AdamW8bit/Lion8bit/AdEMAMix8bit and "
+        "torchao's AdamW8bit/AdamW4bit (dequantized "
         "with their own code books and scales). The result declares --to and loads into it. Another family is refused.",
     )
     conv.add_argument("src", help="the optimizer state_dict to read: optimizer.pt, a folder holding one, or a "
                       "torch.distributed.checkpoint folder")  # fmt: skip
     conv.add_argument("dst", help="where to write the converted state_dict")
-    conv.add_argument("--to", required=True, type=str.lower, choices=[*BUILTIN_OPTIMIZERS, TORCH_ADAMW], metavar="NAME",
+    conv.add_argument("--to", required=True, type=str.lower, choices=[*BUILTIN_OPTIMIZERS, TORCH_ADAMW, TORCH_MUON], metavar="NAME",
                       help=f"the optimizer to convert for, of the source's family; one of: {', '.join(BUILTIN_OPTIMIZERS)}, "
-                      f"{TORCH_ADAMW} (plain torch.optim.AdamW state, from any AdamW-family file)")  # fmt: skip
+                      f"{TORCH_ADAMW} (plain torch.optim.AdamW state, from any AdamW-family file), {TORCH_MUON} "
+                      "(torch.optim.Muon state, from a Muon-family file of Muon groups)")  # fmt: skip
     conv.add_argument("--rule", type=str.lower, choices=sorted(families), metavar="RULE",
                       help="the rule the source's states run where they do not say: bitsandbytes' one-state files "
                       "(Lion8bit and SGD8bit save the same keys): --rule lion")  # fmt: skip

@@ -68,8 +68,8 @@ def _kwargs(case) -> dict:
 
 
 # Per-optimizer constructor kwargs, from the registry's: the same in tests/test_distributed.py
-# (it imports these).
-KWARGS = {case.name: _kwargs(case) for case in OPTIMIZERS}
+# (it imports these). Those that run on FSDP2 params (``sharded``).
+KWARGS = {case.name: _kwargs(case) for case in OPTIMIZERS if case.sharded}
 
 
 class StepGate(torch.nn.Module):

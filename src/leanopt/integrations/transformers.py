@@ -32,7 +32,8 @@ from leanopt.memory import StateMeasurement, measure, resolve_optimizer
 
 logger = logging.getLogger("leanopt")
 
-__all__ = ["OptimizerStateCallback", "RelativeStepSchedule", "declared_name", "optimizer_cls_and_kwargs", "unwrap_optimizer"]
+__all__ = ["ModelOptimizerFactory", "OptimizerStateCallback", "RelativeStepSchedule", "declared_name", "model_factory",
+           "optimizer_cls_and_kwargs", "unwrap_optimizer"]
 
 
 def optimizer_cls_and_kwargs(name: str | type, args: Any = None, **kwargs: Any) -> tuple[type, dict[str, Any]]:
@@ -52,6 +53,12 @@ def optimizer_cls_and_kwargs(name: str | type, args: Any = None, **kwargs: Any) 
 
     Note that Trainer's default ``adam_beta2`` is 0.999 where Lion's own is 0.99: pass
     ``betas=(0.9, 0.99)`` to keep Lion's (Trainer's ``optim="lion_32bit"`` also takes Adam's).
+
+    Muon (``"muon"``, ``"muon8bit"``, ``"muon4bit"``) returns a factory
+    (:class:`ModelOptimizerFactory`, which transformers' Trainer calls with the model): its
+    groups are :func:`leanopt.muon_groups`'s, and with ``args`` it gets ``weight_decay``,
+    ``adjust_lr_fn="match_rms_adamw"`` (so that Trainer's one ``learning_rate`` suits both the
+    Muon and the AdamW groups) and the aux groups' ``aux_betas``/``aux_eps``.
 
     Adafactor gets ``relative_step=False, scale_parameter=False`` (what Trainer does for
     ``optim="adafactor"``): Trainer's learning-rate scheduler then scales its ``lr``. (A
@@ -74,6 +81,12 @@ def optimizer_cls_and_kwargs(name: str | type, args: Any = None, **kwargs: Any) 
             out["betas"] = betas
         elif family == "ademamix":
             out.update(betas=(*betas, _default_betas(cls)[2]), eps=args.adam_epsilon)
+    if family == "muon":
+        if args is not None:
+            # One learning rate for both rules: match_rms_adamw gives Muon's update AdamW's RMS.
+            out.update(weight_decay=args.weight_decay, adjust_lr_fn="match_rms_adamw", aux_betas=betas, aux_eps=args.adam_epsilon)
+        out.update(kwargs)
+        return model_factory(cls), out
     if family == "adafactor":
         out.update(relative_step=False, scale_parameter=False)
         if "lr" not in out and kwargs.get("lr") is None and kwargs.get("relative_step", False) is False:
@@ -115,6 +128,46 @@ class RelativeStepSchedule(torch.optim.lr_scheduler.LRScheduler):
         # Live: Trainer reads it between the optimizer's step and the schedule's, when the group
         # holds the step size just taken.
         return self.get_lr()
+
+
+class ModelOptimizerFactory:
+    """transformers' optimizer-factory protocol (``transformers.trainer_optimizer.is_optimizer_factory``)
+    for an optimizer whose groups follow what a model's modules are (:class:`leanopt.Muon`):
+    Trainer calls ``factory()(model, **kwargs)`` in place of ``cls(decay_groups, **kwargs)``.
+
+    The groups are :func:`leanopt.muon_groups`'s, with Trainer's weight-decay rule: the Muon
+    matrices and the aux params of >= 2 dims (embeddings, heads) take ``weight_decay``, the aux
+    params of < 2 dims (biases, norms) none. The aux groups take ``lr``, ``aux_betas`` and
+    ``aux_eps`` (:func:`optimizer_cls_and_kwargs` fills them from ``TrainingArguments``).
+    """
+
+    optimizer_class: type
+
+    def __call__(self, model: torch.nn.Module, *, aux_betas: tuple[float, float] | None = None, aux_eps: float | None = None,
+                 **kwargs: Any) -> torch.optim.Optimizer:  # fmt: skip
+        from leanopt.optim.muon_groups import muon_groups
+
+        decay = kwargs.get("weight_decay")
+        groups: list[dict[str, Any]] = []
+        for group in muon_groups(model, aux_lr=kwargs.get("lr"), aux_betas=aux_betas, aux_eps=aux_eps, aux_weight_decay=decay):
+            if group["use_muon"]:
+                groups.append(group)
+                continue
+            matrices = [p for p in group["params"] if p.dim() >= 2]
+            others = [p for p in group["params"] if p.dim() < 2]
+            groups += [{**group, "params": matrices}] if matrices else []
+            groups += [{**group, "params": others, "weight_decay": 0.0}] if others else []
+        return self.optimizer_class(groups, **kwargs)
+
+
+_FACTORIES: dict[type, type[ModelOptimizerFactory]] = {}
+
+
+def model_factory(cls: type) -> type[ModelOptimizerFactory]:
+    """The :class:`ModelOptimizerFactory` class of optimizer ``cls`` (one per class)."""
+    if cls not in _FACTORIES:
+        _FACTORIES[cls] = type(f"{cls.__name__}Factory", (ModelOptimizerFactory,), {"optimizer_class": cls})
+    return _FACTORIES[cls]
 
 
 def _family(cls: type) -> str | None:

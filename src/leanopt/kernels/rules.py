@@ -463,6 +463,33 @@ SGD = Rule(
     schedule=_sgd_schedule, elementwise=sgd_elementwise, flags=("nesterov",), max_states=1,
 )  # fmt: skip
 
+# ---- Muon's momentum ---------------------------------------------------------------------------
+def _muon_hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
+    return dict(momentum=float(group["momentum"]), nesterov=bool(group["nesterov"]), maximize=False)
+
+
+def _muon_schedule(hp: Mapping[str, Any], step: int, safe: bool) -> dict[str, float]:
+    return dict(lerp_weight=1 - hp["momentum"], momentum=hp["momentum"])
+
+
+def muon_momentum_elementwise(p, g, states, c, flags, safe: bool):
+    """torch.optim.Muon's momentum in its operation order: ``buf.lerp_(g, 1 - momentum)``, then
+    the update ``g.lerp(buf, momentum)`` (flag ``nesterov``) or ``buf``. The "param" this rule
+    writes is that update (what Newton-Schulz orthogonalizes next), not a weight: its input
+    ``p`` is not read."""
+    buf = lerp(states[0], g, c["lerp_weight"])
+    return (lerp(g, buf, c["momentum"]) if flags["nesterov"] else buf), [buf]
+
+
+# Muon's first stage (leanopt.optim.muon): elementwise, so it runs on every backend and storage
+# (bf16, block-quantized) the elementwise rules run on; the orthogonalization that follows is
+# kernels.newton_schulz. Like SGD's, the buffer only decays where the gradient is 0.
+MUON_MOMENTUM = Rule(
+    "muon_momentum", lambda hp: (StateKind("momentum_buffer", True, decays=True),), _muon_hyperparameters,
+    scalars=("lerp_weight", "momentum"), schedule=_muon_schedule, elementwise=muon_momentum_elementwise,
+    flags=("nesterov",), max_states=1,
+)  # fmt: skip
+
 # The rules leanopt ships, in the order that numbers them for the compiled twins
 # (:func:`rule_id`): one scheme for the Triton helpers and the C++ kernel.
 RULES: dict[str, Rule] = {r.name: r for r in (ADAMW, LION, ADEMAMIX, SGD)}

@@ -281,6 +281,8 @@ def estimate(model_or_params: Any, optimizer: str | type = "adamw", **optimizer_
     """
     cls = resolve_optimizer(optimizer)
     layout = _layout_fn(cls)
+    if isinstance(model_or_params, torch.nn.Module) and issubclass(cls, LeanOptimizer):
+        model_or_params = cls.groups_for_model(model_or_params)  # Muon: its param groups of the model
     opt = cls(_meta_params(model_or_params), **optimizer_kwargs)
     name = optimizer if isinstance(optimizer, str) else f"{cls.__module__}.{cls.__qualname__}"
     result = StateEstimate(optimizer=name)

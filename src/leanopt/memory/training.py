@@ -220,6 +220,11 @@ def training_memory(
         raise ValueError("offload with precision='bf16-mixed': its fp32 master weights are the model's params, on the "
                          "device; use precision='bf16' (bf16 params, fp32 masters on the host) or 'fp32'")  # fmt: skip
     weight_b, grad_b, master_b, dtype = PRECISIONS[precision]
+    from leanopt.optim.base import LeanOptimizer
+
+    cls = resolve_optimizer(optimizer)
+    if isinstance(model_or_params, torch.nn.Module) and issubclass(cls, LeanOptimizer):
+        model_or_params = cls.groups_for_model(model_or_params)  # Muon: its param groups of the model
     # Duplicates go first: the dtype-converted copies would no longer be the same tensor.
     params = _with_dtype(unique_params(model_or_params), dtype)
     state = estimate(params, optimizer, **optimizer_kwargs)

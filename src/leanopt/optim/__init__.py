@@ -15,10 +15,12 @@ from leanopt.optim.adafactor import Adafactor as Adafactor  # isort: skip
 from leanopt.optim.lion import Lion as Lion, Lion4bit as Lion4bit, Lion8bit as Lion8bit  # isort: skip
 from leanopt.optim.ademamix import AdEMAMix as AdEMAMix, AdEMAMix8bit as AdEMAMix8bit  # isort: skip
 from leanopt.optim.sgd import SGD as SGD, SGD8bit as SGD8bit  # isort: skip
+from leanopt.optim.muon import Muon as Muon, Muon4bit as Muon4bit, Muon8bit as Muon8bit  # isort: skip
 from leanopt.optim.base import LeanOptimizer
 from leanopt.optim.elementwise import ElementwiseOptimizer
 from leanopt.optim.layout import StateSpec
 from leanopt.optim.lowbit import LowBit
+from leanopt.optim.muon_groups import muon_groups
 from leanopt.optim.registry import REGISTRY, optimizer_class, register
 
 # The registered classes' names: with the names above, what ``from leanopt.optim import *``
@@ -27,5 +29,6 @@ from leanopt.optim.registry import REGISTRY, optimizer_class, register
 OPTIMIZERS = tuple(cls.__name__ for cls in REGISTRY.values())
 
 if not TYPE_CHECKING:
-    __all__ = ["OPTIMIZERS", "REGISTRY", "ElementwiseOptimizer", "LeanOptimizer", "LowBit", "StateSpec", "optimizer_class",
-               "register", *OPTIMIZERS]  # fmt: skip
+    __all__ = ["OPTIMIZERS", "REGISTRY", "ElementwiseOptimizer", "LeanOptimizer", "LowBit", "StateSpec", "muon_groups",
+               "optimizer_class", "register", *OPTIMIZERS]  # fmt: skip
+from leanopt.optim.muon import Muon as Muon, Muon4bit as Muon4bit, Muon8bit as Muon8bit  # isort: skip

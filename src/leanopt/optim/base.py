@@ -136,6 +136,12 @@ class LeanOptimizer(torch.optim.Optimizer):
         if offload is not None:
             self.placement = Offloaded(self)
 
+    @classmethod
+    def groups_for_model(cls, model: torch.nn.Module) -> Any:
+        """What this optimizer is built over for a whole ``model`` when only the model is given
+        (``leanopt.estimate(model, cls)``): its params; Muon splits them into its groups."""
+        return [p for p in model.parameters() if p.requires_grad]
+
     @property
     def offload(self) -> str | None:
         """Where states and master weights live: ``None`` (with the params) or ``"cpu"``."""
@@ -242,6 +248,11 @@ class LeanOptimizer(torch.optim.Optimizer):
                 )
 
     # ---- layout -------------------------------------------------------------------------
+    def is_chunkable(self, group: Mapping[str, Any]) -> bool:
+        """Whether params of ``group`` may be stepped in pieces: ``chunkable``, unless a rule
+        that differs between groups says otherwise (Muon's aux groups are, its matrices not)."""
+        return self.chunkable
+
     def state_layout(
         self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, group: Mapping[str, Any]
     ) -> list[StateSpec]:
@@ -344,7 +355,7 @@ class LeanOptimizer(torch.optim.Optimizer):
             raise ValueError(f"rounding={rounding!r} is not supported for DTensor (FSDP2) params (param {item.index[1]} "
                              f"of group {gi})")  # fmt: skip
         blocks = [v.format.block_size for v in item.state.values() if isinstance(v, QuantizedState)]
-        chunk = chunk_elements(self.chunkable and item.grad.is_contiguous(), p, blocks, rounding_module.ROUNDING_CHUNK)
+        chunk = chunk_elements(self.is_chunkable(group) and item.grad.is_contiguous(), p, blocks, rounding_module.ROUNDING_CHUNK)
         for part in chunks(item, chunk):
             master = part.param.float()
             comp = part.state.get("kahan_comp") if rounding == "kahan" else None
@@ -443,9 +454,9 @@ class LeanOptimizer(torch.optim.Optimizer):
         # as torch's optimizers do; every group is then checked as the constructor checks it.
         filled_groups = []
         for gi, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
-            filled = {**{k: v for k, v in self.defaults.items() if k not in saved}, **saved, **self._kept_on_load(group)}
-            filled["optimizer"] = self.name
             try:
+                filled = {**self._loaded_defaults(saved, group), **saved, **self._kept_on_load(group)}
+                filled["optimizer"] = self.name
                 self.validate_group(filled, loaded=True)
                 check_rounding(filled.get("rounding", "nearest"))
                 self.placement.check_group({**filled, "params": group["params"]}, gi)
@@ -491,6 +502,21 @@ class LeanOptimizer(torch.optim.Optimizer):
             self.state[p] = st
         for post_hook in list(post_hooks.values()):
             post_hook(self)
+
+    def group_defaults(self, group: Mapping[str, Any]) -> dict[str, Any]:
+        """The options a group like ``group`` takes for the keys it does not set: the defaults
+        (Muon: its aux groups, their rule's)."""
+        return dict(self.defaults)
+
+    def storage(self, group: Mapping[str, Any]) -> LeanOptimizer:
+        """The optimizer whose layout methods (``state_keys``, ``quantizes``, ``state_format``)
+        describe the states of ``group``: this one (Muon: the group's rule runner)."""
+        return self
+
+    def _loaded_defaults(self, saved: Mapping[str, Any], group: Mapping[str, Any]) -> dict[str, Any]:
+        """What a loaded group ``saved`` (for this optimizer's ``group``) takes for the options it
+        lacks: the defaults; ``ValueError`` where it cannot be a state of ``group``."""
+        return {k: v for k, v in self.group_defaults(saved).items() if k not in saved}
 
     def _kept_on_load(self, group: Mapping[str, Any]) -> dict[str, Any]:
         """Options of this optimizer's ``group`` that a loaded group does not replace (the

@@ -138,6 +138,20 @@ def _recognized(groups: list[Mapping[str, Any]], states: list[Mapping[str, Any]]
         return Recognized(f"torchao low-bit {'AdamW' if adam else 'optimizer'} ({names})", "adamw" if adam else None,
                           "torchao", widths.pop() if len(widths) == 1 else None)  # fmt: skip
     bits = sorted({g["state_bits"] for g in groups if isinstance(g.get("state_bits"), int)})
+    # Muon: torch.optim.Muon's groups hold its Newton-Schulz options, KellerJordan's
+    # MuonWithAuxAdam's say use_muon (and its aux groups hold AdamW's states beside them).
+    # (Without those options, a momentum buffer beside Adam's moments is Muon's whole-model state.)
+    if options & {"ns_coefficients", "ns_steps", "use_muon"} or ("momentum_buffer" in keys and "exp_avg_sq" in keys):
+        if "optimizer" in options or "rounding" in options:
+            where = "leanopt " + ("/".join(f"Muon{b}bit" for b in bits if any(g.get("use_muon", True) and g.get("state_bits") == b
+                                                                           for g in groups)) or "Muon")  # fmt: skip
+        elif "ns_steps" in options:
+            where = "torch.optim.Muon"
+        elif "use_muon" in options:
+            where = "MuonWithAuxAdam (KellerJordan)"
+        else:
+            where = "Muon with an AdamW aux group"
+        return Recognized(f"{where}{quantized}" + empty, "muon")
     if {"exp_avg_fast", "exp_avg_slow"} <= keys or (not states and betas == {3} and "alpha" in options):
         if not states and not bits:
             return Recognized("AdEMAMix (bitsandbytes or leanopt)" + empty, "ademamix")

@@ -248,21 +248,22 @@ class Offloaded(Placement):
         opt = self.optimizer
         released = self.release is not None if released is None else released
         params = [(p, g) for g in opt.param_groups for p in g["params"] if p.requires_grad]
-        layouts = [(p, opt._param_layout(p, g)) for p, g in params]
-        return host_bytes([(p, layout, self._chunk(p, layout)) for p, layout in layouts], released=released)
+        layouts = [(p, g, opt._param_layout(p, g)) for p, g in params]
+        return host_bytes([(p, layout, self._chunk(p, layout, g)) for p, g, layout in layouts], released=released)
 
     def check_release_memory(self) -> None:
         if self.transport is not None:
             extra = self.host_bytes(released=True) - self.host_bytes(released=False)
             check_host_memory(extra, "release_gradients with offload='cpu' (host gradient buffers)")
 
-    def _chunk(self, p: torch.Tensor, layout: list[Any]) -> int | None:
+    def _chunk(self, p: torch.Tensor, layout: list[Any], group: Mapping[str, Any]) -> int | None:
         blocks = [getattr(s.quant, "block_size", 1) for s in layout if s.quant]
-        return chunk_elements(self.optimizer.chunkable, p, blocks, param_step.CHUNK_ELEMENTS)
+        return chunk_elements(self.optimizer.is_chunkable(group), p, blocks, param_step.CHUNK_ELEMENTS)
 
     def spans(self, p: torch.Tensor, gi: int) -> list[tuple[int, int]] | None:
         """The chunks ``p`` (of param group ``gi``) is stepped in, or None: whole (:func:`spans`)."""
-        return spans(p.numel(), self._chunk(p, self.optimizer._param_layout(p, self.optimizer.param_groups[gi])))
+        group = self.optimizer.param_groups[gi]
+        return spans(p.numel(), self._chunk(p, self.optimizer._param_layout(p, group), group))
 
     def twin(self, p: torch.Tensor, gi: int, index: int) -> torch.Tensor:
         """``p``'s host copy, refreshed from ``p`` if it was written since our last upload."""
@@ -293,6 +294,10 @@ class Offloaded(Placement):
 
     def state_device(self, p: torch.Tensor) -> torch.device:
         return torch.device("cpu") if self.transport is not None else torch.device("meta")
+
+    def matrix_device(self, t: torch.Tensor) -> torch.device:
+        # The params' device: a matrix product there is ~1000x the host's (docs/muon.md).
+        return self.device if self.transport is not None else t.device
 
     def _moving(self) -> HostTransport:
         """The transport, for the paths that move data; params on the meta device (a model being

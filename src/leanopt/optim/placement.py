@@ -54,6 +54,11 @@ class Placement:
         """The device ``p``'s states are created on."""
         return p.device
 
+    def matrix_device(self, t: torch.Tensor) -> torch.device:
+        """Where a step's matrix products on ``t`` (a param or its host copy) run: the device of
+        the params (Muon's orthogonalization), wherever the states are."""
+        return t.device
+
     def check_group(self, group: Any, gi: int | None = None) -> None:
         """Refuse a param group this placement cannot step (``ValueError``)."""
 
