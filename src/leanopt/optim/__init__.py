@@ -31,4 +31,3 @@ OPTIMIZERS = tuple(cls.__name__ for cls in REGISTRY.values())
 if not TYPE_CHECKING:
     __all__ = ["OPTIMIZERS", "REGISTRY", "ElementwiseOptimizer", "LeanOptimizer", "LowBit", "StateSpec", "muon_groups",
                "optimizer_class", "register", *OPTIMIZERS]  # fmt: skip
-from leanopt.optim.muon import Muon as Muon, Muon4bit as Muon4bit, Muon8bit as Muon8bit  # isort: skip
