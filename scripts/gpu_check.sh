@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-shot GPU check of leanopt (issue #11): the suite's CUDA cases, step time beside the peers
+# One-shot GPU check of leanopt: the suite's CUDA cases, step time beside the peers
 # on TinyLlama-1.1B shapes, accuracy and the sparse-gradient hazard on the GPU.
 #
 #   bash scripts/gpu_check.sh [--wheels DIR] [--dry-run] [--out DIR] [--only STAGE,...]

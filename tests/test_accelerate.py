@@ -143,7 +143,7 @@ def _accelerate_run(name: str, *, release: bool, rounding: str, steps: int = 6) 
 @family_names
 @pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
 def test_released_gradients_and_bf16_rounding_through_accelerate(name: str, rounding: str) -> None:
-    # Both training modes of issue 13 in Accelerate's loop: pure bf16 weights with the rounding
+    # Both bf16 training modes in Accelerate's loop: pure bf16 weights with the rounding
     # mode, with and without gradient release; released training equals the usual loop.
     usual = _accelerate_run(name, release=False, rounding=rounding)
     released = _accelerate_run(name, release=True, rounding=rounding)

@@ -45,7 +45,7 @@ def test_nan_gradient_element_is_skipped_in_fused_paths(backend: str) -> None:
     assert torch.isfinite(opt.state[w]["exp_avg"].absmax).all()
 
 
-# ---- gradients whose square overflows (issue #9) -----------------------------------------------
+# ---- gradients whose square overflows -----------------------------------------------------------
 # In the compute dtype (fp32 here) g * g overflows from |g| = 2^64 ~ 1.8447e19 (sqrt(finfo.max)):
 # such an element is skipped exactly as a NaN one, although (1 - b2) * g * g alone would not
 # overflow below ~5.8e20. Positions: one per block for both block sizes (256 and 128); 1.85e19

@@ -392,7 +392,7 @@ def test_inspect_torchao_states(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert data["bytes"] >= 2 * per_state + 4
 
 
-# ---- a config that needs custom code (issue #9, item 8) ----------------------------------------
+# ---- a config that needs custom code: refused, its code never run ------------------------------
 def test_config_with_custom_code_is_refused_without_reading_stdin(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     folder, marker = tmp_path / "model", tmp_path / "CODE_RAN"
@@ -436,7 +436,7 @@ def test_auto_map_next_to_a_known_model_type_builds_the_builtin_class(tmp_path: 
     assert json.loads(out)["params"] == expected
 
 
-# ---- edges of the command line (issue #9, item 14) ---------------------------------------------
+# ---- edges of the command line ------------------------------------------------------------------
 @pytest.mark.parametrize(
     "text,count",
     [("1e12", 10**12), ("1.5e9", 1_500_000_000), ("2E3", 2000), ("1,234", 1234), ("1,234,567", 1_234_567),
@@ -542,7 +542,7 @@ def test_top_level_help_lists_every_subcommand_on_one_line(monkeypatch, capsys: 
     assert "--version" in out
 
 
-# ---- hostile configs: bounded before building, one line for every bad value (issue 20, items 14-15)
+# ---- hostile configs: bounded before building, one line for every bad value ------------------------
 TINY_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64,
               "intermediate_size": 128, "num_attention_heads": 4, "vocab_size": 100}
 

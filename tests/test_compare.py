@@ -712,7 +712,7 @@ def test_modes_through_the_trainer() -> None:
     assert by_name["adamw+release"]["step_ms_median"] is None
 
 
-# ---- hf: tasks ask the Hub that huggingface_hub would ask, or none (issue 20, item 16) -----------
+# ---- hf: tasks ask the Hub that huggingface_hub would ask, or none --------------------------------
 class _Mirror:
     """A Hub mirror on 127.0.0.1 (HF_ENDPOINT=http://127.0.0.1:<port>): answers every HEAD, and
     "no such repository" (404, X-Error-Code: RepoNotFound) to every GET; records the requests."""
@@ -817,7 +817,7 @@ def test_hub_offline_is_read_as_huggingface_hub_reads_it(hub: str | None, transf
     assert hub_offline() == constants._is_true(os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE"))
 
 
-# ---- --out DIR: leanopt's folder, results.json first, every run on disk as it ends (issue 20, item 17)
+# ---- --out DIR: leanopt's folder, results.json first, every run on disk as it ends ------------------
 # digits, AdamW at a 2-point grid and 2 seeds, 2 steps, in this process: 3 runs in about a second.
 SMALL = ["--task", "digits", "--quick", "--steps", "2", "--device", "cpu", "--optimizers", "adamw",
          "--lr-grid", "1,3", "--seeds", "2", "--threads", "1"]
@@ -988,7 +988,7 @@ def test_resume_refuses_runs_of_other_settings(interrupted: Path, tmp_path: Path
     assert (out / "runs.jsonl").read_bytes() == before  # nothing replaced
 
 
-# ---- issue 25: the statistics of a classification fine-tune ----------------------------------------
+# ---- the statistics of a classification fine-tune ---------------------------------------------------
 def test_macro_f1_is_sklearns() -> None:
     sklearn_metrics = pytest.importorskip("sklearn.metrics")
     cases = [([0, 1, 2, 2, 1, 0], [0, 2, 2, 2, 1, 1]), ([0, 0, 0, 0], [0, 1, 2, 0]),  # classes never predicted
@@ -1009,7 +1009,7 @@ def test_verdict_where_higher_is_better() -> None:
     assert stats.verdict([0.601, 0.621, 0.581], ref, higher_is_better=True, paired_seeds=True)["verdict_kind"] == "equal"
 
 
-# ---- issue 25: a grid whose pick is at its edge is widened -----------------------------------------
+# ---- a grid whose pick is at its edge is widened ----------------------------------------------------
 def test_widened_lr_steps_beyond_the_edge() -> None:
     from leanopt.compare.runner import MAX_WIDEN, widened_lr
 
@@ -1058,7 +1058,7 @@ def test_protocol_widens_an_edge_pick_and_resume_knows_it(monkeypatch: pytest.Mo
     assert lines.total == 6 and stream.getvalue().count("is the edge of its grid: trying") == 2
 
 
-# ---- issue 25: threads sized to the free cores -------------------------------------------------------
+# ---- threads sized to the free cores ----------------------------------------------------------------
 def test_threads_for_the_free_cores() -> None:
     from leanopt.compare.progress import threads_for
 
@@ -1089,7 +1089,7 @@ def test_command_sizes_threads_to_the_free_cores(load: float, cores: int, expect
     assert "--threads" not in data["command"]  # chosen, not given: a rerun chooses again
 
 
-# ---- issue 25: each notice once, and the report ends with what to use ----------------------------------
+# ---- each notice once, and the report ends with what to use -------------------------------------------
 def test_skipped_optimizers_are_named_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import leanopt.compare.contenders as contenders
 
@@ -1197,7 +1197,7 @@ def test_report_ends_with_what_to_use(report: tuple[Path, dict[str, Any], str, s
     assert f"**What to use.** {data['recommendation']}" in (out / "report.md").read_text()
 
 
-# ---- issue 25: the peak memory repeats -----------------------------------------------------------------
+# ---- the peak memory repeats ------------------------------------------------------------------------
 def test_peak_memory_repeats_between_identical_runs(report: tuple[Path, dict[str, Any], str, str]) -> None:
     """The fixture's runs and the same run in this process: one tensor peak within a KiB (the
     resident-set peak is reported beside it, and moves by several percent)."""
@@ -1217,7 +1217,7 @@ def test_peak_memory_repeats_between_identical_runs(report: tuple[Path, dict[str
     assert there["peak_bytes"] > 16 * n  # weights, gradients and AdamW's two moments at least
 
 
-# ---- issue 25: plots a reader can read --------------------------------------------------------------
+# ---- plots a reader can read -----------------------------------------------------------------------
 def _plot_data() -> dict[str, Any]:
     """Every default contender, adamw and torch-adamw at the same numbers (they train the same)."""
     results = []
@@ -1274,7 +1274,7 @@ def test_plot_labels_do_not_overlap_and_coinciding_rows_both_show() -> None:
             assert torchs.get_linestyle() == "--" and ours.get_color() != torchs.get_color()
 
 
-# ---- issue 25: the pretrained MiniLM, fine-tuned offline through the Trainer --------------------------
+# ---- the pretrained MiniLM, fine-tuned offline through the Trainer ---------------------------------
 def needs_wheel(module: str) -> None:
     import importlib.util
 

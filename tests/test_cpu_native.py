@@ -1,4 +1,4 @@
-"""The native C++ kernel for quantized CPU states (kernels.cpu_native, issue #11)
+"""The native C++ kernel for quantized CPU states (kernels.cpu_native)
 against the reference, ``reference.rule_step_``: same codes (>= 99.9 %), block scales within 2e-6
 relative, params within 2e-6 of the reference's largest plus 1e-7 (tests/test_backends.py's
 fp32 tolerance: torch's CPU ``sqrt`` goes through MKL's VML and is not correctly rounded -- it

@@ -1,4 +1,4 @@
-"""Every CPU path of a rule gives the same bits, so a step may take any of them (issue 23).
+"""Every CPU path of a rule gives the same bits, so a step may take any of them.
 
 An elementwise optimizer's fp32 params take, on the CPU, the native kernel where it is loaded,
 the compiled graph of the rule, or the same function run eagerly (no C++ compiler,

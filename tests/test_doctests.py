@@ -1,4 +1,4 @@
-"""The docstrings' ``>>>`` examples run as part of the suite (issue 22), as
+"""The docstrings' ``>>>`` examples run as part of the suite, as
 ``python -m pytest --doctest-modules src/leanopt`` runs them: every module of src/leanopt whose
 source holds one, found by reading the files, so a new example is run without being listed."""
 

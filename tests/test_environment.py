@@ -1,4 +1,4 @@
-"""Boolean environment switches (issue 20, item 13): ``LEANOPT_NO_NATIVE`` and
+"""Boolean environment switches: ``LEANOPT_NO_NATIVE`` and
 ``LEANOPT_NO_COMPILE`` read as booleans by one parser (``leanopt.environment.flag``), so
 ``=false``/``no``/``off`` keeps the fast path on; a value that is neither a ``ValueError`` naming
 the variable; a fast path switched off says so, once per process. No build and no compile here:

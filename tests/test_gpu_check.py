@@ -113,7 +113,7 @@ def test_dry_run_targets_and_markdown(dry_run) -> None:
     first = [tg for tg in res["targets"] if tg["target"] == "first_step"]
     assert all(tg["measured"] is not None for tg in first)
     md = (out / "results.md").read_text()
-    assert "DRY RUN" in md and "Targets of issue #11" in md and "## Accuracy" in md
+    assert "DRY RUN" in md and "## GPU targets" in md and "## Accuracy" in md
     for tg in gpu_check.TARGETS:
         assert tg[1] in md
 
@@ -133,7 +133,7 @@ def test_dry_run_accuracy(dry_run) -> None:
 
 
 def test_dry_run_plan_check(dry_run) -> None:
-    # python3 -m leanopt.memory.plan_check --dry-run (issue #12): the CPU plan against a CPU
+    # python3 -m leanopt.memory.plan_check --dry-run (the planner's check): the CPU plan against a CPU
     # measurement on the two-layer models, each row within the check's +-5 %.
     stage = _results(dry_run)["stages"]["plan_check"]
     assert stage["status"] == "ok" and stage["result"]["ok"] is True and stage["result"]["dry_run"] is True
@@ -142,7 +142,7 @@ def test_dry_run_plan_check(dry_run) -> None:
 
 
 def test_dry_run_offload(dry_run) -> None:
-    # benchmarks/offload_step.py on the toy model (issue 21): offloaded params equal the CPU
+    # benchmarks/offload_step.py on the toy model (offload="cpu"): offloaded params equal the CPU
     # reference bit for bit, and every leanopt mode was timed.
     stage = _results(dry_run)["stages"]["offload"]
     assert stage["status"] == "ok", stage

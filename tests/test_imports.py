@@ -1,5 +1,5 @@
-"""What ``import leanopt`` costs and what its public names are (issue 22, "the habits of a
-maintained library"): the planner is imported on first use, not with the optimizers; the
+"""What ``import leanopt`` costs and what its public names are (the habits of a maintained
+library): the planner is imported on first use, not with the optimizers; the
 optimizer names follow the registry; every optimizer's ``lr`` is hinted ``float | Tensor``."""
 
 from __future__ import annotations

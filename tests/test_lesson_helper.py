@@ -1,5 +1,5 @@
 """The DistilBERT lesson's own ``compute_optimizer_size``, run as the lesson wrote it, on every
-registered optimizer's state (issue 25 §4): it calls ``torch.tensor`` on each state value, so
+registered optimizer's state (the lesson is what drop-in users run): it calls ``torch.tensor`` on each state value, so
 every value -- a quantized one too -- must convert, and the sum must be the state's true bytes
 (``leanopt.measure``, which ``leanopt.estimate`` equals)."""
 

@@ -1,4 +1,4 @@
-"""PyTorch Lightning with every registered optimizer (issue 25): ``configure_optimizers`` returns
+"""PyTorch Lightning with every registered optimizer: ``configure_optimizers`` returns
 it, ``precision="bf16-true"`` keeps the weights in bf16 with ``rounding="kahan"``, and the run is
 bit-identical to the same steps written as a plain loop (examples/lightning_train.py)."""
 

@@ -1,4 +1,4 @@
-"""The native CPU kernel's build, cache and load (kernels.cpu_native; issue 20, items 9-11).
+"""The native CPU kernel's build, cache and load (kernels.cpu_native): it survives its own failures.
 
 * A build killed mid-way (timeout, OOM killer, preemption) leaves torch's ``lock`` file in the
   extensions cache: no later process may wait on it forever.
@@ -112,7 +112,7 @@ def _mtimes(folder: Path) -> dict[str, int]:
     return {f.name: f.stat().st_mtime_ns for f in folder.iterdir() if f.suffix in (".o", ".so")}
 
 
-# ---- item 9: a killed build -----------------------------------------------------------------------
+# ---- a killed build -------------------------------------------------------------------------------
 def test_a_stale_build_lock_is_broken_and_the_cache_used(built) -> None:
     """The ``lock`` a killed build leaves: the next process removes it and loads the cached
     build (verified, not rebuilt) instead of waiting forever."""
@@ -191,7 +191,7 @@ def test_without_file_locks_the_wait_on_torchs_lock_is_bounded(monkeypatch, tmp_
         pass
 
 
-# ---- item 10: a damaged cached kernel -------------------------------------------------------------
+# ---- a damaged cached kernel ---------------------------------------------------------------------
 def test_a_damaged_cached_kernel_is_rebuilt_not_loaded(built) -> None:
     """A truncated ``.so`` that ninja takes for up to date (its mtime is the newest) is a SIGBUS
     when loaded: it is rebuilt, and the step runs the kernel and is right."""
@@ -204,7 +204,7 @@ def test_a_damaged_cached_kernel_is_rebuilt_not_loaded(built) -> None:
     assert built.library.stat().st_size > whole // 2, "not rebuilt"
 
 
-# ---- item 11: the cache key -----------------------------------------------------------------------
+# ---- the cache key -------------------------------------------------------------------------------
 def _fake_compiler(folder: Path, name: str, expansion: str, rc: int = 0) -> Path:
     """A compiler that answers ``-###`` with ``expansion`` (as gcc and clang print the flags
     ``-march=native`` stands for, on stderr) and counts its calls in ``<name>.calls``."""

@@ -1,4 +1,4 @@
-"""Checkpoints that move between libraries (issue 25, part 2).
+"""Checkpoints that move between libraries: peers' files in, torch's AdamW out.
 
 * bitsandbytes' ``AdamW8bit``/``Lion8bit``/``AdEMAMix8bit`` and torchao's ``AdamW8bit``/``AdamW4bit``
   files are read as the peer's own values and convert to every member of their family, which

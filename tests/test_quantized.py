@@ -326,7 +326,7 @@ def test_no_v_to_zero_hazard(cls: type) -> None:
     assert drift.max().item() <= path_bound, (drift.max().item(), path_bound)
     # The hazard's trigger -- elements whose gradient went to zero -- stays within 5 lr (their
     # momentum decays as fp32's in expectation; measured 4.85 lr for 8-bit with the decay
-    # rounding of issue #11).
+    # rounding).
     assert drift[~on].max().item() <= 5 * lr, drift[~on].max().item()
     # Elements the code resolves track fp32 closely (8-bit: within three decades of their
     # block's largest gradient; 4-bit, 15 levels: within one decade).
@@ -418,7 +418,7 @@ def test_training_run_on_digits_matches_fp32_adamw() -> None:
     q4 = _digits_held_out_loss(lambda ps: leanopt.AdamW4bit(ps, lr=1e-3, backend="reference"))
     assert abs(q8 / fp32 - 1) <= 0.01, (fp32, q8)
     # 4-bit: no worse than 3%. It ends lower than fp32 (seeds 0-4: 1.1-6.0 % with the decay
-    # rounding of issue #11, docs/quantized.md), so a two-sided 3% would not hold.
+    # rounding, docs/quantized.md), so a two-sided 3% would not hold.
     assert q4 / fp32 - 1 <= 0.03, (fp32, q4)
 
 
@@ -432,7 +432,7 @@ def test_low_bit_classes_share_one_implementation() -> None:
         assert re.findall(r"^\s*def (\w+)", body, flags=re.M) == ["__init__"], cls
 
 
-# ---- hostile checkpoints (issue #9, item 7) -----------------------------------------------------
+# ---- hostile checkpoints ------------------------------------------------------------------------
 def test_block_size_read_from_a_file_is_bounded() -> None:
     # A 2.9 KB file once named "b134217728": decoding padded every state to 134M floats.
     for name in ("pow3-s8/b134217728", "pow3-s8/b65537", "pow3-s8/b" + "9" * 5000, "pow3-s8/b²"):

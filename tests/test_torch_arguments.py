@@ -1,4 +1,4 @@
-"""Drop-in means the mirrored class's constructor arguments are accepted (issue 25 §4): every
+"""Drop-in means the mirrored class's constructor arguments are accepted: every
 registered optimizer whose ``references`` name a torch or transformers class takes every
 parameter of that class's ``__init__``, a call written for that class means the same, and
 torch's implementation flags (``foreach``, ``fused``, ``capturable``, ``differentiable``) either

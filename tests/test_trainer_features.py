@@ -1,4 +1,4 @@
-"""Trainer's own features with one registered optimizer per family (issue 25): gradient clipping
+"""Trainer's own features with one registered optimizer per family: gradient clipping
 (``max_grad_norm``), gradient accumulation, ``bf16=True`` and the LR schedulers Trainer builds,
 each checked against the same Trainer run with ``torch.optim.AdamW``: the same learning rate at
 every step, the same first gradient (nothing has been updated yet), clipped norms within the

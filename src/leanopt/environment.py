@@ -2,7 +2,7 @@
 
 One parser for the boolean ones, so ``LEANOPT_NO_NATIVE=false`` means what config tools and CI
 templates mean by it: a fast path that any value but ``""`` and ``"0"`` switched off made
-AdamW8bit's CPU step 5-7x slower without a word (issue 20).
+AdamW8bit's CPU step 5-7x slower without a word.
 """
 
 from __future__ import annotations

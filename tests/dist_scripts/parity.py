@@ -76,7 +76,7 @@ class StepGate(torch.nn.Module):
     """Zeroes its input's units [0, 64) while ``closed`` (every third step, set by ``train``):
     the next Linear's weight columns for them get exactly-zero gradients, so a low-bit
     optimizer's momentum there only decays and takes the decay rounding, whose dither is keyed
-    on global indices: a shard must pass its offset to store the one-process codes (issue #11)."""
+    on global indices: a shard must pass its offset to store the one-process codes."""
 
     closed = False
 

@@ -68,7 +68,7 @@ def can_compile() -> bool:
     graph runs eagerly (the same functions, the same results), said once. A graph whose own
     compile failed runs eagerly by itself (:func:`compiled`)."""
     if compile_disabled():
-        # Silence here once cost a 5-7x slower low-bit step nobody could see (issue 20).
+        # Silence here once cost a 5-7x slower low-bit step nobody could see.
         tell_once("disabled", "leanopt: LEANOPT_NO_COMPILE is set: the CPU update rules run eagerly, several "
                   "times slower than compiled (unset it, or set it to 0, to compile them)")  # fmt: skip
         return False

@@ -1,4 +1,4 @@
-"""A hand-written C++ kernel for block-quantized states on the CPU (issue #11).
+"""A hand-written C++ kernel for block-quantized states on the CPU.
 
 One pass per block, all of a param's blocks spread over torch's intra-op threads
 (``at::parallel_for``): decode each state's codes through its code book's value table, run the
@@ -28,8 +28,8 @@ Built on first use with :func:`torch.utils.cpp_extension.load` (``-O3 -march=nat
 source includes pybind11 and ``ATen/Parallel.h`` only, so a cold build takes ~8 s) and cached
 under a name keyed on everything the build depends on (:func:`build_inputs`: the source,
 the flags, what the compiler makes of ``-march=native`` here, the compiler, this torch
-installation's headers and libraries, Python's). The build survives its own failures (issue
-20): a build killed mid-way never blocks the next process (:func:`_build_lock`), a damaged cached library is rebuilt, not loaded
+installation's headers and libraries, Python's). The build survives its own failures:
+a build killed mid-way never blocks the next process (:func:`_build_lock`), a damaged cached library is rebuilt, not loaded
 (its size and hash are recorded at build time), and no process waits more than
 ``_BUILD_WAIT_S`` for another's build. If anything fails (no compiler, no headers, that wait),
 :func:`available` is False and :func:`build_error` says why: importing this module never builds
@@ -148,7 +148,7 @@ def dither(base: int, n: int, step: int) -> Tensor:
 # its holder dies, so a killed builder never leaves this one behind. Torch's baton (``lock``, a
 # file that exists while a build runs and holds no pid) is only ever created under ours, so
 # finding it while holding ours means its builder died mid-build: it is removed, where torch
-# would wait for it forever (issue 20).
+# would wait for it forever.
 _LOCK_NAME = "leanopt.lock"
 _BATON_NAME = "lock"
 # The size and SHA-256 of the library the last good build produced, checked before every load:

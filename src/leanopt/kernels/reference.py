@@ -153,8 +153,8 @@ def rule_step_(
     smaller than what the element held, else a dithered choice between the two codes around the
     value, so that the stored momentum decays by ``b1`` in expectation. Nearest rounding alone
     would put ``b1 m`` back on ``m``'s code wherever codes are more than ~20% apart (near 0 in
-    every code) and keep the weight moving with no gradient; rounding toward zero (the rule
-    before issue #11) drops a 4-bit momentum by at least one of its 7 levels per step, so it
+    every code) and keep the weight moving with no gradient; rounding toward zero (leanopt's
+    earlier rule) drops a 4-bit momentum by at least one of its 7 levels per step, so it
     dies within a few steps instead of fp32's ~10 and the weight lags fp32's.
 
     ``offset``: the flat index of ``param``'s element 0 in the whole tensor (a shard's start,
@@ -190,8 +190,8 @@ def rule_step_(
     zero_grad = None
     for j, (kind, state, old, value) in enumerate(zip(rule.states(hp), states, dense, new)):
         if isinstance(state, QuantizedState):
-            # Decaying elements (gradient exactly 0) of a momentum: decay rounding (issue #11),
-            # in expectation the fp32 decay; see BlockFormat.code_indices.
+            # Decaying elements (gradient exactly 0) of a momentum: decay rounding, so that the
+            # stored momentum decays as fp32's does in expectation; see BlockFormat.code_indices.
             decay = None
             if kind.decays:
                 if zero_grad is None:
