@@ -33,7 +33,7 @@ import torch
 
 from leanopt.kernels import newton_schulz, rules
 from leanopt.kernels.newton_schulz import COEFFICIENTS, EPS, NS_STEPS
-from leanopt.optim.base import LeanOptimizer, as_float, check_flag, check_nonnegative
+from leanopt.optim.base import LeanOptimizer, as_float
 from leanopt.optim.elementwise import ElementwiseOptimizer
 from leanopt.optim.layout import StateSpec
 from leanopt.optim.lowbit import STORAGE_OPTIONS, LowBit
@@ -41,6 +41,7 @@ from leanopt.optim.muon_groups import muon_groups
 from leanopt.optim.param_step import ParamStep
 from leanopt.optim.registry import optimizer_class, register
 from leanopt.optim.sharding import is_dtensor
+from leanopt.optim.validation import check_flag, check_nonnegative
 from leanopt.quant.bf16 import state_dtype_name
 
 __all__ = ["AUX_RULES", "Muon", "Muon4bit", "Muon8bit", "MuonMomentum", "adjusted_lr"]
