@@ -1,0 +1,324 @@
+"""Muon under ``torch.distributed``: each matrix orthogonalized whole, exactly once, by one owner rank.
+
+Newton-Schulz reads a whole matrix, so under DDP (every rank holds every matrix) each rank
+would repeat every other rank's work, and under FSDP2 (each rank holds a dim-0 shard) no rank
+holds a matrix at all. :class:`leanopt.Muon` therefore splits its step in two when a process
+group is in use (:func:`exchange_group`):
+
+1. Each rank runs the momentum of its params as in one process (under FSDP2 on its local shard:
+   the rule is elementwise) and queues the update direction, cast to bf16 -- the first thing
+   Newton-Schulz does to it, so sending the bf16 copy changes no bit -- as a
+   :class:`MatrixStage`.
+2. At the end of ``step()`` one exchange (:func:`orthogonalize_stages`) runs the queue: every
+   matrix has an owner rank (:func:`owners`: largest first to the least-loaded rank, from the
+   global shapes, so the same on every rank); one ``all_to_all`` sends each owner the shards of
+   its matrices (a replicated matrix is already whole on its owner), each owner runs
+   Newton-Schulz once per matrix, and a second ``all_to_all`` sends each rank its shard of each
+   result (under DDP: the whole result). Each rank then decays and steps its params (shards).
+
+Every element goes through the one-process arithmetic (the same momentum, the same
+Newton-Schulz of the same bf16 matrix, the same decay and step), so the params after a step are
+bit-identical to one process's given the same gradients (tests/test_muon_distributed.py).
+
+Nothing is silent: before the exchange the ranks compare what they queued (a digest of each
+param's position, shape and sharding, and for replicated matrices a checksum of the direction),
+so a rank that steps other params, or a plain param that is not the same on every rank (a
+model that is not wrapped in DDP), is a ``ValueError`` naming the param on every rank rather
+than a wrong update; after it the ranks add up what each orthogonalized
+(:class:`Orthogonalized`) and a total other than the queue is a ``RuntimeError``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from leanopt.kernels import newton_schulz
+from leanopt.optim.sharding import _shard_ranges, is_dtensor, local
+
+__all__ = ["LOCAL", "MatrixStage", "Orthogonalized", "check_placement", "exchange_group", "orthogonalize_stages", "owners"]
+
+# ``process_group="local"``: every rank orthogonalizes its own matrices (one model per rank).
+LOCAL = "local"
+
+
+@dataclass(frozen=True)
+class Orthogonalized:
+    """What the last step orthogonalized: ``params`` (``elements``, ``matrices``: a stacked
+    param counts each of its matrices) on this rank, and ``total_*`` over the ranks of the
+    process group (one process: the same)."""
+
+    params: int = 0
+    elements: int = 0
+    matrices: int = 0
+    total_params: int = 0
+    total_elements: int = 0
+    total_matrices: int = 0
+    world_size: int = 1
+
+    def __add__(self, other: Orthogonalized) -> Orthogonalized:
+        return Orthogonalized(self.params + other.params, self.elements + other.elements, self.matrices + other.matrices,
+                              self.total_params + other.total_params, self.total_elements + other.total_elements,
+                              self.total_matrices + other.total_matrices, max(self.world_size, other.world_size))  # fmt: skip
+
+
+def counted(shape: Sequence[int], flatten: bool) -> tuple[int, int, int]:
+    """``(params, elements, matrices)`` one orthogonalized param of ``shape`` adds to the count."""
+    count, rows, cols = newton_schulz.matrices(shape, flatten)
+    return 1, count * rows * cols, count
+
+
+@dataclass
+class MatrixStage:
+    """One param's matrix stage, waiting for the exchange: ``direction`` is the bf16 update
+    direction of this rank's shard (``sharded``: a ``Shard(0)`` DTensor) or of the whole matrix
+    (a plain or replicated param), ``shape`` the param's global shape."""
+
+    param: torch.Tensor
+    direction: torch.Tensor
+    index: tuple[int, int]  # (group, position) in the optimizer: the key of its owner
+    label: str
+    shape: tuple[int, ...]
+    sharded: bool
+    flatten: bool
+    coefficients: tuple[float, float, float]
+    steps: int
+    eps: float
+    decay: float  # the factor the param is multiplied by first (1 - lr * weight_decay)
+    step_size: float  # the adjusted lr the orthogonalized update is subtracted with
+
+    def describe(self) -> str:
+        return f"{self.label} {list(self.shape)} {'shard' if self.sharded else 'whole'} ns_steps={self.steps}"
+
+    def ranges(self, world: int) -> list[tuple[int, int]]:
+        """The flat ``[start, stop)`` of each rank's piece of the whole matrix."""
+        rows = self.shape[0]
+        return _shard_ranges(rows, numel(self.shape) // rows if rows else 0, world)
+
+    def apply(self, ortho: torch.Tensor) -> None:
+        """Decay and step this rank's param (shard) with its piece of the orthogonalized update."""
+        p = local(self.param)
+        p.mul_(self.decay)
+        p.add_(ortho.view(p.shape).to(p.device), alpha=-self.step_size)
+
+
+def numel(shape: Sequence[int]) -> int:
+    return int(torch.Size(shape).numel())
+
+
+def check_placement(p: Any, label: str, cls: str) -> bool:
+    """Whether the DTensor ``p`` of a Muon group is sharded (``Shard(0)`` on a 1-D mesh, FSDP2)
+    rather than replicated; ``ValueError`` naming it for any other placement."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements = tuple(p.placements)
+    if p.device_mesh.ndim != 1 or len(placements) != 1:
+        raise ValueError(f"{cls}: {label} is a DTensor on a {p.device_mesh.ndim}-D mesh {placements}: Muon gathers a "
+                         "matrix over a 1-D mesh only (FSDP2's Shard(0), or Replicate); HSDP and tensor-parallel "
+                         "placements are not built")  # fmt: skip
+    (pl,) = placements
+    if type(pl) is Shard and pl.dim % max(p.ndim, 1) == 0:
+        return True
+    if isinstance(pl, Replicate):
+        return False
+    raise ValueError(f"{cls}: {label} is a DTensor placed as {pl}: Muon gathers a matrix from Shard(0) shards (FSDP2) "
+                     "or takes it Replicate()d; other placements are not built")  # fmt: skip
+
+
+def _ranks(group: Any) -> list[int]:
+    import torch.distributed as dist
+
+    return list(dist.get_process_group_ranks(group))
+
+
+def exchange_group(setting: Any, params: Sequence[tuple[str, torch.Tensor]], cls: str) -> Any | None:
+    """The process group Muon's matrix stage is spread over, or None (one process: each matrix
+    orthogonalized where it is stepped).
+
+    ``setting`` is the optimizer's ``process_group``: None (a DTensor's mesh group, else the
+    default group once ``torch.distributed`` is initialized with more than one rank), a process
+    group, or :data:`LOCAL`. Every DTensor of ``params`` (``(label, param)`` of the Muon
+    groups) must be on the same ranks as that group: ``ValueError`` naming it otherwise.
+    """
+    dtensors = [(label, p) for label, p in params if is_dtensor(p)]
+    if isinstance(setting, str):
+        if setting != LOCAL:
+            raise ValueError(f"{cls}: invalid process_group {setting!r} (None, a process group, or {LOCAL!r})")
+        if dtensors:
+            raise ValueError(f"{cls}: {dtensors[0][0]} is a DTensor (FSDP2) but process_group={LOCAL!r}: a shard "
+                             "cannot be orthogonalized on its own; leave process_group to its default")  # fmt: skip
+        return None
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    group, origin = setting, "process_group"
+    for label, p in dtensors:
+        mesh_group = p.device_mesh.get_group(0)
+        if group is None:
+            group, origin = mesh_group, f"the mesh of {dtensors[0][0]}"
+        elif _ranks(mesh_group) != _ranks(group):
+            raise ValueError(f"{cls}: {label} is sharded over ranks {_ranks(mesh_group)}, {origin} holds ranks "
+                             f"{_ranks(group)}: Muon exchanges a step's matrices over one process group")  # fmt: skip
+    if group is None:
+        group = dist.group.WORLD
+    if not dtensors and dist.get_world_size(group) == 1:
+        return None
+    return group
+
+
+def owners(costs: Sequence[int], world: int) -> list[int]:
+    """The owner rank of each matrix of ``costs``: largest first, each to the rank with the
+    least work so far (ties: the lower rank; equal costs: the earlier matrix first). It reads
+    only ``costs``, so every rank that has the same list gets the same owners."""
+    load = [0] * world
+    out = [0] * len(costs)
+    for k in sorted(range(len(costs)), key=lambda k: (-costs[k], k)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        out[k] = r
+        load[r] += costs[k]
+    return out
+
+
+def _digest(lines: Sequence[str]) -> int:
+    return int.from_bytes(hashlib.blake2b("\n".join(lines).encode(), digest_size=7).digest(), "little")
+
+
+def check_same_stages(stages: Sequence[MatrixStage], group: Any, cls: str) -> None:
+    """Collective: ``ValueError`` (on every rank alike) unless every rank queued the same params,
+    and every replicated matrix's direction is the same on every rank."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    lines = [s.describe() for s in stages]
+    header = torch.tensor([len(stages), _digest(lines)], dtype=torch.int64, device=collective_device(stages, group))
+    headers = [torch.empty_like(header) for _ in range(world)]
+    dist.all_gather(headers, header, group=group)
+    if any(not torch.equal(h, headers[0]) for h in headers):
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, lines, group=group)
+        for r, theirs in enumerate(everyone):
+            if theirs != everyone[0]:
+                first = next((k for k, (a, b) in enumerate(zip(everyone[0], theirs)) if a != b), min(len(theirs), len(everyone[0])))
+                ours = everyone[0][first] if first < len(everyone[0]) else "nothing"
+                other = theirs[first] if first < len(theirs) else "nothing"
+                raise ValueError(f"{cls}: the ranks step different Muon matrices this step: matrix {first} is {ours} on "
+                                 f"rank 0 and {other} on rank {r} (every rank of the process group must step the same "
+                                 f"params; for one model per rank pass process_group={LOCAL!r})")  # fmt: skip
+    replicated = [k for k, s in enumerate(stages) if not s.sharded]
+    if not replicated:
+        return
+    # The bf16 bits summed as integers: exact, so replicas agree to the bit or differ.
+    sums = torch.stack([stages[k].direction.reshape(-1).view(torch.int16).sum(dtype=torch.int64) for k in replicated])
+    everyone_sums = [torch.empty_like(sums) for _ in range(world)]
+    dist.all_gather(everyone_sums, sums, group=group)
+    for r, theirs in enumerate(everyone_sums):
+        differ = (theirs != everyone_sums[0]).nonzero()
+        if differ.numel():
+            stage = stages[replicated[int(differ[0, 0])]]
+            raise ValueError(f"{cls}: {stage.label} has another update direction on rank {r} than on rank 0 (this is "
+                             f"rank {rank}): a Muon param that is a plain tensor under torch.distributed must be the "
+                             "same on every rank (wrap the model in DistributedDataParallel, or shard it with FSDP2); "
+                             f"for one model per rank pass process_group={LOCAL!r}")  # fmt: skip
+
+
+Orthogonalize = Callable[[torch.Tensor, MatrixStage], torch.Tensor]
+
+
+def orthogonalize_stages(stages: Sequence[MatrixStage], owner: Sequence[int], group: Any,
+                         orthogonalize: Orthogonalize) -> tuple[list[torch.Tensor], Orthogonalized]:  # fmt: skip
+    """Collective: each stage's piece of its orthogonalized update on this rank (flat bf16), and the
+    count. ``owner[k]`` is the rank that runs ``orthogonalize(whole, stage)`` for stage ``k``
+    (the same list on every rank: :func:`owners`); two ``all_to_all`` calls move the pieces."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    device = collective_device(stages, group)
+    ranges = [s.ranges(world) if s.sharded else [] for s in stages]
+    mine = [k for k in range(len(stages)) if owner[k] == rank]
+
+    # Gather: every rank sends each owner its shards of the owner's sharded matrices.
+    send: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    for k, s in enumerate(stages):
+        if s.sharded:
+            send[owner[k]].append(s.direction.reshape(-1))
+    in_splits = [sum(t.numel() for t in parts) for parts in send]
+    out_splits = [sum(ranges[k][src][1] - ranges[k][src][0] for k in mine if stages[k].sharded) for src in range(world)]
+    received = _all_to_all([t for parts in send for t in parts], in_splits, out_splits, group, device)
+    pieces: dict[int, list[torch.Tensor]] = {k: [] for k in mine}
+    at = 0
+    for src in range(world):
+        for k in mine:
+            if stages[k].sharded:
+                length = ranges[k][src][1] - ranges[k][src][0]
+                pieces[k].append(received[at : at + length])
+                at += length
+    del send
+
+    # Newton-Schulz, once per matrix, on its owner.
+    done = Orthogonalized()
+    results: dict[int, torch.Tensor] = {}
+    for k in mine:
+        s = stages[k]
+        whole = torch.cat(pieces.pop(k)) if s.sharded else s.direction.reshape(-1)
+        results[k] = orthogonalize(whole.view(s.shape), s).reshape(-1)
+        params, elements, matrices = counted(s.shape, s.flatten)
+        done = done + Orthogonalized(params, elements, matrices)
+    del received
+
+    # Scatter: each owner sends every rank its shard of each result (a replicated one: all of it).
+    back: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    for dst in range(world):
+        for k in mine:
+            start, stop = ranges[k][dst] if stages[k].sharded else (0, results[k].numel())
+            back[dst].append(results[k][start:stop])
+    in_splits = [sum(t.numel() for t in parts) for parts in back]
+
+    def size_here(k: int) -> int:
+        return ranges[k][rank][1] - ranges[k][rank][0] if stages[k].sharded else numel(stages[k].shape)
+
+    out_splits = [sum(size_here(k) for k in range(len(stages)) if owner[k] == src) for src in range(world)]
+    returned = _all_to_all([t for parts in back for t in parts], in_splits, out_splits, group, device)
+    del back, results
+    out: list[torch.Tensor] = [returned[:0]] * len(stages)
+    at = 0
+    for src in range(world):
+        for k in range(len(stages)):
+            if owner[k] == src:
+                out[k] = returned[at : at + size_here(k)]
+                at += size_here(k)
+
+    counts = torch.tensor([done.params, done.elements, done.matrices], dtype=torch.int64, device=device)
+    dist.all_reduce(counts, group=group)
+    total_params, total_elements, total_matrices = (int(c) for c in counts)
+    total = Orthogonalized(done.params, done.elements, done.matrices, total_params, total_elements, total_matrices, world)
+    if total.total_params != len(stages):
+        raise RuntimeError(f"Muon: {total.total_params} matrices were orthogonalized over the ranks for the {len(stages)} "
+                           "queued this step (the owners disagree)")  # fmt: skip
+    return out, total
+
+
+def collective_device(stages: Sequence[MatrixStage], group: Any) -> torch.device:
+    """Where this rank's tensors of the exchange live: its directions' device (NCCL takes CUDA
+    tensors only, also for the small headers and counts)."""
+    import torch.distributed as dist
+
+    if stages:
+        return stages[0].direction.device
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _all_to_all(parts: list[torch.Tensor], in_splits: list[int], out_splits: list[int], group: Any,
+                device: torch.device) -> torch.Tensor:  # fmt: skip
+    import torch.distributed as dist
+
+    sent = torch.cat(parts) if parts else torch.empty(0, dtype=torch.bfloat16, device=device)
+    received = torch.empty(sum(out_splits), dtype=torch.bfloat16, device=device)
+    dist.all_to_all_single(received, sent, out_splits, in_splits, group=group)
+    return received
