@@ -402,6 +402,17 @@ class Muon(LeanOptimizer):
             raise ValueError(self._not_distributed(f"offload={self.offload!r}", 0, 0))
         return group
 
+    def _check_ranks_agree(self, candidates: list[tuple[int, int, torch.Tensor]]) -> None:
+        """Collective, before anything changes: the ranks are about to step the same Muon params,
+        and their replicated params and gradients agree (:func:`~leanopt.optim.muon_dist.check_ranks_agree`)."""
+        entries = []
+        for gi, i, p in candidates:
+            group = self.param_groups[gi]
+            if group["use_muon"] and p.grad is not None:
+                label = self._label(gi, i)
+                entries.append((label, p, p.grad, is_dtensor(p) and check_placement(p, label, type(self).__name__)))
+        muon_dist.check_ranks_agree(entries, self._exchange, type(self).__name__)
+
     def _owners(self, world: int) -> dict[tuple[int, int], int]:
         """Each Muon-group param's owner rank, from the global shapes of all of them (not only
         those with a gradient now), so that the assignment is the same every step."""
@@ -420,7 +431,6 @@ class Muon(LeanOptimizer):
 
         stages, self._stages = self._stages, []
         group = self._exchange
-        muon_dist.check_same_stages(stages, group, type(self).__name__)
         by_param = self._owners(dist.get_world_size(group))
         owner = [by_param[s.index] for s in stages]
 
@@ -439,6 +449,9 @@ class Muon(LeanOptimizer):
         ``torch.distributed`` the matrix stage is spread over the ranks: collective)."""
         loss = self._closure_loss(closure)
         self._exchange = self._exchange_group()
+        if self._exchange is not None:
+            self._check_ranks_agree([(gi, i, p) for gi, g in enumerate(self.param_groups) for i, p in enumerate(g["params"])
+                                     if self.placement.has_gradient(p)])  # fmt: skip
         self._in_step = True
         self._stages = []
         try:
@@ -457,6 +470,8 @@ class Muon(LeanOptimizer):
             return
         # Outside step() (step_param, a released gradient): this call's matrices are exchanged now.
         self._exchange = self._exchange_group()
+        if self._exchange is not None:
+            self._check_ranks_agree([(gi, i, p) for i, p in params])
         self._stages = []
         try:
             super()._step_params(gi, params, key)

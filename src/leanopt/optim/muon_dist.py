@@ -20,12 +20,13 @@ Every element goes through the one-process arithmetic (the same momentum, the sa
 Newton-Schulz of the same bf16 matrix, the same decay and step), so the params after a step are
 bit-identical to one process's given the same gradients (tests/test_muon_distributed.py).
 
-Nothing is silent: before the exchange the ranks compare what they queued (a digest of each
-param's position, shape and sharding, and for replicated matrices a checksum of the direction),
-so a rank that steps other params, or a plain param that is not the same on every rank (a
-model that is not wrapped in DDP), is a ``ValueError`` naming the param on every rank rather
-than a wrong update; after it the ranks add up what each orthogonalized
-(:class:`Orthogonalized`) and a total other than the queue is a ``RuntimeError``.
+Nothing is silent: before anything is stepped the ranks compare what they are about to step
+(:func:`check_ranks_agree`: a digest of each param's position, shape and sharding, and for a
+param that is not a shard a checksum of its bits and its gradient's), so a rank that steps
+other params, or a plain param that is not the same on every rank (a model that is not wrapped
+in DDP), is a ``ValueError`` naming the param on every rank, with nothing changed; after the
+exchange the ranks add up what each orthogonalized (:class:`Orthogonalized`) and a total other
+than the queue is a ``RuntimeError``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ import torch
 from leanopt.kernels import newton_schulz
 from leanopt.optim.sharding import _shard_ranges, is_dtensor, local
 
-__all__ = ["LOCAL", "MatrixStage", "Orthogonalized", "check_placement", "exchange_group", "orthogonalize_stages", "owners"]
+__all__ = ["LOCAL", "MatrixStage", "Orthogonalized", "check_placement", "check_ranks_agree", "exchange_group", "orthogonalize_stages",
+           "owners"]  # fmt: skip
 
 # ``process_group="local"``: every rank orthogonalizes its own matrices (one model per rank).
 LOCAL = "local"
@@ -91,9 +93,6 @@ class MatrixStage:
     decay: float  # the factor the param is multiplied by first (1 - lr * weight_decay)
     step_size: float  # the adjusted lr the orthogonalized update is subtracted with
 
-    def describe(self) -> str:
-        return f"{self.label} {list(self.shape)} {'shard' if self.sharded else 'whole'} ns_steps={self.steps}"
-
     def ranges(self, world: int) -> list[tuple[int, int]]:
         """The flat ``[start, stop)`` of each rank's piece of the whole matrix."""
         rows = self.shape[0]
@@ -125,7 +124,7 @@ def check_placement(p: Any, label: str, cls: str) -> bool:
         return True
     if isinstance(pl, Replicate):
         return False
-    raise ValueError(f"{cls}: {label} is a DTensor placed as {pl}: Muon gathers a matrix from Shard(0) shards (FSDP2) "
+    raise ValueError(f"{cls}: {label} is a DTensor placed as {pl!r}: Muon gathers a matrix from Shard(0) shards (FSDP2) "
                      "or takes it Replicate()d; other placements are not built")  # fmt: skip
 
 
@@ -188,14 +187,23 @@ def _digest(lines: Sequence[str]) -> int:
     return int.from_bytes(hashlib.blake2b("\n".join(lines).encode(), digest_size=7).digest(), "little")
 
 
-def check_same_stages(stages: Sequence[MatrixStage], group: Any, cls: str) -> None:
-    """Collective: ``ValueError`` (on every rank alike) unless every rank queued the same params,
-    and every replicated matrix's direction is the same on every rank."""
+def _bits_sum(t: torch.Tensor) -> torch.Tensor:
+    """The sum of ``t``'s bit patterns as integers: replicas that agree to the bit give the same sum."""
+    flat = t.detach().reshape(-1)
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+    return flat.view(ints).sum(dtype=torch.int64)
+
+
+def check_ranks_agree(entries: Sequence[tuple[str, torch.Tensor, torch.Tensor, bool]], group: Any, cls: str) -> None:
+    """Collective, before anything is stepped: ``ValueError`` (on every rank alike) unless every
+    rank is about to step the same Muon params (``(label, param, grad, sharded)``, in order) and
+    every param that is not a shard has the same bits, and the same gradient, on every rank."""
     import torch.distributed as dist
 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    lines = [s.describe() for s in stages]
-    header = torch.tensor([len(stages), _digest(lines)], dtype=torch.int64, device=collective_device(stages, group))
+    device = local(entries[0][1]).device if entries else collective_device([], group)
+    lines = [f"{label} {list(p.shape)} {'shard' if sharded else 'whole'}" for label, p, _, sharded in entries]
+    header = torch.tensor([len(entries), _digest(lines)], dtype=torch.int64, device=device)
     headers = [torch.empty_like(header) for _ in range(world)]
     dist.all_gather(headers, header, group=group)
     if any(not torch.equal(h, headers[0]) for h in headers):
@@ -206,24 +214,23 @@ def check_same_stages(stages: Sequence[MatrixStage], group: Any, cls: str) -> No
                 first = next((k for k, (a, b) in enumerate(zip(everyone[0], theirs)) if a != b), min(len(theirs), len(everyone[0])))
                 ours = everyone[0][first] if first < len(everyone[0]) else "nothing"
                 other = theirs[first] if first < len(theirs) else "nothing"
-                raise ValueError(f"{cls}: the ranks step different Muon matrices this step: matrix {first} is {ours} on "
-                                 f"rank 0 and {other} on rank {r} (every rank of the process group must step the same "
-                                 f"params; for one model per rank pass process_group={LOCAL!r})")  # fmt: skip
-    replicated = [k for k, s in enumerate(stages) if not s.sharded]
-    if not replicated:
+                raise ValueError(f"{cls}: the ranks would step different Muon matrices: matrix {first} is {ours} on rank 0 "
+                                 f"and {other} on rank {r} (every rank of the process group must step the same params; "
+                                 f"for one model per rank pass process_group={LOCAL!r})")  # fmt: skip
+    whole = [(label, p, g) for label, p, g, sharded in entries if not sharded]
+    if not whole:
         return
-    # The bf16 bits summed as integers: exact, so replicas agree to the bit or differ.
-    sums = torch.stack([stages[k].direction.reshape(-1).view(torch.int16).sum(dtype=torch.int64) for k in replicated])
+    sums = torch.stack([torch.stack([_bits_sum(local(p)), _bits_sum(local(g))]) for _, p, g in whole]).to(device)
     everyone_sums = [torch.empty_like(sums) for _ in range(world)]
     dist.all_gather(everyone_sums, sums, group=group)
     for r, theirs in enumerate(everyone_sums):
-        differ = (theirs != everyone_sums[0]).nonzero()
+        differ = (theirs != everyone_sums[0]).any(dim=1).nonzero()
         if differ.numel():
-            stage = stages[replicated[int(differ[0, 0])]]
-            raise ValueError(f"{cls}: {stage.label} has another update direction on rank {r} than on rank 0 (this is "
-                             f"rank {rank}): a Muon param that is a plain tensor under torch.distributed must be the "
-                             "same on every rank (wrap the model in DistributedDataParallel, or shard it with FSDP2); "
-                             f"for one model per rank pass process_group={LOCAL!r}")  # fmt: skip
+            label = whole[int(differ[0, 0])][0]
+            raise ValueError(f"{cls}: {label} (or its gradient) differs between rank 0 and rank {r} (this is rank {rank}): "
+                             "a Muon param that is a plain tensor under torch.distributed must be the same on every rank "
+                             "(wrap the model in DistributedDataParallel, or shard it with FSDP2); for one model per rank "
+                             f"pass process_group={LOCAL!r}")  # fmt: skip
 
 
 Orthogonalize = Callable[[torch.Tensor, MatrixStage], torch.Tensor]
