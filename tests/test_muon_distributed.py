@@ -145,6 +145,8 @@ def test_refusals_name_the_param_and_change_nothing(results: dict) -> None:
     # Rounding of bf16 params is applied in the same call as the update: not built here.
     assert "rounding='stochastic' of a torch.bfloat16 param is not built for Muon's distributed step" in out["rounded"], out["rounded"]  # fmt: skip
     assert out["rounded_unchanged"] is True
+    assert "offload='cpu' is not built for Muon's distributed step" in out["offloaded"], out["offloaded"]
+    assert out["offloaded_unchanged"] is True
 
 
 def test_owners_are_balanced_by_size_and_deterministic() -> None:

@@ -13,7 +13,7 @@ wide, a conv weight, stacked experts, a one-row matrix that leaves one FSDP2 sha
   after ``SAVE_AT`` steps (``OUT_DIR/dcp_NAME``), for the one-process load in the test.
 * ``refusals`` (once): a ``Shard(1)`` DTensor in a Muon group; one model per rank (no DDP) with the
   default process group, then with ``process_group="local"``; ranks that step different params;
-  a bf16 param with stochastic rounding under DDP.
+  a bf16 param with stochastic rounding, and ``offload="cpu"``, under DDP.
 
 Rank 0 writes ``OUT_DIR/results.json``; a case that raised has an ``error`` entry (the traceback).
 Every case is symmetric on the ranks, so a refusal on one is a refusal on the other.
@@ -253,6 +253,19 @@ def run_refusals(rank: int, world: int) -> dict:
             out["rounded_unchanged"] = all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
 
     out["rounded"] = refusal(rounded)
+
+    def offloaded():
+        model = DistributedDataParallel(make_model())
+        opt = leanopt.Muon(leanopt.muon_groups(model.module), offload="cpu", **KWARGS)
+        x, y = rank_batch(0, rank, world)
+        nn.functional.mse_loss(model(x), y).backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        try:
+            opt.step()
+        finally:
+            out["offloaded_unchanged"] = all(torch.equal(b, p) for b, p in zip(before, model.parameters())) and not opt.state
+
+    out["offloaded"] = refusal(offloaded)
     return out if rank == 0 else {}
 
 

@@ -383,8 +383,9 @@ class Muon(LeanOptimizer):
         if group["use_muon"] and self._exchange is not None and group["rounding"] != "nearest" and p.dtype in LOW_PRECISION:
             raise ValueError(self._not_distributed(f"rounding={group['rounding']!r} of a {p.dtype} param", gi, pi))
 
-    def _not_distributed(self, what: str, gi: int, pi: int) -> str:
-        return (f"{type(self).__name__}: {self._label(gi, pi)}: {what} is not built for Muon's distributed step "
+    def _not_distributed(self, what: str, gi: int | None = None, pi: int = 0) -> str:
+        where = "" if gi is None else f" {self._label(gi, pi)}:"
+        return (f"{type(self).__name__}:{where} {what} is not built for Muon's distributed step "
                 f"(its update is applied after the ranks' exchange); use rounding='nearest' and offload=None, "
                 f"or process_group={LOCAL!r} for one model per rank")  # fmt: skip
 
@@ -399,7 +400,7 @@ class Muon(LeanOptimizer):
                   for pi, p in enumerate(g["params"])]  # fmt: skip
         group = muon_dist.exchange_group(self.process_group, params, type(self).__name__)
         if group is not None and self.offload is not None:
-            raise ValueError(self._not_distributed(f"offload={self.offload!r}", 0, 0))
+            raise ValueError(self._not_distributed(f"offload={self.offload!r}"))
         return group
 
     def _check_ranks_agree(self, candidates: list[tuple[int, int, torch.Tensor]]) -> None:
