@@ -201,6 +201,7 @@ class Muon(LeanOptimizer):
 
     **Temporaries.** Params are stepped one at a time: the fp32 update direction of one param
     and the bf16 iterate and Gram matrices of one matrix (:func:`~leanopt.kernels.newton_schulz.temporary_bytes`).
+    Under ``torch.distributed`` the exchange holds the step's bf16 directions and results at once.
 
     Args:
         params: parameters or param groups (see above: ``use_muon``, ``flatten``, ``aux``).
@@ -432,6 +433,8 @@ class Muon(LeanOptimizer):
 
         stages, self._stages = self._stages, []
         group = self._exchange
+        if not stages:  # the ranks agreed on what they step (_check_ranks_agree): none has any
+            return
         by_param = self._owners(dist.get_world_size(group))
         owner = [by_param[s.index] for s in stages]
 
