@@ -175,3 +175,15 @@ def test_one_process_counts_every_matrix_it_orthogonalized() -> None:
 def test_process_group_is_checked() -> None:
     with pytest.raises(ValueError, match="Invalid process_group: 'world'"):
         leanopt.Muon([torch.nn.Parameter(torch.randn(4, 4))], process_group="world")
+
+
+def test_one_process_count_under_gradient_release() -> None:
+    # Released gradients are orthogonalized inside backward, one param at a time: they count
+    # towards the step they belong to, not a step of their own.
+    model = muon_parity.make_model()
+    opt = leanopt.Muon(model, **muon_parity.KWARGS)
+    with leanopt.release_gradients(model, opt):
+        for step in range(2):
+            muon_parity.train(model, opt, range(step, step + 1), 0, 1)
+            o = opt.orthogonalized
+            assert (o.params, o.total_params, o.matrices) == (6, 6, 8), o
