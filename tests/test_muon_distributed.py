@@ -132,6 +132,9 @@ def test_refusals_name_the_param_and_change_nothing(results: dict) -> None:
     out = case(results, "refusals", "all")
     # A placement Muon cannot gather from: refused when the optimizer is built.
     assert out["shard1"].startswith("ValueError: Muon: param 0 of group 0 is a DTensor placed as Shard(dim=1)"), out["shard1"]
+    # A process group other than the ranks the DTensor is sharded over (rank 1 is told it is not in it).
+    assert out["mismatch"] == ("ValueError: Muon: param 0 of group 0 is sharded over ranks [0, 1], process_group holds ranks "
+                               "[0]: Muon exchanges a step's matrices over one process group"), out["mismatch"]  # fmt: skip
     # One model per rank, no DDP: the default process group refuses before stepping anything ...
     assert "differs between rank 0 and rank 1" in out["own_model_default"], out["own_model_default"]
     assert "process_group='local'" in out["own_model_default"]

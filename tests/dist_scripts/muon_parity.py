@@ -11,7 +11,8 @@ wide, a conv weight, stacked experts, a one-row matrix that leaves one FSDP2 sha
   arithmetic); rank 0 runs the one-process run. Each step records ``optimizer.orthogonalized``
   on every rank. The fsdp run saves ``get_state_dict`` with ``torch.distributed.checkpoint``
   after ``SAVE_AT`` steps (``OUT_DIR/dcp_NAME``), for the one-process load in the test.
-* ``refusals`` (once): a ``Shard(1)`` DTensor in a Muon group; one model per rank (no DDP) with the
+* ``refusals`` (once): a ``Shard(1)`` DTensor in a Muon group; a process group that is not the
+  DTensor's mesh's ranks; one model per rank (no DDP) with the
   default process group, then with ``process_group="local"``; ranks that step different params;
   a bf16 param with stochastic rounding, and ``offload="cpu"``, under DDP.
 
@@ -219,6 +220,15 @@ def run_refusals(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     column_sharded = nn.Parameter(distribute_tensor(torch.randn(8, 8), mesh, [Shard(1)]))
     out["shard1"] = refusal(lambda: leanopt.Muon([column_sharded]))
+
+    def other_ranks():
+        row_sharded = nn.Parameter(distribute_tensor(torch.randn(8, 8), mesh, [Shard(0)]))
+        row_sharded.grad = distribute_tensor(torch.ones(8, 8), mesh, [Shard(0)])
+        opt = leanopt.Muon([row_sharded], process_group=first_rank_only)
+        opt.step()
+
+    first_rank_only = dist.new_group([0])  # every rank makes it; rank 1 is not in it
+    out["mismatch"] = refusal(other_ranks)
 
     def own_model(process_group):
         model = make_model(seed=rank)  # not replicas: one model per rank, no DDP

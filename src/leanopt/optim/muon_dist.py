@@ -155,6 +155,8 @@ def exchange_group(setting: Any, params: Sequence[tuple[str, torch.Tensor]], cls
 
     if not (dist.is_available() and dist.is_initialized()):
         return None
+    if setting is not None and dist.get_rank(setting) < 0:
+        raise ValueError(f"{cls}: rank {dist.get_rank()} is not in the process_group it was given")
     group, origin = setting, "process_group"
     for label, p in dtensors:
         mesh_group = p.device_mesh.get_group(0)
