@@ -103,6 +103,13 @@ def test_fsdp2_is_bit_identical_to_one_process_and_orthogonalizes_each_matrix_on
     assert all(v in ("(Shard(dim=0),)", "ShardQuantizedState", "QuantizedState") for v in placements.values()), placements
 
 
+def test_exchanges_in_buckets_are_bit_identical_too(results: dict) -> None:
+    out = case(results, "muon", "fsdp_buckets")
+    assert out["exchanges"] == 2 * muon_parity.STEPS  # the queue cut once per step, then flushed at its end
+    assert_bit_identical(out)
+    assert_each_matrix_once_per_step(out)
+
+
 @names
 def test_dcp_checkpoint_of_two_ranks_continues_in_one_process_identically(results: dict, name: str) -> None:
     from torch.distributed.checkpoint import load

@@ -11,6 +11,7 @@ wide, a conv weight, stacked experts, a one-row matrix that leaves one FSDP2 sha
   arithmetic); rank 0 runs the one-process run. Each step records ``optimizer.orthogonalized``
   on every rank. The fsdp run saves ``get_state_dict`` with ``torch.distributed.checkpoint``
   after ``SAVE_AT`` steps (``OUT_DIR/dcp_NAME``), for the one-process load in the test.
+* ``fsdp_buckets`` (``muon``): the fsdp run with exchange buckets small enough for two per step.
 * ``refusals`` (once): a ``Shard(1)`` DTensor in a Muon group; a process group that is not the
   DTensor's mesh's ranks; one model per rank (no DDP) with the
   default process group, then with ``process_group="local"``; ranks that step different params;
@@ -40,6 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 import leanopt
 from leanopt.integrations.distributed import is_dtensor
 from leanopt.memory import resolve_optimizer
+from leanopt.optim import muon_dist
 
 STEPS = 6
 SAVE_AT = 3
@@ -181,11 +183,11 @@ def run_ddp(name: str, rank: int, world: int, ref) -> dict:
     return compare(ref, params, losses, counted, everyone) if rank == 0 else {}
 
 
-def run_fsdp(name: str, rank: int, world: int, ref, out_dir: str) -> dict:
+def run_fsdp(name: str, rank: int, world: int, ref, out_dir: str, tag: str = "") -> dict:
     model = shard(make_model())
     opt = resolve_optimizer(name)(leanopt.muon_groups(model), **KWARGS)
     losses, counted = train(model, opt, range(SAVE_AT), rank, world)
-    checkpoint = os.path.join(out_dir, f"dcp_{name}")
+    checkpoint = os.path.join(out_dir, f"dcp_{name}{tag}")
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint)
     more, more_counted = train(model, opt, range(SAVE_AT, STEPS), rank, world)
@@ -199,7 +201,19 @@ def run_fsdp(name: str, rank: int, world: int, ref, out_dir: str) -> dict:
     out = compare(ref, params, losses + more, counted + more_counted, everyone)
     out["checkpoint"] = checkpoint
     out["momentum_placements"] = placements
+    out["exchanges"] = opt._exchanges
     return out
+
+
+def run_buckets(name: str, rank: int, world: int, ref, out_dir: str) -> dict:
+    """The fsdp run with buckets of 2,000 elements: the 48 x 32 and 48 x 48 matrices (3,840
+    elements) go in one exchange, the other four in the step's last: two per step."""
+    kept = muon_dist.BUCKET_ELEMENTS
+    muon_dist.BUCKET_ELEMENTS = 2000
+    try:
+        return run_fsdp(name, rank, world, ref, out_dir, tag="_buckets")
+    finally:
+        muon_dist.BUCKET_ELEMENTS = kept
 
 
 def refusal(fn) -> str | None:
@@ -299,6 +313,8 @@ def main() -> None:
         ref = one_process(name, world) if rank == 0 else None
         guarded(results, (name, "ddp"), lambda: run_ddp(name, rank, world, ref))
         guarded(results, (name, "fsdp"), lambda: run_fsdp(name, rank, world, ref, out_dir))
+        if name == "muon":
+            guarded(results, (name, "fsdp_buckets"), lambda: run_buckets(name, rank, world, ref, out_dir))
         dist.barrier()
     guarded(results, ("refusals", "all"), lambda: run_refusals(rank, world))
     if rank == 0:

@@ -272,8 +272,10 @@ class Muon(LeanOptimizer):
         # Not a hyper-parameter (never saved): the ranks a step's matrices are spread over.
         self.process_group = process_group
         self._stages: list[MatrixStage] = []
+        self._queued = 0  # elements (global) of the stages queued
         self._exchange: Any = None
         self._in_step = False
+        self._exchanges = 0  # exchanges run so far, the same on every rank: where owners start
         self._count = _Count()
         if isinstance(params, torch.nn.Module):
             params = muon_groups(params)  # the whole model, split by what its modules are
@@ -299,7 +301,7 @@ class Muon(LeanOptimizer):
         super().__setstate__(state)
         for key, make in (("_runners", dict), ("_stages", list), ("_count", _Count)):
             self.__dict__.setdefault(key, make())
-        for key, value in (("process_group", None), ("_exchange", None), ("_in_step", False)):
+        for key, value in (("process_group", None), ("_exchange", None), ("_in_step", False), ("_exchanges", 0), ("_queued", 0)):
             self.__dict__.setdefault(key, value)
 
     @property
@@ -415,28 +417,20 @@ class Muon(LeanOptimizer):
                 entries.append((label, p, p.grad, is_dtensor(p) and check_placement(p, label, type(self).__name__)))
         muon_dist.check_ranks_agree(entries, self._exchange, type(self).__name__)
 
-    def _owners(self, world: int) -> dict[tuple[int, int], int]:
-        """Each Muon-group param's owner rank, from the global shapes of all of them (not only
-        those with a gradient now), so that the assignment is the same every step."""
-        keys, costs = [], []
-        for gi, g in enumerate(self.param_groups):
-            if g["use_muon"]:
-                for pi, p in enumerate(g["params"]):
-                    if p.dim() >= 2:
-                        keys.append((gi, pi))
-                        costs.append(newton_schulz.flops(p.shape, g["ns_steps"], g["flatten"]) + p.numel())
-        return dict(zip(keys, muon_dist.owners(costs, world)))
-
     def _flush(self) -> None:
         """Collective: the queued matrix stages orthogonalized over the ranks and applied."""
         import torch.distributed as dist
 
-        stages, self._stages = self._stages, []
+        stages, self._stages, self._queued = self._stages, [], 0
         group = self._exchange
         if not stages:  # the ranks agreed on what they step (_check_ranks_agree): none has any
             return
-        by_param = self._owners(dist.get_world_size(group))
-        owner = [by_param[s.index] for s in stages]
+        world = dist.get_world_size(group)
+        # The ranks queue the same matrices in the same order and flush together: the same
+        # costs and the same exchange count give every rank the same owners.
+        costs = [newton_schulz.flops(s.shape, s.steps, s.flatten) + muon_dist.numel(s.shape) for s in stages]
+        owner = muon_dist.owners(costs, world, first=self._exchanges % world)
+        self._exchanges += 1
 
         def run(whole: torch.Tensor, s: MatrixStage) -> torch.Tensor:
             return newton_schulz.orthogonalize(whole, s.coefficients, s.steps, s.eps, flatten=s.flatten)
@@ -457,14 +451,14 @@ class Muon(LeanOptimizer):
             self._check_ranks_agree([(gi, i, p) for gi, g in enumerate(self.param_groups) for i, p in enumerate(g["params"])
                                      if self.placement.has_gradient(p)])  # fmt: skip
         self._in_step = True
-        self._stages = []
+        self._stages, self._queued = [], 0
         try:
             self.placement.step()
             if self._exchange is not None:
                 self._flush()
         finally:
             self._in_step = False
-            self._stages = []
+            self._stages, self._queued = [], 0
         self._count.close()
         return loss
 
@@ -476,13 +470,13 @@ class Muon(LeanOptimizer):
         self._exchange = self._exchange_group()
         if self._exchange is not None:
             self._check_ranks_agree([(gi, i, p) for i, p in params])
-        self._stages = []
+        self._stages, self._queued = [], 0
         try:
             super()._step_params(gi, params, key)
             if self._exchange is not None:
                 self._flush()
         finally:
-            self._stages = []
+            self._stages, self._queued = [], 0
 
     def _step_rounded(self, gi: int, group: Mapping[str, Any], item: ParamStep, rounding: str, key: str) -> None:
         if group["use_muon"] and self._exchange is not None:
@@ -572,6 +566,9 @@ class Muon(LeanOptimizer):
                     it.param, direction, it.index, label, tuple(it.param.shape), sharded, group["flatten"],
                     tuple(group["ns_coefficients"]), group["ns_steps"], group["eps"], 1 - lr * decay,
                     adjusted_lr(lr, group["adjust_lr_fn"], rows, cols)))  # fmt: skip
+                self._queued += muon_dist.numel(it.param.shape)
+                if self._queued >= muon_dist.BUCKET_ELEMENTS:
+                    self._flush()  # a bucket's worth: what the step holds at once stays bounded
             return
         for it in items:  # one param's direction and one matrix's iteration at a time
             p = it.param

@@ -9,9 +9,10 @@ group is in use (:func:`exchange_group`):
    the rule is elementwise) and queues the update direction, cast to bf16 -- the first thing
    Newton-Schulz does to it, so sending the bf16 copy changes no bit -- as a
    :class:`MatrixStage`.
-2. At the end of ``step()`` one exchange (:func:`orthogonalize_stages`) runs the queue: every
-   matrix has an owner rank (:func:`owners`: largest first to the least-loaded rank, from the
-   global shapes, so the same on every rank); one ``all_to_all`` sends each owner the shards of
+2. At the end of ``step()`` (and each time the queue reaches :data:`BUCKET_ELEMENTS`) an
+   exchange (:func:`orthogonalize_stages`) runs the queue: every matrix has an owner rank
+   (:func:`owners`: largest first to the least-loaded rank, from the global shapes, so the same
+   on every rank); one ``all_to_all`` sends each owner the shards of
    its matrices (a replicated matrix is already whole on its owner), each owner runs
    Newton-Schulz once per matrix, and a second ``all_to_all`` sends each rank its shard of each
    result (under DDP: the whole result). Each rank then decays and steps its params (shards).
@@ -41,11 +42,15 @@ import torch
 from leanopt.kernels import newton_schulz
 from leanopt.optim.sharding import _shard_ranges, is_dtensor, local
 
-__all__ = ["LOCAL", "MatrixStage", "Orthogonalized", "check_placement", "check_ranks_agree", "exchange_group", "orthogonalize_stages",
+__all__ = ["BUCKET_ELEMENTS", "LOCAL", "MatrixStage", "Orthogonalized", "check_placement", "check_ranks_agree", "exchange_group", "orthogonalize_stages",
            "owners"]  # fmt: skip
 
 # ``process_group="local"``: every rank orthogonalizes its own matrices (one model per rank).
 LOCAL = "local"
+# An exchange starts once the queued matrices hold this many elements (global shapes, so every
+# rank cuts the queue at the same place): 2**26, 128 MiB of bf16 directions under DDP, bounds
+# what a step holds at once (one matrix larger than that goes alone).
+BUCKET_ELEMENTS = 1 << 26
 
 
 @dataclass(frozen=True)
@@ -172,14 +177,16 @@ def exchange_group(setting: Any, params: Sequence[tuple[str, torch.Tensor]], cls
     return group
 
 
-def owners(costs: Sequence[int], world: int) -> list[int]:
+def owners(costs: Sequence[int], world: int, first: int = 0) -> list[int]:
     """The owner rank of each matrix of ``costs``: largest first, each to the rank with the
-    least work so far (ties: the lower rank; equal costs: the earlier matrix first). It reads
-    only ``costs``, so every rank that has the same list gets the same owners."""
+    least work so far (ties: rank ``first``, then the ranks after it; equal costs: the earlier
+    matrix first). It reads only its arguments, so every rank gets the same owners; the caller
+    moves ``first`` on from one exchange to the next, so that exchanges of one matrix (gradient
+    release, a matrix larger than a bucket) do not all land on rank 0."""
     load = [0] * world
     out = [0] * len(costs)
     for k in sorted(range(len(costs)), key=lambda k: (-costs[k], k)):
-        r = min(range(world), key=lambda r: (load[r], r))
+        r = min(range(world), key=lambda r: (load[r], (r - first) % world))
         out[k] = r
         load[r] += costs[k]
     return out
