@@ -167,6 +167,9 @@ def test_owners_are_balanced_by_size_and_deterministic() -> None:
     assert load == [111, 115] or load == [115, 111], load  # largest first, each to the lighter rank
     assert owners(costs, 1) == [0] * len(costs)
     assert sorted(set(owners([1] * 8, 4))) == [0, 1, 2, 3]
+    # Ties between ranks go to the exchange's first rank: one-matrix exchanges take turns.
+    assert [owners([7], 2, first=k % 2) for k in range(4)] == [[0], [1], [0], [1]]
+    assert owners([5, 5, 5], 3, first=2) == [2, 0, 1]
 
 
 def test_one_process_counts_every_matrix_it_orthogonalized() -> None:
