@@ -21,7 +21,6 @@ import torch
 
 import leanopt
 from leanopt.integrations.distributed import measure_global
-from leanopt.memory import resolve_optimizer
 from leanopt.quant import QuantizedState
 import repo_modules
 
@@ -110,7 +109,7 @@ def test_fsdp2_state_is_sharded_like_its_param(results: dict, name: str) -> None
             assert where == expected, (pname, key, where)
     # The quantize-or-not decision is the one-process one (global shape), not the shard's.
     model = parity.make_model()
-    opt = resolve_optimizer(name)(model.parameters(), **parity.KWARGS[name])
+    opt = parity.build(name, model)
     parity.train(model, opt, range(1), 0, 1)
     expected = [n for n, p in model.named_parameters() for v in opt.state[p].values() if isinstance(v, QuantizedState)]
     assert sorted(quantized) == sorted(expected)
@@ -145,7 +144,7 @@ def test_dcp_checkpoint_of_two_ranks_continues_in_one_process(results: dict, nam
 
     dcp_case = case(results, name, "dcp")
     model = parity.make_model(seed=1)
-    opt = resolve_optimizer(name)(model.parameters(), **parity.KWARGS[name])
+    opt = parity.build(name, model)
     model_sd, optim_sd = get_state_dict(model, opt)
     sd = {"model": model_sd, "optim": optim_sd}
     with warnings.catch_warnings():

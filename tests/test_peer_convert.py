@@ -525,7 +525,7 @@ def test_a_dcp_folder_converts_as_its_gathered_state_does(dcp_runs, name: str, t
     import parity
 
     model = parity.make_model()
-    target = torch.optim.AdamW(model.parameters()) if to == TORCH_ADAMW else CASES[to].cls(model.parameters(), **{**CASES[to].kwargs, "backend": "reference"})
+    target = torch.optim.AdamW(model.parameters()) if to == TORCH_ADAMW else CASES[to].cls(CASES[to].param_groups(model), **{**CASES[to].kwargs, "backend": "reference"})
     set_state_dict(model, target, model_state_dict=model.state_dict(), optim_state_dict=torch.load(dst, weights_only=True))
     model(torch.randn(4, 16)).square().mean().backward()
     target.step()

@@ -25,7 +25,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from leanopt.integrations.distributed import get_state_dict
-from leanopt.memory import resolve_optimizer
 
 STEPS = 3
 
@@ -37,7 +36,7 @@ def main() -> None:
     torch.set_num_threads(1)
     for name in names:
         model = parity.shard(parity.make_model())
-        opt = resolve_optimizer(name)(model.parameters(), **parity.KWARGS[name])
+        opt = parity.build(name, model)
         parity.train(model, opt, range(STEPS), rank, world)
         model_sd, optim_sd = get_state_dict(model, opt)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(out_dir, f"dcp_{name}"))

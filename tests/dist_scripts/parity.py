@@ -28,6 +28,7 @@ exception in one case does not leave the other rank waiting in a collective.
 from __future__ import annotations
 
 import datetime
+import inspect
 import json
 import os
 import sys
@@ -70,6 +71,17 @@ def _kwargs(case) -> dict:
 # Per-optimizer constructor kwargs, from the registry's: the same in tests/test_distributed.py
 # (it imports these). Those that run on FSDP2 params (``sharded``).
 KWARGS = {case.name: _kwargs(case) for case in OPTIMIZERS if case.sharded}
+_GROUPS = {case.name: case.param_groups for case in OPTIMIZERS if case.sharded}
+
+
+def build(name: str, model: torch.nn.Module, *, alone: bool = False):
+    """Optimizer ``name`` over ``model`` as the registry builds it (its param groups, its kwargs).
+    ``alone``: a run of this process alone while the 2-rank group is initialized (the
+    one-process reference on rank 0): an optimizer that spreads its step over the process group
+    (it takes ``process_group``) is told to keep it local."""
+    cls = resolve_optimizer(name)
+    local = {"process_group": "local"} if alone and "process_group" in inspect.signature(cls).parameters else {}
+    return cls(_GROUPS[name](model), **KWARGS[name], **local)
 
 
 class StepGate(torch.nn.Module):
@@ -208,9 +220,8 @@ def shard(model: torch.nn.Module) -> torch.nn.Module:
 
 def reference_run(name: str, micro_batches: int) -> tuple:
     """One process; each step's global batch as ``micro_batches`` accumulated slices."""
-    cls = resolve_optimizer(name)
     model = make_model()
-    opt = cls(model.parameters(), **KWARGS[name])
+    opt = build(name, model, alone=True)
     losses = []
     for step in range(STEPS):
         opt.zero_grad()
@@ -235,9 +246,8 @@ def against_references(refs: dict, losses, params, state) -> dict:
 
 
 def run_ddp(name: str, rank: int, world: int, ref) -> dict:
-    cls = resolve_optimizer(name)
     model = DistributedDataParallel(make_model())
-    opt = cls(model.parameters(), **KWARGS[name])
+    opt = build(name, model.module)
     losses = train(model, opt, range(STEPS), rank, world)
     state = gathered_state(opt, model.module)
     mg = measure_global(opt)
@@ -250,9 +260,8 @@ def run_ddp(name: str, rank: int, world: int, ref) -> dict:
 
 
 def run_fsdp_and_dcp(name: str, rank: int, world: int, ref, out_dir: str) -> tuple[dict, dict]:
-    cls = resolve_optimizer(name)
     model = shard(make_model())
-    opt = cls(model.parameters(), **KWARGS[name])
+    opt = build(name, model)
     losses = train(model, opt, range(SAVE_AT), rank, world)
     checkpoint = os.path.join(out_dir, f"dcp_{name}")
     model_sd, optim_sd = get_state_dict(model, opt)
@@ -273,7 +282,7 @@ def run_fsdp_and_dcp(name: str, rank: int, world: int, ref, out_dir: str) -> tup
 
     # A fresh model (other weights) and optimizer on the same 2 ranks load step 10 and go on.
     resumed = shard(make_model(seed=1))
-    resumed_opt = cls(resumed.parameters(), **KWARGS[name])
+    resumed_opt = build(name, resumed)
     model_sd, optim_sd = get_state_dict(resumed, resumed_opt)
     sd = {"model": model_sd, "optim": optim_sd}
     dcp.load(sd, checkpoint_id=checkpoint)
@@ -318,7 +327,7 @@ def load_one_process_state(name: str, rank: int, ref) -> dict:
     box = [ref["vs_full"][1].state_dict() if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     model = shard(make_model())
-    opt = resolve_optimizer(name)(model.parameters(), **KWARGS[name])
+    opt = build(name, model)
     opt.load_state_dict(box[0])
     # Each rank keeps its shard: DTensors, quantized shards, and plain scalars only.
     sharded = all(

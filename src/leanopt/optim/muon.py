@@ -31,20 +31,24 @@ from typing import Any, ClassVar
 
 import torch
 
+from leanopt import kernels
 from leanopt.kernels import newton_schulz, rules
 from leanopt.kernels.newton_schulz import COEFFICIENTS, EPS, NS_STEPS
+from leanopt.optim import muon_dist
 from leanopt.optim.base import LeanOptimizer, as_float
 from leanopt.optim.elementwise import ElementwiseOptimizer
 from leanopt.optim.layout import StateSpec
 from leanopt.optim.lowbit import STORAGE_OPTIONS, LowBit
+from leanopt.optim.muon_dist import LOCAL, MatrixStage, Orthogonalized, check_placement, counted
 from leanopt.optim.muon_groups import muon_groups
 from leanopt.optim.param_step import ParamStep
 from leanopt.optim.registry import optimizer_class, register
-from leanopt.optim.sharding import is_dtensor
+from leanopt.optim.rounding import LOW_PRECISION
+from leanopt.optim.sharding import is_dtensor, local, shard_offset
 from leanopt.optim.validation import check_flag, check_nonnegative
 from leanopt.quant.bf16 import state_dtype_name
 
-__all__ = ["AUX_RULES", "Muon", "Muon4bit", "Muon8bit", "MuonMomentum", "adjusted_lr"]
+__all__ = ["AUX_RULES", "Muon", "Muon4bit", "Muon8bit", "MuonMomentum", "Orthogonalized", "adjusted_lr"]
 
 # The rules a ``use_muon=False`` group may run, by registry name.
 AUX_RULES = ("adamw", "adamw8bit", "adamw4bit")
@@ -97,6 +101,25 @@ def check_muon_group(group: Mapping[str, Any]) -> None:
         raise ValueError(f"Adjust learning rate function {group['adjust_lr_fn']} is not supported (choose None, 'original' "
                          "or 'match_rms_adamw')")  # fmt: skip
     check_flag("flatten", group["flatten"])
+
+
+class _Count:
+    """The running count of a step's orthogonalizations (:attr:`Muon.orthogonalized`): the
+    first count after a finished step starts the next step's."""
+
+    def __init__(self) -> None:
+        self.last = Orthogonalized()
+        self.open = False
+
+    def add(self, more: Orthogonalized) -> None:
+        self.last = (self.last if self.open else Orthogonalized()) + more
+        self.open = True
+
+    def close(self) -> None:
+        """The end of ``step()``: a step that orthogonalized nothing counts zero."""
+        if not self.open:
+            self.last = Orthogonalized()
+        self.open = False
 
 
 class MuonMomentum(ElementwiseOptimizer):
@@ -178,6 +201,7 @@ class Muon(LeanOptimizer):
 
     **Temporaries.** Params are stepped one at a time: the fp32 update direction of one param
     and the bf16 iterate and Gram matrices of one matrix (:func:`~leanopt.kernels.newton_schulz.temporary_bytes`).
+    Under ``torch.distributed`` the exchange holds the step's bf16 directions and results at once.
 
     Args:
         params: parameters or param groups (see above: ``use_muon``, ``flatten``, ``aux``).
@@ -198,6 +222,15 @@ class Muon(LeanOptimizer):
         state_dtype: ``torch.float32`` (default) or ``torch.bfloat16`` for the dense states of
             every group (momentum and aux moments), stochastically rounded.
         offload: ``None`` or ``"cpu"`` (states on the host; see docs/muon.md).
+        process_group: under ``torch.distributed``, the ranks each step's matrices are spread
+            over (:mod:`leanopt.optim.muon_dist`): ``None`` (default: a DTensor param's mesh, else
+            the default group once initialized with more than one rank), a process group, or
+            ``"local"`` (each rank orthogonalizes its own matrices: one model per rank).
+
+    **Distributed.** Under DDP and FSDP2 (``Shard(0)`` DTensors on a 1-D mesh) each matrix is
+    orthogonalized whole, exactly once per step, by one owner rank, and every rank gets its
+    shard (DDP: all) of the result: the params are bit-identical to one process's.
+    :attr:`orthogonalized` counts what the last step orthogonalized, on this rank and in total.
 
     Example:
         >>> import torch, leanopt
@@ -232,7 +265,18 @@ class Muon(LeanOptimizer):
         backend: str = "auto",
         state_dtype: torch.dtype | str = torch.float32,
         offload: str | None = None,
+        process_group: Any = None,
     ) -> None:
+        if process_group is not None and isinstance(process_group, str) and process_group != LOCAL:
+            raise ValueError(f"Invalid process_group: {process_group!r} (None, a torch.distributed process group, or {LOCAL!r})")
+        # Not a hyper-parameter (never saved): the ranks a step's matrices are spread over.
+        self.process_group = process_group
+        self._stages: list[MatrixStage] = []
+        self._queued = 0  # elements (global) of the stages queued
+        self._exchange: Any = None
+        self._in_step = False
+        self._exchanges = 0  # exchanges run so far, the same on every rank: where owners start
+        self._count = _Count()
         if isinstance(params, torch.nn.Module):
             params = muon_groups(params)  # the whole model, split by what its modules are
         coefficients = tuple(ns_coefficients) if isinstance(ns_coefficients, list) else ns_coefficients  # as torch saves them
@@ -255,7 +299,17 @@ class Muon(LeanOptimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self.__dict__.setdefault("_runners", {})
+        for key, make in (("_runners", dict), ("_stages", list), ("_count", _Count)):
+            self.__dict__.setdefault(key, make())
+        for key, value in (("process_group", None), ("_exchange", None), ("_in_step", False), ("_exchanges", 0), ("_queued", 0)):
+            self.__dict__.setdefault(key, value)
+
+    @property
+    def orthogonalized(self) -> Orthogonalized:
+        """What the last step orthogonalized (Newton-Schulz run): params, elements and matrices on
+        this rank, and in total over the ranks of the process group. Under DDP and FSDP2 the
+        total is every Muon-group param that had a gradient, each once."""
+        return self._count.last
 
     # ---- the rule runners ------------------------------------------------------------------
     def _runner(self, group: Mapping[str, Any]) -> ElementwiseOptimizer:
@@ -322,15 +376,112 @@ class Muon(LeanOptimizer):
         if p.dim() < 2 and p.is_floating_point():  # an integer one is never stepped (_check_grad refuses a gradient)
             raise ValueError(_not_a_matrix(type(self).__name__, label, p))
         if is_dtensor(p):
-            raise ValueError(
-                f"{type(self).__name__}: {label} is a DTensor (FSDP2): orthogonalizing a sharded matrix needs it whole, "
-                "which this Muon does not gather yet; put it in a use_muon=False group or train it unsharded"
-            )
+            check_placement(p, label, type(self).__name__)  # a placement it cannot gather is refused by name
 
     def _check_grad(self, p: torch.Tensor, gi: int, pi: int) -> None:
         super()._check_grad(p, gi, pi)
-        if p.grad is not None and p.dim() < 2 and self.param_groups[gi]["use_muon"]:
+        group = self.param_groups[gi]
+        if p.grad is not None and p.dim() < 2 and group["use_muon"]:
             raise ValueError(_not_a_matrix(type(self).__name__, f"param {pi} of group {gi}", p))
+        if group["use_muon"] and self._exchange is not None and group["rounding"] != "nearest" and p.dtype in LOW_PRECISION:
+            raise ValueError(self._not_distributed(f"rounding={group['rounding']!r} of a {p.dtype} param", gi, pi))
+
+    def _not_distributed(self, what: str, gi: int | None = None, pi: int = 0) -> str:
+        where = "" if gi is None else f" {self._label(gi, pi)}:"
+        return (f"{type(self).__name__}:{where} {what} is not built for Muon's distributed step "
+                f"(its update is applied after the ranks' exchange); use rounding='nearest' and offload=None, "
+                f"or process_group={LOCAL!r} for one model per rank")  # fmt: skip
+
+    def _label(self, gi: int, pi: int) -> str:
+        names = self.param_groups[gi].get("param_names")
+        return f"param {pi}{f' {names[pi]!r}' if names else ''} of group {gi}"
+
+    # ---- distributed -------------------------------------------------------------------------
+    def _exchange_group(self) -> Any:
+        """The process group of this step's matrix stage, or None (see :mod:`leanopt.optim.muon_dist`)."""
+        params = [(self._label(gi, pi), p) for gi, g in enumerate(self.param_groups) if g["use_muon"]
+                  for pi, p in enumerate(g["params"])]  # fmt: skip
+        group = muon_dist.exchange_group(self.process_group, params, type(self).__name__)
+        if group is not None and self.offload is not None:
+            raise ValueError(self._not_distributed(f"offload={self.offload!r}"))
+        return group
+
+    def _check_ranks_agree(self, candidates: list[tuple[int, int, torch.Tensor]]) -> None:
+        """Collective, before anything changes: the ranks are about to step the same Muon params,
+        and their replicated params and gradients agree (:func:`~leanopt.optim.muon_dist.check_ranks_agree`)."""
+        entries = []
+        for gi, i, p in candidates:
+            group = self.param_groups[gi]
+            if group["use_muon"] and p.grad is not None:
+                label = self._label(gi, i)
+                entries.append((label, p, p.grad, is_dtensor(p) and check_placement(p, label, type(self).__name__)))
+        muon_dist.check_ranks_agree(entries, self._exchange, type(self).__name__)
+
+    def _flush(self) -> None:
+        """Collective: the queued matrix stages orthogonalized over the ranks and applied."""
+        import torch.distributed as dist
+
+        stages, self._stages, self._queued = self._stages, [], 0
+        group = self._exchange
+        if not stages:  # the ranks agreed on what they step (_check_ranks_agree): none has any
+            return
+        world = dist.get_world_size(group)
+        # The ranks queue the same matrices in the same order and flush together: the same
+        # costs and the same exchange count give every rank the same owners.
+        costs = [newton_schulz.flops(s.shape, s.steps, s.flatten) + muon_dist.numel(s.shape) for s in stages]
+        owner = muon_dist.owners(costs, world, first=self._exchanges % world)
+        self._exchanges += 1
+
+        def run(whole: torch.Tensor, s: MatrixStage) -> torch.Tensor:
+            return newton_schulz.orthogonalize(whole, s.coefficients, s.steps, s.eps, flatten=s.flatten)
+
+        results, count = muon_dist.orthogonalize_stages(stages, owner, group, run)
+        for s, piece in zip(stages, results):
+            s.apply(piece)
+        self._count.add(count)
+
+    @kernels.eager
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """One update of every param that has a gradient (see the class; under
+        ``torch.distributed`` the matrix stage is spread over the ranks: collective)."""
+        loss = self._closure_loss(closure)
+        self._exchange = self._exchange_group()
+        if self._exchange is not None:
+            self._check_ranks_agree([(gi, i, p) for gi, g in enumerate(self.param_groups) for i, p in enumerate(g["params"])
+                                     if self.placement.has_gradient(p)])  # fmt: skip
+        self._in_step = True
+        self._stages, self._queued = [], 0
+        try:
+            self.placement.step()
+            if self._exchange is not None:
+                self._flush()
+        finally:
+            self._in_step = False
+            self._stages, self._queued = [], 0
+        self._count.close()
+        return loss
+
+    def _step_params(self, gi: int, params: Any, key: str) -> None:
+        if self._in_step:
+            super()._step_params(gi, params, key)
+            return
+        # Outside step() (step_param, a released gradient): this call's matrices are exchanged now.
+        self._exchange = self._exchange_group()
+        if self._exchange is not None:
+            self._check_ranks_agree([(gi, i, p) for i, p in params])
+        self._stages, self._queued = [], 0
+        try:
+            super()._step_params(gi, params, key)
+            if self._exchange is not None:
+                self._flush()
+        finally:
+            self._stages, self._queued = [], 0
+
+    def _step_rounded(self, gi: int, group: Mapping[str, Any], item: ParamStep, rounding: str, key: str) -> None:
+        if group["use_muon"] and self._exchange is not None:
+            raise ValueError(self._not_distributed(f"rounding={rounding!r} of a {item.param.dtype} param", gi, item.index[1]))
+        super()._step_rounded(gi, group, item, rounding, key)
 
     def validate_group(self, group: Mapping[str, Any], *, loaded: bool = False) -> None:
         check_flag("use_muon", group["use_muon"])
@@ -381,18 +532,22 @@ class Muon(LeanOptimizer):
         ops in place: the rule's arithmetic (``torch.lerp`` is the rule's ``lerp`` eagerly) without
         the scratch, its copies and a compiled call per param; tests/test_muon.py holds both to
         torch.optim.Muon's bits."""
-        p, buf = it.param, it.state.get("momentum_buffer")
+        # A DTensor (FSDP2) param's momentum runs on its local shard, as an elementwise rule does.
+        p, buf, grad = local(it.param), it.state.get("momentum_buffer"), local(it.grad)
+        buf = local(buf) if is_dtensor(buf) else buf
         compute = torch.float64 if p.dtype == torch.float64 else torch.float32
         plain = (self.backend != "reference" and not runner.safe and type(buf) is torch.Tensor and buf.dtype == compute
-                 and it.grad.dtype == compute and buf.shape == it.grad.shape)  # fmt: skip
+                 and grad.dtype == compute and buf.shape == grad.shape)  # fmt: skip
         if plain:
             assert isinstance(buf, torch.Tensor)
             momentum = float(group["momentum"])
-            buf.lerp_(it.grad, 1 - momentum)
-            return torch.lerp(it.grad, buf, momentum) if group["nesterov"] else buf
+            buf.lerp_(grad, 1 - momentum)
+            return torch.lerp(grad, buf, momentum) if group["nesterov"] else buf
         make = torch.zeros if runner.safe else torch.empty
         direction = make(p.shape, dtype=compute, device=p.device)
-        runner.update(gi, group, [dataclasses.replace(it, param=direction)], f"{key}/momentum")
+        # The scratch is a plain tensor: the shard's offset keys the decay rounding's dither.
+        runner.update(gi, group, [dataclasses.replace(it, param=direction, offset=it.offset + shard_offset(it.param))],
+                      f"{key}/momentum")  # fmt: skip
         return direction
 
     def update(self, gi: int, group: Mapping[str, Any], items: list[ParamStep], key: str) -> None:
@@ -401,6 +556,20 @@ class Muon(LeanOptimizer):
             runner.update(gi, group, items, key)
             return
         lr, decay = as_float(group["lr"]), group["weight_decay"]
+        if self._exchange is not None:  # the matrix stage runs in the ranks' exchange (_flush)
+            for it in items:
+                direction = self._momentum(runner, gi, group, it, key).to(torch.bfloat16)  # Newton-Schulz's first cast
+                label = self._label(gi, it.index[1])
+                sharded = is_dtensor(it.param) and check_placement(it.param, label, type(self).__name__)
+                _, rows, cols = newton_schulz.matrices(it.param.shape, group["flatten"])
+                self._stages.append(MatrixStage(
+                    it.param, direction, it.index, label, tuple(it.param.shape), sharded, group["flatten"],
+                    tuple(group["ns_coefficients"]), group["ns_steps"], group["eps"], 1 - lr * decay,
+                    adjusted_lr(lr, group["adjust_lr_fn"], rows, cols)))  # fmt: skip
+                self._queued += muon_dist.numel(it.param.shape)
+                if self._queued >= muon_dist.BUCKET_ELEMENTS:
+                    self._flush()  # a bucket's worth: what the step holds at once stays bounded
+            return
         for it in items:  # one param's direction and one matrix's iteration at a time
             p = it.param
             direction = self._momentum(runner, gi, group, it, key)
@@ -415,6 +584,8 @@ class Muon(LeanOptimizer):
             _, rows, cols = newton_schulz.matrices(p.shape, group["flatten"])
             p.mul_(1 - lr * decay)
             p.add_(ortho, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], rows, cols))
+            params, elements, matrices = counted(p.shape, group["flatten"])
+            self._count.add(Orthogonalized(params, elements, matrices, params, elements, matrices))
 
 
 _LOWBIT_DOC = """Muon with a {bits}-bit block-quantized momentum.
@@ -460,10 +631,12 @@ class _LowBitMuon(Muon):
         backend: str = "auto",
         state_dtype: torch.dtype | str = torch.float32,
         offload: str | None = None,
+        process_group: Any = None,
     ) -> None:
         self._storage_options = dict(block_size=block_size, min_quant_size=min_quant_size)
         super().__init__(params, lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn, aux=aux,
-                         rounding=rounding, backend=backend, state_dtype=state_dtype, offload=offload)  # fmt: skip
+                         rounding=rounding, backend=backend, state_dtype=state_dtype, offload=offload,
+                         process_group=process_group)  # fmt: skip
 
 
 @register
