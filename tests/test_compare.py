@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from leanopt.compare import compare, get_task, main, stats
-from leanopt.compare.contenders import CONTENDERS, DEFAULT_CONTENDERS, MODES, RELATIVE, Contender, contender
+from leanopt.compare.contenders import CONTENDERS, DEFAULT_CONTENDERS, MODES, RELATIVE, Contender, contender, decay_groups
 from leanopt.compare.meter import Recorder
 from leanopt.compare.progress import RemainingTime, RunLines, eta_check, load_summary
 from leanopt.compare.report import columns, markdown, table_rows, to_json
@@ -209,8 +209,11 @@ def test_every_registered_optimizer_is_a_contender() -> None:
         kwargs = entry.kwargs(lr=grid[0], weight_decay=0.01, device=torch.device("cpu"))
         assert kwargs["lr"] == grid[0]
     for name in available_optimizers():
-        contender(name).build([torch.nn.Parameter(torch.zeros(2, 2))], lr=1e-3, weight_decay=0.0,
-                              device=torch.device("cpu"))
+        # As the tasks build it: the decay groups, and the model for an optimizer that splits it itself (Muon)
+        model = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Linear(4, 2))
+        opt = contender(name).build(decay_groups(model.named_parameters(), 0.0), lr=1e-3, weight_decay=0.0,
+                                    device=torch.device("cpu"), model=model)  # fmt: skip
+        assert {id(p) for g in opt.param_groups for p in g["params"]} == {id(p) for p in model.parameters()}
     relative = contender("adafactor").kwargs(lr=RELATIVE, weight_decay=0.0, device=torch.device("cpu"))
     assert relative["relative_step"] and relative["lr"] is None and not contender("adafactor").scheduled(RELATIVE)
     with pytest.raises(ValueError, match="no relative step"):

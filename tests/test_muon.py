@@ -280,3 +280,20 @@ def test_temporaries_are_one_matrix_at_a_time() -> None:
     # 7 more experts add their direction (fp32) and result (bf16) rows, 6 B an element, and not 7
     # more iterations (one iteration's peak here: 25,600 B); slack of two bf16 matrices.
     assert alone - one_expert <= 7 * 64 * 32 * (4 + 2) + 2 * 64 * 32 * 2, (alone, one_expert)
+
+
+@pytest.mark.parametrize("cls", [leanopt.Muon, leanopt.Muon8bit], ids=lambda c: c.__name__)
+def test_aux_betas_and_eps_are_the_aux_groups_defaults(cls: type) -> None:
+    """Trainer's Adam betas and eps reach the aux groups through the constructor (what
+    optimizer_cls_and_kwargs passes, and leanopt.estimate takes with the same kwargs); a group
+    that sets its own keeps them."""
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    opt = cls(model, lr=0.02, aux_betas=(0.8, 0.95), aux_eps=1e-6)
+    aux = [g for g in opt.param_groups if not g["use_muon"]]
+    assert aux and all(g["betas"] == (0.8, 0.95) and g["eps"] == 1e-6 for g in aux)
+    plain = cls(model, lr=0.02)
+    assert all(g["betas"] == (0.9, 0.999) and g["eps"] == 1e-8 for g in plain.param_groups if not g["use_muon"])
+    own = cls([{"params": [model[1].weight]}, {"params": [model[2].weight], "use_muon": False, "betas": (0.5, 0.6)}],
+              lr=0.02, aux_betas=(0.8, 0.95))  # fmt: skip
+    assert own.param_groups[1]["betas"] == (0.5, 0.6)
+    assert leanopt.estimate(model, cls, lr=0.02, aux_betas=(0.8, 0.95), aux_eps=1e-6).bytes == leanopt.estimate(model, cls).bytes

@@ -255,7 +255,11 @@ def check_loads(state_dict: Mapping[str, Any], target: str, shapes: Mapping[Any,
     try:
         cls(built).load_state_dict({**state_dict, "state": kept, "param_groups": groups})
     except ValueError as err:
-        raise ValueError(f"the result would not load into {target}: {err}") from None
+        # Where the states are another rule's (a file relabeled by hand), say so: that is the cause.
+        seen = recognize_states(state_dict)
+        target_family = getattr(cls, "family", None)
+        other = f"; its states are {seen.layout}'s (the {seen.family} rule)" if seen.family not in (None, target_family) else ""
+        raise ValueError(f"the result would not load into {target}: {err}{other}") from None
 
 
 def _convert(state_dict: Mapping[str, Any], source: str, target_cls: type[LeanOptimizer], block_size: int | None,

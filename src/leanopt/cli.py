@@ -557,7 +557,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
                             f"({_mb(row['with_momentum']['state_bytes'])} MB)" for row in stateless)  # fmt: skip
         note += f" (m=0): momentum=0, SGD's default as torch's, keeps no state; with momentum={WITH_MOMENTUM:g}: {figures}."
     if not source.exact_shapes:
-        note += " A bare count has no shapes: one 1-D tensor is assumed. n/a: the state depends on matrix shapes (Adafactor)."
+        unknown = [_class_name(row["name"]).removeprefix("leanopt.") for row in rows if row["state_bytes"] is None]
+        note += " A bare count has no shapes: one 1-D tensor is assumed."
+        if unknown:
+            note += f" n/a: the state depends on matrix shapes ({', '.join(unknown)})."
     console.print(note, style="dim", highlight=False)
     _print_modes(console, rows, source.exact_shapes)
     return 0
@@ -866,11 +869,9 @@ def _print_report(console: Console, file: str, r: StateDictReport) -> None:
         return
     elements = f", {r.param_elements:,} param elements" if r.param_elements else ""
     per_param = f", {_per_param(r.bytes_per_param)} B/param" if r.bytes_per_param else ""
-    console.print(
-        f"{r.params:,} param tensors in {len(r.groups)} group{'s' if len(r.groups) != 1 else ''} ({r.params_with_state:,} with state{elements}): "
-        f"{r.bytes:,} bytes ({_mb(r.bytes)} MB){per_param}",
-        soft_wrap=True,  # one line at any width: its figures are read together
-    )
+    # Two lines: what the file holds, then what it weighs (one line was 101 columns for a small file).
+    console.print(f"{r.params:,} param tensors in {len(r.groups)} group{'s' if len(r.groups) != 1 else ''} ({r.params_with_state:,} with state{elements})")
+    console.print(f"state: {r.bytes:,} bytes ({_mb(r.bytes)} MB){per_param}")
     if r.formats:
         console.print(f"quantized formats: {', '.join(r.formats)}")
     keys = new_table()

@@ -43,6 +43,7 @@ from leanopt.compare.protocol import MODES, unknown_mode, unknown_optimizer
 from leanopt.memory import OPTIMIZER_NAMES, resolve_optimizer
 from leanopt.optim.base import LeanOptimizer
 from leanopt.optim.lowbit import LowBit
+from leanopt.optim.muon_groups import muon_groups
 from leanopt.optim.registry import REGISTRY
 
 # A grid point: a learning rate, or RELATIVE for Adafactor's own relative step size.
@@ -192,13 +193,34 @@ class Contender:
             }
         if self.family == "plain":
             return {"lr": lr, "weight_decay": weight_decay}
+        if self.family == "muon":
+            # The update scaled to AdamW's RMS (Moonlight's rule, torch's "match_rms_adamw"): one
+            # lr serves the matrices and the AdamW-family params beside them, so the grid is AdamW's.
+            return {"lr": lr, "weight_decay": weight_decay, "adjust_lr_fn": "match_rms_adamw", "aux_betas": (0.9, 0.999),
+                    "aux_eps": 1e-8}  # fmt: skip
         kwargs: dict[str, Any] = {"lr": lr, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": weight_decay}
         if self.optimizer == "torch-adamw" and device.type in _fused_devices():
             kwargs["fused"] = True
         return kwargs
 
-    def build(self, params: Iterable[Any], *, lr: LR, weight_decay: float, device: torch.device) -> torch.optim.Optimizer:
-        return self.load()(params, **self.kwargs(lr=lr, weight_decay=weight_decay, device=device))
+    def build(self, params: Iterable[Any], *, lr: LR, weight_decay: float, device: torch.device,
+              model: torch.nn.Module | None = None) -> torch.optim.Optimizer:  # fmt: skip
+        """The optimizer over ``params`` (the decay and no-decay groups); one that splits a model by
+        what its modules are (Muon: matrices, and embeddings, head, norms and biases apart) over
+        ``model``'s groups instead, matrices decaying and vectors not, as Trainer's rule."""
+        kwargs = self.kwargs(lr=lr, weight_decay=weight_decay, device=device)
+        if self.family == "muon":
+            if model is None:
+                raise ValueError(f"{self.name} is built over a model's groups (leanopt.muon_groups): pass model=")
+            aux = {"aux_betas": kwargs.pop("aux_betas"), "aux_eps": kwargs.pop("aux_eps")}  # the groups' options
+            groups = []
+            for group in muon_groups(model, aux_weight_decay=weight_decay, **aux):
+                matrices = [p for p in group["params"] if p.dim() >= 2]
+                vectors = [p for p in group["params"] if p.dim() < 2]
+                groups += [{**group, "params": matrices}] if matrices else []
+                groups += [{**group, "params": vectors, "weight_decay": 0.0}] if vectors else []
+            return self.load()(groups, **kwargs)
+        return self.load()(params, **kwargs)
 
 
 def _fused_devices() -> list[str]:
@@ -243,7 +265,7 @@ def _class_default_lr(cls: type) -> float:
 
 def _leanopt_contender(name: str, cls: type[LeanOptimizer]) -> Contender:
     """The row of a registered leanopt optimizer, from the rule it declares (``cls.family``)."""
-    family = cls.family if cls.family in ("adamw", "adafactor") else "plain"
+    family = cls.family if cls.family in ("adamw", "adafactor", "muon") else "plain"
     # Seconds to compile on the CPU (measured here, warm to cold cache): the quantized path
     # compiles dequantize -> rule -> requantize; a dense rule other than AdamW's (torch's fused
     # kernel) and Adafactor's compiles the rule.

@@ -51,7 +51,8 @@ def _finite(x: Any) -> bool:
 # Colours far apart (every pair at least 0.25 apart in RGB, so no two rows share a hue): tab10's
 # first five, then the farthest of Kelly's maximum-contrast set, picked one at a time.
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#000000", "#000080", "#a1caf1", "#f99379",
-           "#8db600", "#654522", "#00ced1", "#dcd300", "#b3446c", "#e377c2", "#7f7f7f", "#008856", "#c2b280")
+           "#8db600", "#654522", "#00ced1", "#dcd300", "#b3446c", "#e377c2", "#7f7f7f", "#008856", "#c2b280",
+           "#ff00ff", "#0000ff", "#800000")
 
 
 def colours(names: list[str]) -> dict[str, str]:

@@ -135,6 +135,7 @@ class Workload(ABC):
             lr=lr,
             weight_decay=self.plan.weight_decay,
             device=self.device,
+            model=model,
         )
         if contender.scheduled(lr):
             torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
@@ -193,6 +194,7 @@ class LoopWorkload(Workload):
             lr=plan.lr,
             weight_decay=plan.weight_decay,
             device=self.device,
+            model=model,
         )
         # A relative step size is its own schedule (it would ignore, or break on, an external one).
         schedule = (torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(plan.steps, plan.warmup_steps))
@@ -480,6 +482,8 @@ class TrainerWorkload(Workload):
     def run(self, contender: Contender, plan: Plan, recorder: Recorder) -> Trained:
         from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
+        from leanopt.integrations.transformers import model_factory
+
         torch.manual_seed(plan.seed)
         mode = contender.mode(plan.precision)
         model = mode.cast(self.build_model())
@@ -551,7 +555,8 @@ class TrainerWorkload(Workload):
                 callbacks=[Timing()],
                 compute_metrics=classification_metrics,
                 optimizer_cls_and_kwargs=(
-                    contender.load(),
+                    # Muon is built over the model's groups: Trainer's factory protocol hands it the model.
+                    model_factory(contender.load()) if contender.family == "muon" else contender.load(),
                     contender.kwargs(lr=plan.lr, weight_decay=plan.weight_decay, device=self.device),
                 ),
             )

@@ -725,12 +725,16 @@ def resolve_model(spec: str) -> ModelSource:
 def shape_dependent(optimizer: str | type, **optimizer_kwargs: Any) -> bool:
     """Whether ``optimizer``'s state size depends on tensor shapes, not only on element counts.
 
-    True for factored states (Adafactor): a bare parameter count cannot give their size.
+    True for factored states (Adafactor) and for optimizers that treat matrices apart (Muon, which
+    refuses a 1-D tensor where it expects a matrix): a bare parameter count cannot give their size.
     """
     import torch
 
     from leanopt.memory.estimate import estimate
 
-    flat = estimate([torch.empty(4096 * 4096, device="meta")], optimizer, **optimizer_kwargs)
+    try:
+        flat = estimate([torch.empty(4096 * 4096, device="meta")], optimizer, **optimizer_kwargs)
+    except ValueError:  # the optimizer refuses a lone 1-D tensor: its state is not a function of counts
+        return True
     square = estimate([torch.empty(4096, 4096, device="meta")], optimizer, **optimizer_kwargs)
     return flat.bytes != square.bytes

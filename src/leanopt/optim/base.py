@@ -437,18 +437,20 @@ class LeanOptimizer(torch.optim.Optimizer):
             )
         cls = type(self).__name__
         saved_groups = state_dict["param_groups"]
-        if not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(self.param_groups):
-            count = len(saved_groups) if isinstance(saved_groups, (list, tuple)) else type(saved_groups).__name__
-            raise ValueError(
-                f"{cls}.load_state_dict: the state_dict has {count} param groups, the optimizer has "
-                f"{len(self.param_groups)}"
-            )
+        if not isinstance(saved_groups, (list, tuple)):
+            raise ValueError(f"{cls}.load_state_dict: 'param_groups' is a {type(saved_groups).__name__}, expected a list")
         for gi, saved in enumerate(saved_groups):
             if not isinstance(saved, Mapping) or not isinstance(saved.get("params"), (list, tuple)):
                 raise ValueError(f"{cls}.load_state_dict: param group {gi} is not a dict with a 'params' list")
         if not isinstance(state_dict["state"], Mapping):
             raise ValueError(f"{cls}.load_state_dict: 'state' is a {type(state_dict['state']).__name__}, expected a dict")
+        # Whose state it is first: another family's file is refused as such, whatever its groups.
         origin = self._loaded_identity(state_dict)
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"{cls}.load_state_dict: the state_dict has {len(saved_groups)} param groups, the optimizer has "
+                f"{len(self.param_groups)}{origin.other_rule()}"
+            )
         self.placement.wait()
         # Options a checkpoint lacks (saved before they existed) take the constructor's values,
         # as torch's optimizers do; every group is then checked as the constructor checks it.

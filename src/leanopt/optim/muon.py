@@ -215,6 +215,8 @@ class Muon(LeanOptimizer):
         adjust_lr_fn: ``None``/``"original"`` or ``"match_rms_adamw"`` (see above).
         aux: the rule of ``use_muon=False`` groups that do not name one: ``"adamw"`` (default),
             ``"adamw8bit"`` or ``"adamw4bit"``.
+        aux_betas, aux_eps: the ``betas`` and ``eps`` of ``use_muon=False`` groups that do not set
+            them (default: the aux rule's own, AdamW's ``(0.9, 0.999)`` and ``1e-8``).
         rounding: how the update is written into a bf16/fp16 param: ``"nearest"`` (default),
             ``"stochastic"`` or ``"kahan"``; see :mod:`leanopt.optim.rounding`.
         backend: the momentum's and the aux rule's backend (``"auto"``, ``"reference"``,
@@ -261,12 +263,18 @@ class Muon(LeanOptimizer):
         adjust_lr_fn: str | None = None,
         *,
         aux: str = "adamw",
+        aux_betas: tuple[float, float] | None = None,
+        aux_eps: float | None = None,
         rounding: str = "nearest",
         backend: str = "auto",
         state_dtype: torch.dtype | str = torch.float32,
         offload: str | None = None,
         process_group: Any = None,
     ) -> None:
+        # What an aux group that does not set betas or eps takes instead of its rule's defaults
+        # (Trainer's adam_beta1/2 and adam_epsilon through optimizer_cls_and_kwargs); never saved:
+        # each group holds its own once added.
+        self._aux_options = {k: v for k, v in (("betas", aux_betas), ("eps", aux_eps)) if v is not None}
         if process_group is not None and isinstance(process_group, str) and process_group != LOCAL:
             raise ValueError(f"Invalid process_group: {process_group!r} (None, a torch.distributed process group, or {LOCAL!r})")
         # Not a hyper-parameter (never saved): the ranks a step's matrices are spread over.
@@ -331,7 +339,8 @@ class Muon(LeanOptimizer):
 
     def _aux_defaults(self, group: Mapping[str, Any]) -> dict[str, Any]:
         """What an aux ``group`` takes for the keys it does not set: its rule's defaults."""
-        return {k: v for k, v in self._runner(group).defaults.items() if k not in _NOT_FROM_RUNNER}
+        options = {k: v for k, v in self._runner(group).defaults.items() if k not in _NOT_FROM_RUNNER}
+        return {**options, **self.__dict__.get("_aux_options", {})}
 
     def group_defaults(self, group: Mapping[str, Any]) -> dict[str, Any]:
         if group.get("use_muon", self.defaults["use_muon"]):
@@ -625,6 +634,8 @@ class _LowBitMuon(Muon):
         adjust_lr_fn: str | None = None,
         *,
         aux: str = "adamw",
+        aux_betas: tuple[float, float] | None = None,
+        aux_eps: float | None = None,
         block_size: int | None = None,
         min_quant_size: int = 4096,
         rounding: str = "nearest",
@@ -635,7 +646,8 @@ class _LowBitMuon(Muon):
     ) -> None:
         self._storage_options = dict(block_size=block_size, min_quant_size=min_quant_size)
         super().__init__(params, lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn, aux=aux,
-                         rounding=rounding, backend=backend, state_dtype=state_dtype, offload=offload,
+                         aux_betas=aux_betas, aux_eps=aux_eps, rounding=rounding, backend=backend, state_dtype=state_dtype,
+                         offload=offload,
                          process_group=process_group)  # fmt: skip
 
 
