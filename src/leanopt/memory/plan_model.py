@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from leanopt.memory.estimate import resolve_optimizer, unique_params
-from leanopt.memory.plan_trace import Options, ParamKey, swapped_copy
+from leanopt.memory.plan_trace import Options, ParamKey, built_over, swapped_copy
 from leanopt.optim.base import LeanOptimizer
 from leanopt.optim.rounding import LOW_PRECISION
 
@@ -32,11 +32,13 @@ __all__ = [
     "num_labels",
     "one_line",
     "optimizer_factory",
+    "orthogonalization_flops",
     "over_model",
     "param_keys",
     "param_shapes",
     "steps_each_param_alone",
     "task_of",
+    "trainable_params",
     "vocab_size",
 ]
 
@@ -191,6 +193,31 @@ def param_keys(model: torch.nn.Module, optimizer: str, dtype: torch.dtype) -> li
                 for p in group["params"]:
                     options.setdefault(id(p), frozen)
     return [(shape, dt, options.get(id(p), ())) for p, (shape, dt) in zip(_unique_trainable(model), param_shapes(model, dtype), strict=True)]
+
+
+def orthogonalization_flops(model: torch.nn.Module, optimizer: str) -> int | None:
+    """Floating-point operations of one ``optimizer.step()`` over ``model`` spent orthogonalizing
+    matrices by Newton-Schulz (:func:`leanopt.kernels.newton_schulz.flops`, each param of a group
+    with ``use_muon`` and ``ns_steps``, by the group's ``ns_steps`` and ``flatten``); None for an
+    optimizer with no such group. Nothing is allocated (the optimizer is built over meta params)."""
+    from leanopt.kernels import newton_schulz
+
+    cls = resolve_optimizer(optimizer)
+    if not issubclass(cls, LeanOptimizer):
+        return None
+    keys = param_keys(model, optimizer, torch.float32)
+    params = [torch.nn.Parameter(torch.empty(shape, dtype=dtype, device="meta")) for shape, dtype, _ in keys]
+    make: Callable[..., torch.optim.Optimizer] = cls  # the concrete class, as optimizer_factory builds it
+    opt = make(built_over(params, [o for _, _, o in keys]))
+    groups = [g for g in opt.param_groups if g.get("use_muon") and "ns_steps" in g]
+    if not groups:
+        return None
+    return sum(newton_schulz.flops(tuple(p.shape), int(g["ns_steps"]), bool(g.get("flatten", False))) for g in groups for p in g["params"])
+
+
+def trainable_params(model: torch.nn.Module) -> int:
+    """Elements of ``model``'s unique trainable params."""
+    return sum(p.numel() for p in _unique_trainable(model))
 
 
 def _frozen_options(group: dict[str, Any]) -> Options:
