@@ -121,7 +121,9 @@ ROUNDINGS = ("kahan", "stochastic", "nearest")
 DEFAULT_ROUNDINGS = ("kahan", "stochastic")
 # Exact fp32 moments, then 8-bit and 4-bit block-quantized moments, then a factored second
 # moment without a first moment (a different algorithm, the least information kept).
-_OPTIMIZER_RANK = ("adamw", "torch-adamw", "adamw8bit", "adamw4bit", "adafactor", "hf-adafactor", "torch-adafactor")
+# Muon (another rule: orthogonalized momentum) after them, its fp32, 8-bit and 4-bit momentum in that order.
+_OPTIMIZER_RANK = ("adamw", "torch-adamw", "adamw8bit", "adamw4bit", "adafactor", "hf-adafactor", "torch-adafactor",
+                   "muon", "muon8bit", "muon4bit")  # fmt: skip
 DEFAULT_OPTIMIZERS = ("adamw", "adamw8bit", "adamw4bit", "adafactor")
 
 
