@@ -652,6 +652,8 @@ def _flops(n: float) -> str:
 def _newton_schulz_lines(rows: list[Any]) -> list[str]:
     """One line per distinct Newton-Schulz cost among ``rows`` (Muon's): its FLOPs per step beside
     the model's forward and backward."""
+    from leanopt.memory.plan import FLOPS_PER_PARAM_TOKEN
+
     by_cost: dict[Any, list[str]] = {}
     for r in rows:
         if r.newton_schulz is not None:
@@ -659,7 +661,8 @@ def _newton_schulz_lines(rows: list[Any]) -> list[str]:
             if r.optimizer not in names:
                 names.append(r.optimizer)
     return [f"Newton-Schulz ({', '.join(names)}): {_flops(c.flops)} per step, {100 * c.share:.1f} % of the model's forward+backward "
-            f"({_flops(c.model_flops)}: 6 x {c.params:,} trainable params x {c.tokens:,} tokens)" for c, names in by_cost.items()]
+            f"({_flops(c.model_flops)}: {FLOPS_PER_PARAM_TOKEN} x {c.params:,} trainable params x {c.tokens:,} tokens)"
+            for c, names in by_cost.items()]  # fmt: skip
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
