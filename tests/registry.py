@@ -114,8 +114,7 @@ class OptimizerCase:
     param_groups: Callable[[Any], Any] = field(default=lambda model: _params(model))
     # Runs on FSDP2 (DTensor) params (tests/test_distributed.py, the DCP conversions).
     sharded: bool = True
-    # leanopt.plan and leanopt.doctor model its step (tests/test_doctor.py). Muon's (its
-    # Newton-Schulz temporaries, its groups of a model) is not modelled yet.
+    # leanopt.plan and leanopt.doctor model its step (tests/test_doctor.py).
     planned: bool = True
 
     def __str__(self) -> str:  # pytest ids
@@ -317,16 +316,16 @@ MUON_ROUNDING_DRIFT = {"stochastic": 0.8, "kahan": 0.3}
 MUON_ARGS = lambda args: {"weight_decay": args.weight_decay, "adjust_lr_fn": "match_rms_adamw",  # noqa: E731
                           "aux_betas": (args.adam_beta1, args.adam_beta2), "aux_eps": args.adam_epsilon}
 OPTIMIZERS += [
-    OptimizerCase("muon", leanopt.Muon, {"lr": 0.02}, MUON_INVALID, param_groups=leanopt.muon_groups, bytes_per_param=4.0, planned=False, rounding_drift=MUON_ROUNDING_DRIFT,
+    OptimizerCase("muon", leanopt.Muon, {"lr": 0.02}, MUON_INVALID, param_groups=leanopt.muon_groups, bytes_per_param=4.0, rounding_drift=MUON_ROUNDING_DRIFT,
                   family="muon", represents=True,
                   reference=Reference("torch.optim.Muon", ({}, {"nesterov": False, "adjust_lr_fn": "match_rms_adamw"}), rtol=0.0,
                                       shape=(96, 40)),
                   from_training_args=MUON_ARGS),  # fmt: skip
     OptimizerCase("muon8bit", leanopt.Muon8bit, {"lr": 0.02}, MUON_INVALID + STORAGE_INVALID, param_groups=leanopt.muon_groups,
-                  bytes_per_param=1.02, from_training_args=MUON_ARGS, planned=False, rounding_drift=MUON_ROUNDING_DRIFT,
+                  bytes_per_param=1.02, from_training_args=MUON_ARGS, rounding_drift=MUON_ROUNDING_DRIFT,
                   family="muon"),  # fmt: skip
     OptimizerCase("muon4bit", leanopt.Muon4bit, {"lr": 0.02}, MUON_INVALID + STORAGE_INVALID, param_groups=leanopt.muon_groups,
-                  bytes_per_param=0.54, from_training_args=MUON_ARGS, planned=False, rounding_drift=MUON_ROUNDING_DRIFT,
+                  bytes_per_param=0.54, from_training_args=MUON_ARGS, rounding_drift=MUON_ROUNDING_DRIFT,
                   family="muon"),  # fmt: skip
 ]
 

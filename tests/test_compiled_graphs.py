@@ -107,10 +107,10 @@ def test_a_planned_gpu_step_compiles_nothing_and_counts_the_graphs_temporaries(m
     monkeypatch.setattr(torch, "compile", refuse)
     shape = (64, 256)
     with FakeTensorMode(), traced_kernels("cuda"):
-        steps = traced_param_steps([(shape, torch.float32)], cls, device="cuda")
+        steps = traced_param_steps([(shape, torch.float32, ())], cls, device="cuda")
     quantized = hasattr(cls, "state_bits")
     temporaries = graphs.QUANTIZED_TEMP_BYTES[8] * 64 * 256 if quantized else 0
-    assert steps.transient[shape, torch.float32] >= temporaries
+    assert steps.transient[shape, torch.float32, ()] >= temporaries
 
 
 # ---- the graphs against the reference, on the CPU --------------------------------------------------

@@ -17,6 +17,7 @@ import leanopt
 from leanopt import cli
 from leanopt.memory.doctor import CATEGORIES, TENSOR_CATEGORIES, doctor, render
 from leanopt.memory.estimate import estimate
+from leanopt.memory.plan_model import over_model
 from registry import OPTIMIZERS
 
 MiB = 2**20
@@ -34,7 +35,8 @@ def _own_cache(tmp_path, monkeypatch):
 def _setup(seed: int = 0, optimizer: str = "adamw", batch: int = 8, seq: int = 32):
     torch.manual_seed(seed)
     model = transformers.DistilBertForSequenceClassification(transformers.DistilBertConfig(**TINY_DISTILBERT))
-    opt = leanopt.memory.resolve_optimizer(optimizer)(model.parameters())
+    cls = leanopt.memory.resolve_optimizer(optimizer)
+    opt = cls(over_model(cls, model))  # Muon: its groups of the model
     ids = torch.randint(0, 2000, (batch, seq))
     return model, opt, {"input_ids": ids, "labels": torch.randint(0, 3, (batch,))}
 

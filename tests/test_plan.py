@@ -190,15 +190,24 @@ def _released_direct(model, optimizer, precision, rounding, ckpt, batch, seq) ->
     optimizer stepping inside backward (its state made by a first, plain step)."""
     import leanopt
     from leanopt.memory import plan_model as P
-    from leanopt.memory.plan_trace import LiveStorage, state_tensors, traced_batch, traced_forward_backward, traced_kernels, track_module
+    from leanopt.memory.plan_trace import (
+        LiveStorage,
+        built_over,
+        state_tensors,
+        traced_batch,
+        traced_forward_backward,
+        traced_kernels,
+        track_module,
+    )
 
     fake_mode, tracker = P.fake_mode(), LiveStorage()
+    options = [o for _, _, o in P.param_keys(model, optimizer, P.PARAM_DTYPE[precision])]  # Muon: its groups of the model
     model, params = P.fake_copy(model, fake_mode, P.PARAM_DTYPE[precision])
     with P.checkpointing(model, ckpt):
         model.train()
         with traced_kernels(), fake_mode, tracker:
             track_module(tracker, model)
-            opt = P.optimizer_factory(optimizer, rounding)(params)
+            opt = P.optimizer_factory(optimizer, rounding)(built_over(params, options))
             for p in params:
                 p.grad = torch.empty_like(p)
             opt.step()

@@ -645,6 +645,29 @@ class _MeasuringOnStderr:
         self.logger.setLevel(self.level)
 
 
+def _flops(n: float) -> str:
+    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n:,.0f} FLOP"
+
+
+def _newton_schulz_lines(rows: list[Any]) -> list[str]:
+    """One line per distinct Newton-Schulz cost among ``rows`` (Muon's): its FLOPs per step beside
+    the model's forward and backward."""
+    from leanopt.memory.plan import FLOPS_PER_PARAM_TOKEN
+
+    by_cost: dict[Any, list[str]] = {}
+    for r in rows:
+        if r.newton_schulz is not None:
+            names = by_cost.setdefault(r.newton_schulz, [])
+            if r.optimizer not in names:
+                names.append(r.optimizer)
+    return [f"Newton-Schulz ({', '.join(names)}): {_flops(c.flops)} per step, {100 * c.share:.1f} % of the model's forward+backward "
+            f"({_flops(c.model_flops)}: {FLOPS_PER_PARAM_TOKEN} x {c.params:,} trainable params x {c.tokens:,} tokens)"
+            for c, names in by_cost.items()]  # fmt: skip
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     """``leanopt plan``: a table ranked by precision kept (or ``--json``); errors are ValueErrors."""
     if sys.stderr.isatty():  # at once, for the one watching (a script's stderr keeps its one-line errors)
@@ -704,6 +727,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print_table(console, table, keys=len(left))
     console.print("step MB = " + " + ".join(PLAN_HEADERS.get(k, k) + (f" ({k.replace('_', ' ')})" if k in PLAN_HEADERS else "")
                                             for k in KINDS), style="dim", highlight=False)  # fmt: skip
+    for line in _newton_schulz_lines(rows):
+        console.print(line, highlight=False)
     in_step = [r for r in rows if r.peak_in == "optimizer step"]
     if in_step:
         rounded = [r.breakdown["other"] for r in in_step if r.rounding in ("kahan", "stochastic")]

@@ -549,7 +549,7 @@ def build_and_diagnose(spec: str, *, batch: int, seq: int, optimizer: str = "ada
 
     from leanopt.memory.estimate import resolve_optimizer
     from leanopt.memory.plan import PLAN_PRECISIONS
-    from leanopt.memory.plan_model import check_positions, num_labels, task_of, vocab_size
+    from leanopt.memory.plan_model import check_positions, num_labels, over_model, task_of, vocab_size
     from leanopt.memory.presets import resolve_model
 
     for name, value in (("batch", batch), ("seq", seq)):
@@ -583,7 +583,7 @@ def build_and_diagnose(spec: str, *, batch: int, seq: int, optimizer: str = "ada
             (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     kwargs = {"rounding": rounding} if rounding and precision == "bf16" else {}
     try:
-        opt = cls(model.parameters(), **kwargs)
+        opt = cls(over_model(cls, model), **kwargs)
     except TypeError as err:
         raise ValueError(f"{optimizer} takes no rounding= ({err})") from None
     ids = torch.randint(0, vocab, (batch, seq), device=device)

@@ -78,7 +78,15 @@ import torch
 
 from leanopt.memory import process as process_needs
 from leanopt.memory.estimate import resolve_optimizer
-from leanopt.memory.plan_model import PARAM_DTYPE, check_positions, load_model, param_shapes, task_of
+from leanopt.memory.plan_model import (
+    PARAM_DTYPE,
+    check_positions,
+    load_model,
+    orthogonalization_flops,
+    param_shapes,
+    task_of,
+    trainable_params,
+)
 from leanopt.memory.plan_step import StepPeak, Traces, combine, combine_offloaded, combine_released
 from leanopt.memory.plan_trace import KINDS
 from leanopt.optim.base import LeanOptimizer
@@ -86,7 +94,9 @@ from leanopt.optim.base import LeanOptimizer
 __all__ = [
     "DEFAULT_OPTIMIZERS",
     "DEFAULT_ROUNDINGS",
+    "FLOPS_PER_PARAM_TOKEN",
     "KINDS",
+    "NewtonSchulzCost",
     "PLAN_PRECISIONS",
     "ROUNDINGS",
     "PlanRequest",
@@ -94,6 +104,7 @@ __all__ = [
     "Setup",
     "check_request",
     "evaluate",
+    "newton_schulz_cost",
     "nothing_fits",
     "parse_bytes",
     "plan",
@@ -110,8 +121,36 @@ ROUNDINGS = ("kahan", "stochastic", "nearest")
 DEFAULT_ROUNDINGS = ("kahan", "stochastic")
 # Exact fp32 moments, then 8-bit and 4-bit block-quantized moments, then a factored second
 # moment without a first moment (a different algorithm, the least information kept).
-_OPTIMIZER_RANK = ("adamw", "torch-adamw", "adamw8bit", "adamw4bit", "adafactor", "hf-adafactor", "torch-adafactor")
+# Muon (another rule: orthogonalized momentum) after them, its fp32, 8-bit and 4-bit momentum in that order.
+_OPTIMIZER_RANK = ("adamw", "torch-adamw", "adamw8bit", "adamw4bit", "adafactor", "hf-adafactor", "torch-adafactor",
+                   "muon", "muon8bit", "muon4bit")  # fmt: skip
 DEFAULT_OPTIMIZERS = ("adamw", "adamw8bit", "adamw4bit", "adafactor")
+
+
+# The model's forward and backward FLOPs per token: the usual estimate, 2 per param and token
+# forward, 4 backward, over every trainable param (embeddings included; attention's seq^2 terms
+# left out).
+FLOPS_PER_PARAM_TOKEN = 6
+
+
+@dataclass(frozen=True)
+class NewtonSchulzCost:
+    """What one optimizer step spends orthogonalizing (Muon: Newton-Schulz, ``flops``) beside the
+    model's forward and backward over the step's ``tokens`` (``model_flops``: 6 x ``params``
+    trainable params x ``tokens``, :data:`FLOPS_PER_PARAM_TOKEN`). ``share``: their ratio."""
+
+    flops: int
+    model_flops: int
+    params: int
+    tokens: int
+
+    @property
+    def share(self) -> float:
+        return self.flops / self.model_flops if self.model_flops else float("inf")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"flops": self.flops, "model_flops": self.model_flops, "share": self.share, "trainable_params": self.params,
+                "tokens": self.tokens, "model_flops_estimate": f"{FLOPS_PER_PARAM_TOKEN} x trainable_params x tokens"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -128,6 +167,10 @@ class PlanRow:
     nothing runs with: ``one_time["glibc_heap"]`` is what its heap keeps over the live tensors;
     ``process_bytes_pinned`` is the figure without it, for a process that called
     :func:`leanopt.pin_allocator` first (or set ``MALLOC_MMAP_THRESHOLD_=65536``).
+
+    ``newton_schulz``: for an optimizer that orthogonalizes matrices (Muon), the Newton-Schulz
+    FLOPs of a step beside the model's forward and backward FLOPs (:class:`NewtonSchulzCost`);
+    None (and no ``newton_schulz`` key in :meth:`as_dict`) for the others.
 
     ``peak_in``: where the step peaks, ``"forward/backward"``, ``"optimizer step"`` (the breakdown
     then has no activations: they were freed; checkpointing does not lower such a peak) or
@@ -155,6 +198,7 @@ class PlanRow:
     process_bytes_pinned: int | None = None  # process_bytes with leanopt.pin_allocator() (no glibc heap margin)
     peak_in: str = ""  # forward/backward, optimizer step, backward (release)
     floor_bytes: int = 0  # needed at any batch and seq (a lower bound)
+    newton_schulz: NewtonSchulzCost | None = None  # an optimizer that orthogonalizes matrices (Muon): its FLOPs per step
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -177,6 +221,8 @@ class PlanRow:
             "host_bytes": self.host_bytes,
             "peak_in": self.peak_in,
             "floor_bytes": self.floor_bytes,
+            # only for an optimizer that orthogonalizes (Muon): the other rows keep their keys
+            **({"newton_schulz": self.newton_schulz.as_dict()} if self.newton_schulz is not None else {}),
         }
 
 
@@ -412,7 +458,19 @@ def evaluate(request: PlanRequest, setup: Setup, peak: StepPeak, measured: dict[
     return PlanRow(setup.optimizer, setup.precision, setup.checkpointing, setup.grad_release, request.gpus, peak.bytes, fits,
                    peak.breakdown, setup.rounding, needed, dict(cost.parts) if cost is not None else {},
                    "process=False" if cost is None else cost.source, request.accum, compared, setup.offload, host,
-                   process_bytes_pinned=pinned, peak_in=peak.phase, floor_bytes=floor)  # fmt: skip
+                   process_bytes_pinned=pinned, peak_in=peak.phase, floor_bytes=floor,
+                   newton_schulz=newton_schulz_cost(request, setup.optimizer))  # fmt: skip
+
+
+def newton_schulz_cost(request: PlanRequest, optimizer: str) -> NewtonSchulzCost | None:
+    """The Newton-Schulz FLOPs of ``optimizer``'s step over the model beside the model's forward
+    and backward over one step's tokens (``batch`` x ``seq`` x ``accum``, one process); None for
+    an optimizer that does not orthogonalize."""
+    flops = orthogonalization_flops(request.module, optimizer)
+    if flops is None:
+        return None
+    params, tokens = trainable_params(request.module), request.batch * request.seq * request.accum
+    return NewtonSchulzCost(flops, FLOPS_PER_PARAM_TOKEN * params * tokens, params, tokens)
 
 
 def _host_bytes(module: torch.nn.Module, optimizer: str, precision: str, release: bool) -> int:

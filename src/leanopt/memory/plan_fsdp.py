@@ -29,6 +29,7 @@ import torch
 
 from leanopt.memory.plan_model import PARAM_DTYPE, checkpointing, fake_copy, fake_mode, num_labels, vocab_size
 from leanopt.memory.plan_trace import (
+    ParamKey,
     Peak,
     ShardedLiveStorage,
     traced_batch,
@@ -153,7 +154,7 @@ class _Holder(torch.nn.Module):
         self.params = torch.nn.ParameterList(params)
 
 
-def trace_step(shapes: list[tuple[tuple[int, ...], torch.dtype]], optimizer_cls: Any, gpus: int) -> tuple[Peak, dict[str, int]]:
+def trace_step(keys: list[ParamKey], optimizer_cls: Any, gpus: int) -> tuple[Peak, dict[str, int]]:
     """Peak of rank 0's second ``optimizer.step()`` on params sharded as FSDP2 shards them (with
     their sharded gradients), and what it keeps between steps other than weights."""
     from torch.distributed.fsdp import fully_shard
@@ -163,12 +164,12 @@ def trace_step(shapes: list[tuple[tuple[int, ...], torch.dtype]], optimizer_cls:
     with fake_process_group(gpus), traced_kernels():
         mesh = default_mesh()
         with mode:
-            holder = _Holder([torch.nn.Parameter(torch.empty(s, dtype=dt)) for s, dt in shapes])
+            holder = _Holder([torch.nn.Parameter(torch.empty(s, dtype=dt)) for s, dt, _ in keys])
             fully_shard(holder, mesh=mesh)
         params = list(holder.parameters())
         with mode, tracker:
             # Two whole steps: the layout-and-throwaway shortcut of the one-process trace would fill the
             # caches from unsharded params.
-            peak, kept = traced_steps(tracker, params, optimizer_cls, fast=False)
+            peak, kept = traced_steps(tracker, params, optimizer_cls, fast=False, options=[o for _, _, o in keys])
             del params, holder
     return peak, kept

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from leanopt.memory.estimate import resolve_optimizer, unique_params
-from leanopt.memory.plan_trace import swapped_copy
+from leanopt.memory.plan_trace import Options, ParamKey, built_over, swapped_copy
 from leanopt.optim.base import LeanOptimizer
 from leanopt.optim.rounding import LOW_PRECISION
 
@@ -32,9 +32,13 @@ __all__ = [
     "num_labels",
     "one_line",
     "optimizer_factory",
+    "orthogonalization_flops",
+    "over_model",
+    "param_keys",
     "param_shapes",
     "steps_each_param_alone",
     "task_of",
+    "trainable_params",
     "vocab_size",
 ]
 
@@ -149,7 +153,8 @@ def checkpointing(model: torch.nn.Module, on: bool) -> Iterator[None]:
 
 
 def optimizer_factory(optimizer: str, rounding: str | None, device: str = "cpu") -> Any:
-    """A constructor of the registered ``optimizer`` over a param list, with ``rounding=`` bound
+    """A constructor of the registered ``optimizer`` over params or param groups (what
+    :func:`~leanopt.memory.plan_trace.built_over` makes of :func:`param_keys`), with ``rounding=`` bound
     (leanopt's), or ``foreach=True`` bound where torch's own takes it on CUDA params."""
     cls = resolve_optimizer(optimizer)
     # The class as the constructor it is: the keywords bound below are the concrete class's own
@@ -164,8 +169,74 @@ def optimizer_factory(optimizer: str, rounding: str | None, device: str = "cpu")
 
 def param_shapes(model: torch.nn.Module, dtype: torch.dtype) -> Shapes:
     """(shape, dtype) of each unique trainable param of ``model``, floating ones in ``dtype``."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    return [(tuple(p.shape), dtype if p.is_floating_point() else p.dtype) for p in unique_params(trainable)]
+    return [(tuple(p.shape), dtype if p.is_floating_point() else p.dtype) for p in _unique_trainable(model)]
+
+
+def over_model(cls: type, model: torch.nn.Module) -> Any:
+    """What ``cls`` is built over to train the whole (real) ``model``: a leanopt optimizer's
+    ``groups_for_model`` (Muon: its matrices and its aux group), another's ``model.parameters()``."""
+    return cls.groups_for_model(model) if issubclass(cls, LeanOptimizer) else model.parameters()
+
+
+def param_keys(model: torch.nn.Module, optimizer: str, dtype: torch.dtype) -> list[ParamKey]:
+    """``(shape, dtype, group options)`` of each unique trainable param of ``model`` (floating ones
+    in ``dtype``), in the order of ``model.parameters()``: the options of the param group
+    ``optimizer`` puts it in when built over the whole model (``groups_for_model``: Muon's
+    matrices, and its aux group of embeddings, head, norms and biases), ``()`` where it takes
+    the optimizer's defaults."""
+    cls = resolve_optimizer(optimizer)
+    options: dict[int, Options] = {}
+    if issubclass(cls, LeanOptimizer):
+        for group in cls.groups_for_model(model):
+            if isinstance(group, dict):
+                frozen = _frozen_options(group)
+                for p in group["params"]:
+                    options.setdefault(id(p), frozen)
+    return [(shape, dt, options.get(id(p), ())) for p, (shape, dt) in zip(_unique_trainable(model), param_shapes(model, dtype), strict=True)]
+
+
+def orthogonalization_flops(model: torch.nn.Module, optimizer: str) -> int | None:
+    """Floating-point operations of one ``optimizer.step()`` over ``model`` spent orthogonalizing
+    matrices by Newton-Schulz (:func:`leanopt.kernels.newton_schulz.flops`, each param of a group
+    with ``use_muon`` and ``ns_steps``, by the group's ``ns_steps`` and ``flatten``); None for an
+    optimizer with no such group. Nothing is allocated (the optimizer is built over meta params)."""
+    from leanopt.kernels import newton_schulz
+
+    cls = resolve_optimizer(optimizer)
+    if not issubclass(cls, LeanOptimizer):
+        return None
+    keys = param_keys(model, optimizer, torch.float32)
+    params = [torch.nn.Parameter(torch.empty(shape, dtype=dtype, device="meta")) for shape, dtype, _ in keys]
+    make: Callable[..., torch.optim.Optimizer] = cls  # the concrete class, as optimizer_factory builds it
+    opt = make(built_over(params, [o for _, _, o in keys]))
+    groups = [g for g in opt.param_groups if g.get("use_muon") and "ns_steps" in g]
+    if not groups:
+        return None
+    return sum(newton_schulz.flops(tuple(p.shape), int(g["ns_steps"]), bool(g.get("flatten", False))) for g in groups for p in g["params"])
+
+
+def trainable_params(model: torch.nn.Module) -> int:
+    """Elements of ``model``'s unique trainable params."""
+    return sum(p.numel() for p in _unique_trainable(model))
+
+
+def _frozen_options(group: dict[str, Any]) -> Options:
+    """A param group's options but its params, as sorted (key, value) pairs; lists as tuples."""
+    items = []
+    for k, v in sorted(group.items()):
+        if k == "params":
+            continue
+        value = tuple(v) if isinstance(v, list) else v
+        try:
+            hash(value)
+        except TypeError:
+            raise ValueError(f"cannot plan a param group whose {k!r} is {type(v).__name__}") from None
+        items.append((k, value))
+    return tuple(items)
+
+
+def _unique_trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return unique_params([p for p in model.parameters() if p.requires_grad])
 
 
 def steps_each_param_alone(optimizer: str, rounding: str | None, dtype: torch.dtype) -> bool:

@@ -24,13 +24,14 @@ from leanopt.memory.plan_model import (
     num_labels,
     one_line,
     optimizer_factory,
-    param_shapes,
+    param_keys,
     steps_each_param_alone,
     vocab_size,
 )
 from leanopt.memory.plan_trace import (
     KINDS,
     LiveStorage,
+    ParamKey,
     ParamSteps,
     Peak,
     rounded_step_peak,
@@ -127,29 +128,32 @@ def trace_step(
     model: torch.nn.Module, optimizer: str, dtype: torch.dtype, gpus: int = 1, rounding: str | None = None,
     param_steps: ParamSteps | None = None, *, fast: bool = True, device: str = "cpu",
 ) -> Step:  # fmt: skip
-    """The steady-state ``optimizer.step()`` of ``model``'s params in ``dtype``. A step that updates
-    each param alone (:func:`~leanopt.memory.plan_model.steps_each_param_alone`) is put together
-    from the step of one param of each shape (``param_steps``, traced here if not given) unless
-    ``fast`` is False."""
+    """The steady-state ``optimizer.step()`` of ``model``'s params in ``dtype``, the optimizer built
+    over them as over the model (:func:`~leanopt.memory.plan_model.param_keys`: Muon's groups). A
+    step that updates each param alone (:func:`~leanopt.memory.plan_model.steps_each_param_alone`)
+    is put together from the step of one param of each shape and group (``param_steps``, traced
+    here if not given) unless ``fast`` is False."""
     cls = optimizer_factory(optimizer, rounding, device)
-    shapes = param_shapes(model, dtype)
+    keys = param_keys(model, optimizer, dtype)
+    options = [o for _, _, o in keys]
     if gpus > 1:
         from leanopt.memory.plan_fsdp import trace_step as trace_sharded
 
-        return Step(*trace_sharded(shapes, cls, gpus))
+        return Step(*trace_sharded(keys, cls, gpus))
     if fast and steps_each_param_alone(optimizer, rounding, dtype):
-        steps = param_steps or trace_param_steps(shapes, optimizer, rounding, device)
-        return Step(*rounded_step_peak(shapes, steps, device))
+        steps = param_steps or trace_param_steps(keys, optimizer, rounding, device)
+        return Step(*rounded_step_peak(keys, steps, device))
     tracker = LiveStorage(device)
     with traced_kernels(device), fake_mode(), tracker:
-        peak, kept = traced_steps(tracker, [torch.nn.Parameter(torch.empty(s, dtype=dt)) for s, dt in shapes], cls, fast=fast)
+        params = [torch.nn.Parameter(torch.empty(s, dtype=dt)) for s, dt, _ in keys]
+        peak, kept = traced_steps(tracker, params, cls, fast=fast, options=options)
     return Step(peak, kept)
 
 
-def trace_param_steps(shapes: Shapes, optimizer: str, rounding: str | None, device: str = "cpu") -> ParamSteps:
-    """The step of one param of each shape, alone (:func:`~leanopt.memory.plan_trace.traced_param_steps`)."""
+def trace_param_steps(keys: list[ParamKey], optimizer: str, rounding: str | None, device: str = "cpu") -> ParamSteps:
+    """The step of one param of each shape and group, alone (:func:`~leanopt.memory.plan_trace.traced_param_steps`)."""
     with traced_kernels(device), fake_mode():
-        return traced_param_steps(shapes, optimizer_factory(optimizer, rounding, device), device)
+        return traced_param_steps(keys, optimizer_factory(optimizer, rounding, device), device)
 
 
 # ---- combining the traces -------------------------------------------------------------------------
@@ -178,8 +182,10 @@ def combine_released(fb: ForwardBackward, step: Step, param_steps: ParamSteps) -
     state and workspaces (``step.kept``) are live throughout."""
     assert fb.released is not None
     best, extra = fb.released, 0
+    keys = param_steps.keys
+    assert [(s, d) for s, d, _ in keys] == fb.shapes, "the per-param steps were traced for another model's params"
     for index, live in fb.hooks:
-        added = param_steps.transient[fb.shapes[index]]
+        added = param_steps.transient[keys[index]]
         if live.bytes + added > best.bytes + extra:
             best, extra = live, added
     breakdown = dict(best.breakdown)
@@ -190,7 +196,7 @@ def combine_released(fb: ForwardBackward, step: Step, param_steps: ParamSteps) -
     # At any batch: the weights and what the optimizer keeps, and at some hook a param's gradient
     # and its step's transient.
     weights = sum(_nbytes(fb.shapes, "cpu"))
-    stepped = max((n + param_steps.transient[key] for n, key in zip(_nbytes(fb.shapes, "cpu"), fb.shapes)), default=0)
+    stepped = max((n + param_steps.transient[key] for n, key in zip(_nbytes(fb.shapes, "cpu"), keys)), default=0)
     floor = weights + sum(step.kept.values()) + stepped
     return StepPeak(best.bytes + extra + sum(step.kept.values()), _by_kind(breakdown), sizes, "backward", floor)
 
@@ -260,7 +266,7 @@ class Traces:
         what = f"{optimizer}.step() on fake tensors ({precision}{f', rounding={rounding}' if rounding else ''})"
         try:
             if key not in self._param_steps and (release or steps_each_param_alone(optimizer, rounding, dtype)):
-                self._param_steps[key] = trace_param_steps(param_shapes(self.module, dtype), optimizer, rounding, self.device)
+                self._param_steps[key] = trace_param_steps(param_keys(self.module, optimizer, dtype), optimizer, rounding, self.device)
             if key not in self._steps:
                 self._steps[key] = trace_step(self.module, optimizer, dtype, self.gpus, rounding, self._param_steps.get(key),
                                               device=self.device)  # fmt: skip

@@ -74,6 +74,13 @@ KINDS = ("weights", "gradients", "optimizer_state", "activations", "other")
 # (measured; the kernel's own figure, which its stand-in in a trace allocates).
 QUANTIZED_TEMP_BYTES = cpu_elementwise.QUANTIZED_TEMP_BYTES
 
+# A param group's options other than its params, hashable (sorted (key, value) pairs): ``()`` for
+# an optimizer built over a plain list of params. A traced param is known by its
+# ``(shape, dtype, options)`` (:data:`ParamKey`): a Muon matrix and an embedding of the same shape
+# are stepped by different rules.
+Options = tuple[tuple[str, Any], ...]
+ParamKey = tuple[tuple[int, ...], torch.dtype, Options]
+
 # What a new storage is, by the phase that made it, until something relabels it.
 # A forward under autocast ("autocast forward") also keeps a low-precision copy of each weight it
 # casts until backward: LiveStorage counts such a copy as weights.
@@ -535,10 +542,25 @@ def _forward_backward(
     return loss
 
 
-def traced_steps(tracker: LiveStorage, params: list[torch.nn.Parameter], optimizer_cls: Any, *, fast: bool = True) -> tuple[Peak, dict[str, int]]:
+def built_over(params: list[torch.nn.Parameter], options: list[Options] | None = None) -> list[Any]:
+    """What an optimizer is built over: ``params`` as they are where each takes the optimizer's
+    defaults, else one param group per distinct options (in the order first seen), as
+    ``cls.groups_for_model`` groups the model's params (Muon's matrices and its aux group)."""
+    if options is None or not any(options):
+        return list(params)
+    groups: dict[Options, list[torch.nn.Parameter]] = {}
+    for p, o in zip(params, options, strict=True):
+        groups.setdefault(o, []).append(p)
+    return [{**dict(o), "params": ps} for o, ps in groups.items()]
+
+
+def traced_steps(
+    tracker: LiveStorage, params: list[torch.nn.Parameter], optimizer_cls: Any, *, fast: bool = True,
+    options: list[Options] | None = None,
+) -> tuple[Peak, dict[str, int]]:  # fmt: skip
     """``optimizer.step(); zero_grad(set_to_none=True)`` in steady state under ``tracker``: its
     peak (the state exists before it, as in every step after the first) and what stays between
-    steps other than weights.
+    steps other than weights. ``options``: each param's group options (:func:`built_over`).
 
     The first step of a run makes the state and fills the optimizers' caches and workspaces; the
     trace needs only what it leaves. With ``fast`` and a leanopt optimizer it is not traced: the
@@ -551,7 +573,7 @@ def traced_steps(tracker: LiveStorage, params: list[torch.nn.Parameter], optimiz
 
     for p in params:
         tracker.track(p, "weights")
-    opt = optimizer_cls(params)
+    opt = optimizer_cls(built_over(params, options))
     steps = 2
     if fast and isinstance(opt, LeanOptimizer):
         steps = 1
@@ -561,7 +583,8 @@ def traced_steps(tracker: LiveStorage, params: list[torch.nn.Parameter], optimiz
                 init_state(opt, p, group)
         _track_state(tracker, opt)
         tracker.phase = "step"
-        _fill_caches(optimizer_cls, [(tuple(p.shape), p.dtype) for p in params])
+        keys = [(tuple(p.shape), p.dtype, o) for p, o in zip(params, options or [()] * len(params), strict=True)]
+        _fill_caches(optimizer_cls, keys)
     for it in range(steps):
         tracker.phase = "setup"
         for p in params:
@@ -583,11 +606,13 @@ def _track_state(tracker: LiveStorage, opt: torch.optim.Optimizer) -> None:
             tracker.track(t, "optimizer_state")
 
 
-def _fill_caches(optimizer_cls: Any, shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> None:
-    """One step of a throwaway optimizer over one param of each distinct shape: the caches and
-    workspaces the optimizer's kernels keep (module-level) are made, as a first step makes them."""
-    params = [torch.nn.Parameter(torch.empty(shape, dtype=dtype)) for shape, dtype in dict.fromkeys(shapes)]
-    opt = optimizer_cls(params)
+def _fill_caches(optimizer_cls: Any, keys: list[ParamKey]) -> None:
+    """One step of a throwaway optimizer over one param of each distinct (shape, dtype, group
+    options): the caches and workspaces the optimizer's kernels keep (module-level) are made, as
+    a first step makes them."""
+    distinct = list(dict.fromkeys(keys))
+    params = [torch.nn.Parameter(torch.empty(shape, dtype=dtype)) for shape, dtype, _ in distinct]
+    opt = optimizer_cls(built_over(params, [o for _, _, o in distinct]))
     for p in params:
         p.grad = torch.empty_like(p)
     opt.step()
@@ -597,20 +622,22 @@ def _fill_caches(optimizer_cls: Any, shapes: list[tuple[tuple[int, ...], torch.d
 
 @dataclass
 class ParamSteps:
-    """Per distinct (shape, dtype): what one param's steady-state step adds for a moment over what
-    is live when it starts (``transient``), and the state such a param keeps (``state``); and
-    what the optimizer keeps besides (``kept_other``: caches, workspaces)."""
+    """Per distinct (shape, dtype, group options): what one param's steady-state step adds for a
+    moment over what is live when it starts (``transient``), and the state such a param keeps
+    (``state``); what the optimizer keeps besides (``kept_other``: caches, workspaces); and the
+    key of each param traced for, in order (``keys``: a model's params by index)."""
 
-    transient: dict[tuple[tuple[int, ...], torch.dtype], int]
-    state: dict[tuple[tuple[int, ...], torch.dtype], int]
+    transient: dict[ParamKey, int]
+    state: dict[ParamKey, int]
     kept_other: int
+    keys: list[ParamKey] = field(default_factory=list)
 
 
-def traced_param_steps(shapes: list[tuple[tuple[int, ...], torch.dtype]], optimizer_cls: Any, device: str = "cpu") -> ParamSteps:
-    """The step of one param, alone, for each distinct (shape, dtype) of ``shapes`` (run inside
-    the fake mode and :func:`traced_kernels`; leanopt optimizers).
+def traced_param_steps(keys: list[ParamKey], optimizer_cls: Any, device: str = "cpu") -> ParamSteps:
+    """The step of one param, alone, for each distinct (shape, dtype, group options) of ``keys``
+    (run inside the fake mode and :func:`traced_kernels`; leanopt optimizers).
 
-    Each is traced on one param of that shape: a first ``step()`` makes its state (and the
+    Each is traced on one param of that shape, in a group of those options: a first ``step()`` makes its state (and the
     optimizer's workspaces), as earlier steps have in a run; then the second, counted, is what the
     hook of :func:`leanopt.release_gradients` runs, ``optimizer.step_param``, with the gradient
     present, and the gradient is dropped after, as the hook drops it. A leanopt optimizer's
@@ -618,21 +645,22 @@ def traced_param_steps(shapes: list[tuple[tuple[int, ...], torch.dtype]], optimi
     ``_step_rounded`` for one param after the other, nothing shared between them, so its peak is
     composed from these too (:func:`rounded_step_peak`).
     """
-    transient: dict[tuple[tuple[int, ...], torch.dtype], int] = {}
-    state: dict[tuple[tuple[int, ...], torch.dtype], int] = {}
+    transient: dict[ParamKey, int] = {}
+    state: dict[ParamKey, int] = {}
     tracker = LiveStorage(device)
     with tracker:
-        for shape, dtype in dict.fromkeys(shapes):
+        for key in dict.fromkeys(keys):
+            shape, dtype, options = key
             tracker.phase = "setup"
             p = torch.nn.Parameter(torch.empty(shape, dtype=dtype))
             tracker.track(p, "weights")
-            opt = optimizer_cls([p])
+            opt = optimizer_cls(built_over([p], [options]))
             p.grad = torch.empty_like(p)
             tracker.phase = "step"
             opt.step()
             _track_state(tracker, opt)
             opt.zero_grad(set_to_none=True)
-            state[shape, dtype] = tracker.live_by_kind()["optimizer_state"]
+            state[key] = tracker.live_by_kind()["optimizer_state"]
             tracker.phase = "setup"
             p.grad = torch.empty_like(p)
             tracker.track(p.grad, "gradients")
@@ -641,25 +669,23 @@ def traced_param_steps(shapes: list[tuple[tuple[int, ...], torch.dtype]], optimi
             before = tracker.current
             opt.step_param(p)
             p.grad = None
-            transient[shape, dtype] = tracker.peak().bytes - before
+            transient[key] = tracker.peak().bytes - before
             del p, opt
         kept_other = tracker.live_by_kind()["other"]
-    return ParamSteps(transient, state, kept_other)
+    return ParamSteps(transient, state, kept_other, list(keys))
 
 
-def rounded_step_peak(
-    shapes: list[tuple[tuple[int, ...], torch.dtype]], steps: ParamSteps, device: str = "cpu"
-) -> tuple[Peak, dict[str, int]]:
-    """The peak of a steady-state ``step()`` that updates ``shapes``' params one after the other
-    (rounded bf16 params: ``LeanOptimizer._step_rounded``), with all gradients present, from
+def rounded_step_peak(keys: list[ParamKey], steps: ParamSteps, device: str = "cpu") -> tuple[Peak, dict[str, int]]:
+    """The peak of a steady-state ``step()`` that updates the params of ``keys`` one after the
+    other (rounded bf16 params: ``LeanOptimizer._step_rounded``), with all gradients present, from
     :func:`traced_param_steps`; and what stays between steps other than weights."""
-    nbytes = [math.prod(shape) * torch.empty((), dtype=dtype, device="meta").element_size() for shape, dtype in shapes]
+    nbytes = [math.prod(shape) * torch.empty((), dtype=dtype, device="meta").element_size() for shape, dtype, _ in keys]
     if device == "cuda":
         nbytes = [cuda_block_bytes(n) for n in nbytes]
-    state = sum(steps.state[key] for key in shapes)
+    state = sum(steps.state[key] for key in keys)
     kept = {"gradients": 0, "optimizer_state": state, "activations": 0, "other": steps.kept_other}
     peak = Peak(0, {"weights": sum(nbytes), "gradients": sum(nbytes), "optimizer_state": state, "activations": 0,
-                    "other": steps.kept_other + max((steps.transient[key] for key in shapes), default=0)})  # fmt: skip
+                    "other": steps.kept_other + max((steps.transient[key] for key in keys), default=0)})  # fmt: skip
     peak.bytes = sum(peak.breakdown.values())
     peak.sizes = [*nbytes, *nbytes]  # weights and gradients (states and temporaries: not by block)
     return peak, kept

@@ -270,13 +270,15 @@ def _run_forked(work: Callable[[Callable[[dict[str, Any]], None]], None], on_mes
 def _train(model: torch.nn.Module, spec: dict[str, Any]) -> None:
     """The small model's three steps of ``spec``, as a user's script runs them."""
     from leanopt.memory.estimate import resolve_optimizer
+    from leanopt.memory.plan_model import over_model
 
     precision = spec["precision"]
     if precision == "bf16":
         model.to(torch.bfloat16)
     model.train()
     rounding = spec["rounding"]
-    opt = resolve_optimizer(spec["optimizer"])(model.parameters(), **({"rounding": rounding} if rounding not in (None, "nearest") else {}))
+    cls = resolve_optimizer(spec["optimizer"])
+    opt = cls(over_model(cls, model), **({"rounding": rounding} if rounding not in (None, "nearest") else {}))
     config: Any = model.config
     ids = torch.randint(0, int(config.vocab_size), (spec["batch"], spec["seq"]))
     classify = type(model).__name__.endswith("ForSequenceClassification")

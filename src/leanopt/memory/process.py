@@ -430,7 +430,7 @@ def allocation_sequence(module: torch.nn.Module, *, batch: int, seq: int, precis
     backward ``accum`` times, ``optimizer.step()`` -- the first makes the state --,
     ``zero_grad(set_to_none=True)``); ``(key, bytes)`` for an allocation, ``(key, -1)`` for a free."""
     from leanopt.memory import plan_model
-    from leanopt.memory.plan_trace import LiveStorage, traced_batch, traced_forward_backward, traced_kernels, track_module
+    from leanopt.memory.plan_trace import LiveStorage, built_over, traced_batch, traced_forward_backward, traced_kernels, track_module
 
     class Sequence(LiveStorage):
         def __init__(self) -> None:
@@ -448,12 +448,14 @@ def allocation_sequence(module: torch.nn.Module, *, batch: int, seq: int, precis
     task, vocab, labels_n = plan_model.task_of(module), plan_model.vocab_size(module), plan_model.num_labels(module)
     model, params = plan_model.fake_copy(module, fake_mode, plan_model.PARAM_DTYPE[precision])
     cls = plan_model.optimizer_factory(optimizer, rounding)
+    # The optimizer's groups of the model (Muon's), as the planned step builds it.
+    options = [o for _, _, o in plan_model.param_keys(module, optimizer, plan_model.PARAM_DTYPE[precision])]
     mixed = precision == "bf16-mixed"
     with plan_model.checkpointing(model, checkpointing):
         model.train()
         with traced_kernels("cpu"), fake_mode, tracker:
             track_module(tracker, model)
-            opt = cls(params)
+            opt = cls(built_over(params, options))
             handle = None
             if grad_release:
                 from leanopt.optim.release import release_gradients
