@@ -307,6 +307,14 @@ def check_request(model: str | torch.nn.Module, *, batch: int, seq: int, budget:
     budget_bytes = parse_bytes(budget) if budget is not None else None
     names = tuple(n.lower() for n in (optimizers or DEFAULT_OPTIMIZERS))
     lean = {n: issubclass(resolve_optimizer(n), LeanOptimizer) for n in names}  # one-line ValueError for unknown names
+    if gpus > 1:
+        # An optimizer whose step exchanges matrices between the ranks (Muon) is not traced under FSDP2.
+        unplanned = [n for n in names if not getattr(resolve_optimizer(n), "fsdp_planned", True)]
+        if unplanned and (optimizers is not None or len(unplanned) == len(names)):
+            raise ValueError(f"{', '.join(unplanned)} under FSDP2 (--gpus > 1) is not planned yet: its step sends each matrix "
+                             "to one rank and back, which the plan does not trace; plan --gpus 1 for one process's step")  # fmt: skip
+        names = tuple(n for n in names if n not in unplanned)
+        lean = {n: lean[n] for n in names}
     precs = _known(precisions or PLAN_PRECISIONS, PLAN_PRECISIONS, "precision")
     rounds = _known(roundings or DEFAULT_ROUNDINGS, ROUNDINGS, "rounding")
     releases = tuple(_flags(grad_release, "grad_release"))

@@ -108,6 +108,9 @@ class LeanOptimizer(torch.optim.Optimizer):
     # Whether the update of an element reads only that element (every elementwise rule): such
     # a param may be stepped in chunks, which bounds the temporaries of offload and rounding.
     chunkable: ClassVar[bool] = False
+    # Whether leanopt.plan(gpus > 1) traces this optimizer's step under FSDP2: False for a step
+    # that exchanges tensors between the ranks (Muon's owners), which a one-process trace cannot run.
+    fsdp_planned: ClassVar[bool] = True
     # The declared identity: the registry name (leanopt.optim.registry), saved in every param
     # group under "optimizer", and the rule it runs (optimizers of one family -- AdamW,
     # AdamW8bit, AdamW4bit -- load each other's states; others refuse them by name).

@@ -245,6 +245,7 @@ class Muon(LeanOptimizer):
     """
 
     name = "muon"
+    fsdp_planned = False  # each matrix goes to its owner rank and back (muon_dist)
     family = "muon"
     references: ClassVar[tuple[str, ...]] = ("torch.optim.Muon",)
     # How the Muon groups' momentum is stored: fp32/bf16 here, block-quantized in the siblings.
