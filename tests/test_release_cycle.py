@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import gc
 import re
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -306,6 +307,31 @@ def test_zero_grad_without_set_to_none_steps_what_the_graph_left_out(case, place
     # weight decay applies): 6 steps for every param.
     assert steps_of(usual[1]) == steps_of(opt) == [6] * 6
     assert_same((model, opt), usual[:2])
+
+
+# ---- no replacement of torch or accelerate outlives its use ----------------------------------------
+@pytest.mark.parametrize("placement", ["device", "offload"])
+def test_a_release_never_removed_goes_with_its_model_and_optimizer(placement: str) -> None:
+    """A loop that never calls remove() (the usual one) and drops its model and optimizer: the
+    release, its hooks and torch's clipping go with them. The params' hooks live on torch's C++
+    side, where the garbage collector cannot follow a reference back to the release; one kept
+    torch's functions replaced for the rest of the process."""
+    assert torch.nn.utils.clip_grad_norm_ is clipping.TORCH_CLIP_GRAD_NORM_, "another test left the replacement in place"
+    model, opt, handle = build(CASES[0], placement)
+    loss_of(model, 0).backward()
+    opt.step()
+    opt.zero_grad()
+    loss_of(model, 1).backward()
+    if placement == "device":  # a second backward without step() raises in a hook: that is let go too
+        with pytest.raises(RuntimeError, match="backward pass 2"):
+            loss_of(model, 2).backward()
+    assert torch.nn.utils.clip_grad_norm_ is clipping.clip_grad_norm_
+    released = weakref.ref(handle)
+    del model, opt, handle
+    gc.collect()
+    assert released() is None
+    assert torch.nn.utils.clip_grad_norm_ is clipping.TORCH_CLIP_GRAD_NORM_
+    assert torch.nn.utils.clip_grad_value_ is clipping.TORCH_CLIP_GRAD_VALUE_
 
 
 # ---- no replacement of torch or accelerate outlives its use ----------------------------------------

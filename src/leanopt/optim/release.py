@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import weakref
 from collections.abc import Iterable
 from types import FrameType
 from typing import Any
@@ -162,7 +163,16 @@ class GradientRelease:
                     self._handles[id(p)] = p.register_post_accumulate_grad_hook(self._hook(gi, index))
 
     def _hook(self, gi: int, index: int):
+        # The hook holds the release weakly: a tensor's hooks live on its C++ side, out of reach of
+        # Python's garbage collector, so a strong reference there would keep the release (and
+        # torch's clipping functions replaced) alive after the model and optimizer are dropped.
+        # The optimizer's placement holds the release while the optimizer lives.
+        ref = weakref.ref(self)
+
         def released(p: torch.Tensor) -> None:
+            self = ref()
+            if self is None:
+                return
             if not self._checked:
                 self._check_process()
             node = _enclosing_function_node()
@@ -234,7 +244,14 @@ class GradientRelease:
         """Flush when the backward that runs ``node`` ends (outermost) or, nested itself, the one
         around it: a post hook on the node runs in its own backward, after the inner one."""
         if id(node) not in self._nodes:
-            self._nodes[id(node)] = node.register_hook(self._node_done)
+            ref = weakref.ref(self)  # held weakly by the graph's node, as the params' hooks are
+
+            def done(grad_inputs: Any, grad_outputs: Any) -> None:
+                release = ref()
+                if release is not None:
+                    release._node_done(grad_inputs, grad_outputs)
+
+            self._nodes[id(node)] = node.register_hook(done)
 
     def _node_done(self, grad_inputs: Any, grad_outputs: Any) -> None:
         node = _enclosing_function_node()
