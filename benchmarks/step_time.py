@@ -116,7 +116,10 @@ def candidates(backend: str | None = None) -> dict[str, Factory]:
 
     # Every registered leanopt optimizer (leanopt.optim.REGISTRY), at its defaults.
     for name, cls in leanopt.optim.REGISTRY.items():
-        out[f"leanopt-{name}"] = cls if backend is None else functools.partial(cls, backend=backend)
+        make = cls if backend is None else functools.partial(cls, backend=backend)
+        # Muon orthogonalizes matrices and steps the rest by its aux rule: its groups of the list
+        # (matrices and vectors, split by dims), as leanopt.muon_groups makes them.
+        out[f"leanopt-{name}"] = (lambda ps, make=make: make(leanopt.muon_groups(ps))) if cls.family == "muon" else make
 
     def hf_adafactor(ps: list[torch.Tensor]) -> torch.optim.Optimizer:
         from transformers.optimization import Adafactor
