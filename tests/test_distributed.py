@@ -9,20 +9,16 @@ Loading the 2-rank checkpoint into one process runs here, in the pytest process.
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
-import shutil
 import sys
 import warnings
 
 import pytest
-import torch
+import two_ranks
 
 import leanopt
 from leanopt.integrations.distributed import measure_global
 from leanopt.quant import QuantizedState
-import repo_modules
 
 SCRIPTS = pathlib.Path(__file__).resolve().parent / "dist_scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -46,27 +42,8 @@ NAMES = list(parity.KWARGS)  # every optimizer of tests/registry.py
 names = pytest.mark.parametrize("name", NAMES)
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict:
-    if not torch.distributed.is_available():
-        pytest.skip("torch.distributed is not available in this build")
-    out = tmp_path_factory.mktemp("dist")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "LEANOPT_DIST_TIMEOUT": "120"}
-    try:
-        repo_modules.benchmark("plan_vs_measured").torchrun(str(SCRIPTS / "parity.py"), [str(out), *NAMES], 2, env,
-                                                            LAUNCH_TIMEOUT_S, "parity.py")  # fmt: skip
-    except RuntimeError as err:
-        pytest.fail(str(err))
-    data = json.loads((out / "results.json").read_text())
-    assert data["world_size"] == 2
-    yield data
-    shutil.rmtree(out, ignore_errors=True)
-
-
-def case(results: dict, name: str, mode: str) -> dict:
-    out = results[name][mode]
-    assert "error" not in out, out["error"]
-    return out
+results = two_ranks.results_fixture("parity.py", NAMES)
+case = two_ranks.case
 
 
 def assert_matches_one_process(out: dict) -> None:

@@ -8,20 +8,17 @@ The one-process load of the 2-rank checkpoint runs here, in the pytest process.
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
-import shutil
 import sys
 import warnings
 
 import pytest
 import torch
+import two_ranks
 
 import leanopt
 from leanopt.memory import resolve_optimizer
 from leanopt.optim.muon_dist import owners
-import repo_modules
 
 SCRIPTS = pathlib.Path(__file__).resolve().parent / "dist_scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -33,27 +30,8 @@ NAMES = ["muon", "muon8bit"]
 names = pytest.mark.parametrize("name", NAMES)
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict:
-    if not torch.distributed.is_available():
-        pytest.skip("torch.distributed is not available in this build")
-    out = tmp_path_factory.mktemp("muon_dist")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "LEANOPT_DIST_TIMEOUT": "120"}
-    try:
-        repo_modules.benchmark("plan_vs_measured").torchrun(str(SCRIPTS / "muon_parity.py"), [str(out), *NAMES], 2, env,
-                                                            LAUNCH_TIMEOUT_S, "muon_parity.py")  # fmt: skip
-    except RuntimeError as err:
-        pytest.fail(str(err))
-    data = json.loads((out / "results.json").read_text())
-    assert data["world_size"] == 2
-    yield data
-    shutil.rmtree(out, ignore_errors=True)
-
-
-def case(results: dict, name: str, mode: str) -> dict:
-    out = results[name][mode]
-    assert "error" not in out, out["error"]
-    return out
+results = two_ranks.results_fixture("muon_parity.py", NAMES)
+case = two_ranks.case
 
 
 def assert_each_matrix_once_per_step(out: dict) -> None:
