@@ -101,14 +101,19 @@ def steps_of(opt: Any, model: Net | None = None) -> list[int]:
 
 
 # ---- a step skipped with zero_grad() instead of step() ------------------------------------------
+def skip_step(opt: Any, errors: list[str]) -> None:
+    """The loop gives up on this batch: ``zero_grad()`` without ``step()``, its refusal noted."""
+    try:
+        opt.zero_grad()
+    except RuntimeError as err:
+        errors.append(str(err))
+
+
 def skipping_loop(model: Net, opt: Any, errors: list[str], skip: int = 2, steps: int = 5) -> None:
     for step in range(steps):
         loss_of(model, step).backward()
         if step == skip:  # a loss spike: the step is skipped
-            try:
-                opt.zero_grad()
-            except RuntimeError as err:
-                errors.append(str(err))
+            skip_step(opt, errors)
             continue
         opt.step()
         opt.zero_grad()
@@ -147,10 +152,7 @@ def failing_loop(model: Net, opt: Any, errors: list[str], at: int = 2, steps: in
         try:
             loss_of(model, step).backward()
         except Boom:  # the loop gives up on this batch
-            try:
-                opt.zero_grad()
-            except RuntimeError as err:
-                errors.append(str(err))
+            skip_step(opt, errors)
             continue
         opt.step()
         opt.zero_grad()
