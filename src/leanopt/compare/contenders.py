@@ -43,7 +43,7 @@ from leanopt.compare.protocol import MODES, unknown_mode, unknown_optimizer
 from leanopt.memory import OPTIMIZER_NAMES, resolve_optimizer
 from leanopt.optim.base import LeanOptimizer
 from leanopt.optim.lowbit import LowBit
-from leanopt.optim.muon_groups import muon_groups
+from leanopt.optim.muon_groups import muon_groups_with_decay
 from leanopt.optim.registry import REGISTRY
 
 # A grid point: a learning rate, or RELATIVE for Adafactor's own relative step size.
@@ -213,12 +213,7 @@ class Contender:
             if model is None:
                 raise ValueError(f"{self.name} is built over a model's groups (leanopt.muon_groups): pass model=")
             aux = {"aux_betas": kwargs.pop("aux_betas"), "aux_eps": kwargs.pop("aux_eps")}  # the groups' options
-            groups = []
-            for group in muon_groups(model, aux_weight_decay=weight_decay, **aux):
-                matrices = [p for p in group["params"] if p.dim() >= 2]
-                vectors = [p for p in group["params"] if p.dim() < 2]
-                groups += [{**group, "params": matrices}] if matrices else []
-                groups += [{**group, "params": vectors, "weight_decay": 0.0}] if vectors else []
+            groups = muon_groups_with_decay(model, weight_decay, **aux)
             return self.load()(groups, **kwargs)
         return self.load()(params, **kwargs)
 

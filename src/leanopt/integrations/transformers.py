@@ -145,18 +145,9 @@ class ModelOptimizerFactory:
 
     def __call__(self, model: torch.nn.Module, *, aux_betas: tuple[float, float] | None = None, aux_eps: float | None = None,
                  **kwargs: Any) -> torch.optim.Optimizer:  # fmt: skip
-        from leanopt.optim.muon_groups import muon_groups
+        from leanopt.optim.muon_groups import muon_groups_with_decay
 
-        decay = kwargs.get("weight_decay")
-        groups: list[dict[str, Any]] = []
-        for group in muon_groups(model, aux_lr=kwargs.get("lr"), aux_betas=aux_betas, aux_eps=aux_eps, aux_weight_decay=decay):
-            if group["use_muon"]:
-                groups.append(group)
-                continue
-            matrices = [p for p in group["params"] if p.dim() >= 2]
-            others = [p for p in group["params"] if p.dim() < 2]
-            groups += [{**group, "params": matrices}] if matrices else []
-            groups += [{**group, "params": others, "weight_decay": 0.0}] if others else []
+        groups = muon_groups_with_decay(model, kwargs.get("weight_decay"), aux_lr=kwargs.get("lr"), aux_betas=aux_betas, aux_eps=aux_eps)
         return self.optimizer_class(groups, **kwargs)
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["MuonGroups", "Route", "muon_groups"]
+__all__ = ["MuonGroups", "Route", "muon_groups", "muon_groups_with_decay"]
 
 _EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
 _CONVS = (nn.modules.conv._ConvNd,)
@@ -253,3 +253,19 @@ def _split_groups(groups: list[Any], aux_options: Mapping[str, Any]) -> MuonGrou
             rule, because = (aux_name, why) if why else _matrix_route(p)
             routes.append(Route(f"group {gi} param {i}", tuple(p.shape), rule, because))
     return MuonGroups(out, routes)
+
+
+def muon_groups_with_decay(model: nn.Module, weight_decay: float | None, **aux: Any) -> list[dict[str, Any]]:
+    """:func:`muon_groups` of ``model`` (``aux``: its ``aux_*`` keywords) with Trainer's
+    weight-decay rule: the Muon matrices and the aux params of >= 2 dims (embeddings, heads)
+    take ``weight_decay`` (None: the optimizer's), the aux params of < 2 dims (biases, norms) none."""
+    groups: list[dict[str, Any]] = []
+    for group in muon_groups(model, aux_weight_decay=weight_decay, **aux):
+        if group["use_muon"]:
+            groups.append(group)
+            continue
+        matrices = [p for p in group["params"] if p.dim() >= 2]
+        vectors = [p for p in group["params"] if p.dim() < 2]
+        groups += [{**group, "params": matrices}] if matrices else []
+        groups += [{**group, "params": vectors, "weight_decay": 0.0}] if vectors else []
+    return groups
