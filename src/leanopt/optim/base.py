@@ -32,7 +32,7 @@ from leanopt.optim import rounding as rounding_module
 from leanopt.optim.identity import declared_optimizer, recognize_states
 from leanopt.optim.layout import StateSpec, convert_saved
 from leanopt.optim.offload import Offloaded, check_offload
-from leanopt.optim.param_step import ParamStep, chunk_elements, chunks
+from leanopt.optim.param_step import ParamStep, chunk_elements, chunks, walked
 from leanopt.optim.peer_states import as_leanopt_state
 from leanopt.optim.placement import OnDevice, Placement
 from leanopt.optim.rounding import LOW_PRECISION, check_rounding, rounding_dither, stochastic_round
@@ -220,7 +220,7 @@ class LeanOptimizer(torch.optim.Optimizer):
         g = p.grad
         if g is None:
             return
-        if g.is_sparse or g.layout != torch.strided:
+        if g.layout != torch.strided:  # sparse COO/CSR and the other sparse layouts
             raise RuntimeError(
                 f"leanopt.{type(self).__name__} does not support sparse gradients "
                 f"(param {pi} of group {gi} has a {g.layout} gradient)"
@@ -236,14 +236,19 @@ class LeanOptimizer(torch.optim.Optimizer):
                 f"{type(self).__name__}: param {pi} of group {gi} is {p.dtype} and has a gradient: only "
                 "floating-point params can be optimized (set its .grad to None, or leave it out of the optimizer)"
             )
-        for value in self.state.get(p, {}).values():
-            # A param converted since its state was made (model.double() after the optimizer was
-            # built): fp64 params keep fp64 states, complex ones complex states, the others fp32
-            # or bf16. Refused before any param changes; offloaded, the fp32 host copy would
-            # otherwise go on training an fp64 param in fp32, silently.
-            if isinstance(value, torch.Tensor) and value.shape == p.shape and (
-                (value.dtype == torch.float64) != (p.dtype == torch.float64) or value.is_complex() != p.is_complex()
-            ):
+        state = self.state.get(p)
+        if not state:
+            return
+        # A param converted since its state was made (model.double() after the optimizer was
+        # built): fp64 params keep fp64 states, complex ones complex states, the others fp32 or
+        # bf16. Refused before any param changes; offloaded, the fp32 host copy would otherwise
+        # go on training an fp64 param in fp32, silently. (Dtypes first: the shape compare only
+        # for a state whose dtype disagrees; the fp32 step count is no moment, whatever its shape.)
+        fp64, complex_ = p.dtype == torch.float64, p.dtype.is_complex
+        for key, value in state.items():
+            if (key != "step" and isinstance(value, torch.Tensor)
+                    and ((value.dtype == torch.float64) != fp64 or value.dtype.is_complex != complex_)
+                    and value.shape == p.shape):  # fmt: skip
                 raise RuntimeError(
                     f"{type(self).__name__}: param {pi} of group {gi} is {p.dtype}, but its optimizer state was made "
                     f"for a {value.dtype} param (the model was converted after the optimizer was built); build the "
@@ -371,7 +376,7 @@ class LeanOptimizer(torch.optim.Optimizer):
             whole = not (part.param.is_contiguous() and master.is_contiguous() and (comp is None or comp.is_contiguous()))
             flat = [(part.param, master, comp, 0)] if whole else [
                 (part.param.view(-1)[i : i + size], master.view(-1)[i : i + size], None if comp is None else comp.view(-1)[i : i + size], i)
-                for i in range(0, master.numel(), size)
+                for i in walked(list(range(0, master.numel(), size)))
             ]  # fmt: skip
             for target, exact, compensation, at in flat:
                 if compensation is not None:
