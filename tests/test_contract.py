@@ -417,6 +417,22 @@ def test_complex_param_refused_with_value_error_naming_it(case: OptimizerCase) -
         leanopt.estimate(case.param_groups([real, cplx]), case.cls, **case.kwargs)
 
 
+@pytest.mark.parametrize("case", representatives(REGISTERED), ids=str)
+def test_an_fp64_scalar_param_steps_as_its_one_element_twin(case: OptimizerCase) -> None:
+    # Mechanism (the check that refuses a model converted after its optimizer was built), one
+    # optimizer per family: a 0-dim fp64 param's fp32 step count has the param's shape and is
+    # no moment made for another dtype; it steps on, as the same value in shape (1,) does.
+    runs = []
+    for shape in ((), (1,)):
+        p = torch.nn.Parameter(torch.full(shape, 0.5, dtype=torch.float64))
+        opt = make(case, [p])
+        for k in range(3):
+            p.grad = torch.full(shape, 0.25 * (k + 1), dtype=torch.float64)
+            opt.step()
+        runs.append(p.detach().reshape(1))
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], torch.tensor([0.5], dtype=torch.float64))
+
+
 # ---- 4. bad loaded groups and steps ------------------------------------------------------------
 def _corrupt_group(key: str, value: Any) -> Callable[[dict[str, Any]], str | None]:
     def corrupt(sd: dict[str, Any]) -> str | None:

@@ -224,7 +224,7 @@ def _plain_ademamix(p, grads, lr, b1, b2, b3, alpha, eps, wd, t_alpha=None, t_be
 
 @pytest.mark.parametrize("backend", ["reference", *BACKENDS])
 def test_fp32_rules_match_their_plain_formulas(backend: str) -> None:
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    gen = torch.Generator().manual_seed(0)
     p0 = torch.randn(4099, generator=gen, dtype=torch.float64)
     grads = [torch.randn(4099, generator=gen, dtype=torch.float64) for _ in range(20)]
     for make, plain in [
@@ -241,7 +241,10 @@ def test_fp32_rules_match_their_plain_formulas(backend: str) -> None:
             w.grad = g.to(dtype)
             opt.step()
         want = plain()
-        tol = 1e-6 if dtype == torch.float32 else 1e-12
+        # fp32: the param itself is rounded to fp32 on each of the 20 steps, half an ulp each
+        # (20 * 2**-24 = 1.2e-6 of |p|), besides its moments: 2.5e-6 of max |p| (measured up to
+        # 1.2e-6 over 12 seeds; a seed drawn per run failed the 1e-6 bound this had).
+        tol = 2.5e-6 if dtype == torch.float32 else 1e-12
         assert (w.double() - want).abs().max() <= tol * want.abs().max()
 
 

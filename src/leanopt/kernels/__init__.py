@@ -146,6 +146,16 @@ IMPLEMENTATIONS = (
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+@functools.cache
+def _select_modules() -> tuple[Any, Any, type]:
+    # Imported on the first step rather than with leanopt (graphs brings Inductor's helpers),
+    # once: an import statement in select would cost each param of each step its lookup.
+    from leanopt.kernels import graphs, twins
+    from leanopt.quant import QuantizedState
+
+    return graphs, twins, QuantizedState
+
+
 def select(backend: str, rule: Any, p: torch.Tensor, g: torch.Tensor, states: Sequence[Any],
            hp: Mapping[str, Any] | None = None) -> str:  # fmt: skip
     """The implementation (one of :data:`IMPLEMENTATIONS`) that updates ``p`` by ``rule``
@@ -164,9 +174,7 @@ def select(backend: str, rule: Any, p: torch.Tensor, g: torch.Tensor, states: Se
     (:mod:`leanopt.tracing`) it decides for fake tensors what it decides for plain ones of
     their shapes and dtypes on the traced device.
     """
-    from leanopt.kernels import graphs, twins
-    from leanopt.quant import QuantizedState
-
+    graphs, twins, QuantizedState = _select_modules()
     trace = tracing.active()
     if trace is not None:
         p, g, states = tracing.as_if_real(p), tracing.as_if_real(g), [tracing.as_if_real(s) for s in states]
@@ -232,14 +240,20 @@ def step(backend: str, rule, tables, key: str, params, grads, states, steps: Seq
     """
     offsets = [0] * len(params) if offsets is None else list(offsets)
     if tracing.active() is None:  # a memory trace plans the steps that the real ones check
+        flags = rule.flag_values(hp)
         for i, p in enumerate(params):
-            rule.check(hp, safe, p, len(states[i]), steps[i])
+            rule.check_flags(flags, hp, safe, p, len(states[i]), steps[i])
     n = max((len(s) for s in states), default=0)
     columns = [[s[j] for s in states] for j in range(n)]
     updated = list(params)
     with row_major([params, grads, *columns], read_only=(1,)) as lists:
         params, grads, columns = lists[0], lists[1], lists[2:]
         states = [[c[i] for c in columns] for i in range(len(params))]
+        if any(p.dim() == 0 for p in params):
+            # A 0-dim param (and its gradient and states) as the 1-element view it is: the compiled
+            # graphs take 0-dim tensors for their scalars, and would key, trace and type it as one.
+            params, grads = [_one_dim(p) for p in params], [_one_dim(g) for g in grads]
+            states = [[_one_dim(s) for s in st] for st in states]
         chosen: dict[str, list[int]] = {}
         for i, p in enumerate(params):
             chosen.setdefault(select(backend, rule, p, grads[i], states[i], hp), []).append(i)
@@ -275,6 +289,10 @@ def step(backend: str, rule, tables, key: str, params, grads, states, steps: Seq
                     triton_elementwise.quantized(rule, tables, key, pick(params), pick(grads), pick(states), pick(steps), hp,
                                                  pick(offsets))  # fmt: skip
     bump_versions(updated)
+
+
+def _one_dim(t: Any) -> Any:
+    return t.view(1) if isinstance(t, torch.Tensor) and t.dim() == 0 else t
 
 
 def bump_versions(params: Sequence[Any]) -> None:

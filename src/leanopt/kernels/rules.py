@@ -130,7 +130,12 @@ class Rule:
         wrong shape into the param, or hand a Triton twin the wrong number of states). Once
         per signature (flags, ``safe``, number of states, ``p``'s shape and dtype): the
         function runs on meta tensors, which hold no memory and compute nothing."""
-        key = (self.flag_values(hp), safe, n_states, tuple(p.shape), p.dtype)
+        self.check_flags(self.flag_values(hp), hp, safe, p, n_states, step)
+
+    def check_flags(self, flags: tuple, hp: Mapping[str, Any], safe: bool, p: Tensor, n_states: int, step: int) -> None:
+        """:meth:`check` with the flags of ``hp`` given (a step checks every param with the
+        flags it computed once)."""
+        key = (flags, safe, n_states, tuple(p.shape), p.dtype)
         if key in self._checked:
             return
         declared = [kind.key for kind in self.states(hp)]
@@ -146,8 +151,8 @@ class Rule:
             return torch.empty(shape, dtype=ct, device="meta")
 
         try:
-            result = self.apply(meta(), meta(), [meta() for _ in declared], self.scalar_values(hp, step, safe),
-                                self.flag_values(hp), safe)  # fmt: skip
+            result = self.apply(meta(), meta(), [meta() for _ in declared], self.scalar_values(hp, step, safe), flags,
+                                safe)  # fmt: skip
         except NotImplementedError:  # an op without a meta kernel: the rule runs unchecked
             self._checked.add(key)
             return

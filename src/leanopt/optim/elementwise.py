@@ -36,6 +36,17 @@ def real_view(t: Any) -> Any:
     return torch.view_as_real(t) if isinstance(t, torch.Tensor) and t.is_complex() else t
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def kernel_view(t: Any) -> Any:
+    """What the kernels update for ``t``: this rank's shard of a DTensor, the real view of a
+    complex tensor, any other tensor (or a quantized state) as it is."""
+    if type(t) in _PLAIN:  # the common case, without the DTensor test
+        return torch.view_as_real(t) if t.is_complex() else t
+    return real_view(local(t))
+
+
 class ElementwiseOptimizer(LeanOptimizer):
     """An optimizer that runs ``rule`` on each element (the shared implementation)."""
 
@@ -101,9 +112,9 @@ class ElementwiseOptimizer(LeanOptimizer):
             # Elementwise: a DTensor (FSDP2) param updates its own shard; a complex one its real view.
             kernels.step(
                 self.backend, self.rule, self._tables, key,
-                [real_view(local(it.param)) for it in on_device],
-                [real_view(local(it.grad)) for it in on_device],
-                [[real_view(local(s)) for s in it.states(keys)] for it in on_device],
+                [kernel_view(it.param) for it in on_device],
+                [kernel_view(it.grad) for it in on_device],
+                [[kernel_view(it.state[k]) for k in keys] for it in on_device],
                 [it.step for it in on_device], hp, safe=self.safe,
-                offsets=[it.offset + shard_offset(it.param) for it in on_device],
+                offsets=[it.offset if type(it.param) in _PLAIN else it.offset + shard_offset(it.param) for it in on_device],
             )  # fmt: skip
