@@ -82,7 +82,7 @@ STAGES = [
     Stage("timing_bfloat16", 80, 30, "optimizer.step, TinyLlama-1.1B shapes, bf16 params"),
     Stage("accuracy", 40, 30, "distance from fp32 AdamW, sparse-gradient hazard, NaN isolation"),
     # The planner's check: 8 rows (two models x four configurations), each a plan and a
-    # measured step; dry, 4 rows measured in two CPU processes. On top, two fresh GPU processes
+    # measured step; dry, 2 rows (one per model) measured in two CPU processes. On top, two fresh GPU processes
     # (process_bytes against max_memory_reserved + the context) and leanopt.doctor (+30 s).
     Stage("plan_check", 90, 150, "python3 -m leanopt.memory.plan_check, if present"),
     # The host (CPU) step at one thread and at every core, the first step with a fresh

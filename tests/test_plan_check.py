@@ -207,9 +207,10 @@ def _check_output(out: str, folder: Path, expect_error: float | None = None) -> 
     assert summary["ok"] is True and summary["dry_run"] is True
     assert "DRY RUN" in out
     table = [line for line in lines if line.startswith("| tiny-")]
-    assert len(table) == 4
+    rows = len(plan_check.DRY_CASES) * len(plan_check.DRY_CONFIGS)
+    assert len(table) == rows
     result = json.loads((folder / "plan_check.json").read_text())
-    assert result["ok"] is True and result["dry_run"] is True and len(result["rows"]) == 4
+    assert result["ok"] is True and result["dry_run"] is True and len(result["rows"]) == rows
     seen = set()
     for r in result["rows"]:
         seen.add((r["case"], r["optimizer"], r["precision"], r["checkpointing"]))
