@@ -155,7 +155,7 @@ def dense(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mapping[s
     for i, p in enumerate(params):
         if p.numel() == 0:
             continue
-        if any(s.dtype == torch.bfloat16 for s in states[i]):
+        if torch.bfloat16 in [s.dtype for s in states[i]]:
             scalars = graphs.as_tensors(rule.scalar_values(hp, steps[i], safe))
             _dense_rounded(rule, flags, safe, hp["maximize"], p, grads[i], states[i], scalars, steps[i],
                            0 if offsets is None else offsets[i])  # fmt: skip
@@ -177,9 +177,11 @@ def dense(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mapping[s
     for idx in fused.values():
         pick = lambda k: [states[i][k] for i in idx]  # noqa: E731
         amsgrad = hp["amsgrad"]
+        # The kernel only reads each param's step count: one tensor per distinct count.
+        counts = {n: torch.tensor(float(n)) for n in {steps[i] for i in idx}}
         torch._fused_adamw_(
             [params[i] for i in idx], [grads[i] for i in idx], pick(0), pick(1), pick(2) if amsgrad else [],
-            [torch.tensor(float(steps[i])) for i in idx],
+            [counts[steps[i]] for i in idx],
             lr=hp["lr"], beta1=hp["beta1"], beta2=hp["beta2"], weight_decay=hp["weight_decay"], eps=hp["eps"],
             amsgrad=amsgrad, maximize=hp["maximize"],
         )  # fmt: skip
