@@ -23,7 +23,6 @@ import pickle
 import shutil
 import subprocess
 import sys
-import time
 import warnings
 
 import pytest
@@ -534,15 +533,14 @@ def test_a_dcp_folder_converts_as_its_gathered_state_does(dcp_runs, name: str, t
 
 # ---- hostile and malformed files --------------------------------------------------------------------
 def refused(tmp_path, capsys, src, *words: str, to: str = "adamw") -> str:
-    """``leanopt convert SRC`` fails in under a second, in one line holding ``words``, writing nothing."""
+    """``leanopt convert SRC`` fails in one line holding ``words``, writing nothing. (Before
+    allocating what the file declares: the entries that would inflate an allocation -- shapes,
+    strides, aliased bytes -- have their own cases in tests/test_hostile_files.py.)"""
     dst = tmp_path / "out.pt"
-    start = time.perf_counter()
     code = main(["convert", str(src), str(dst), "--to", to])
-    elapsed = time.perf_counter() - start
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("leanopt: error: "), err
     assert "internal error" not in err[0] and all(w in err[0] for w in words), err[0]
-    assert elapsed < 1.0, elapsed
     assert not dst.exists() and not (tmp_path / MARKER).exists()
     return err[0]
 
