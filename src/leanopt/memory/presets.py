@@ -638,13 +638,17 @@ def nearest_presets(name: str, n: int = 3) -> list[str]:
 def _hub_config(repo_id: str) -> Path:
     """The Hub's ``config.json`` of ``repo_id``: from the local cache, else downloaded."""
     _needs_transformers(f"{repo_id!r} (not a preset, a local path or a count, so a Hub id)")
-    from huggingface_hub import hf_hub_download
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
 
     what = f"{repo_id!r} is not a preset, a local path or a parameter count"
+    # The cache alone: hf_hub_download(..., local_files_only=True) builds its request headers
+    # all the same, and huggingface_hub 2.4 fetches an agent registry from the Hub for them
+    # (up to 3 s) unless HF_HUB_OFFLINE was set before it was imported.
     try:
-        file = hf_hub_download(repo_id, "config.json", local_files_only=True)
-    except Exception:  # not cached, or not a valid repo id: decided below
-        file = None
+        cached = try_to_load_from_cache(repo_id, "config.json")
+    except Exception:  # not a valid repo id: decided below
+        cached = None
+    file = cached if isinstance(cached, str) else None
     if file is None:
         near = nearest_presets(repo_id)
         if near and "/" not in repo_id:
