@@ -55,6 +55,22 @@ def active() -> Trace | None:
     return getattr(_local, "trace", None)
 
 
+_Part = TypeVar("_Part")
+
+
+def walked(parts: list[_Part]) -> list[_Part]:
+    """The pieces a step walks one after the other (a param's chunks, Adafactor's row blocks),
+    as it walks them: all of them, except in a trace that trims repeated blocks, which walks the
+    first and the last. On fake tensors the pieces between them repeat the allocations of the
+    first in the same sizes and free them again, so they reach its peak and no other: a 7B
+    model's steps are traced in seconds instead of minutes (tests/test_plan.py holds both
+    shortcuts to the full walk)."""
+    trace = active()
+    if trace is not None and trace.trim_repeated_blocks and len(parts) > 2:
+        return [parts[0], parts[-1]]
+    return parts
+
+
 @contextlib.contextmanager
 def tracing(device: str = "cpu", *, trim_repeated_blocks: bool = True) -> Iterator[Trace]:
     """Kernels called from this thread answer for a trace until the block ends (nested: the inner

@@ -161,13 +161,8 @@ class _Factored:
         self.row, self.col = row.view(batch, n), col.view(batch, m)
         self.ct = ct
         rows = min(n, max(1, ADAFACTOR_BLOCK // max(1, batch * m)))
-        self.spans = [(i, min(i + rows, n)) for i in range(0, n, rows)]
-        trace = tracing.active()
-        if trace is not None and trace.trim_repeated_blocks and len(self.spans) > 2:
-            # On fake tensors the blocks between the first (full size) and the last (the rest)
-            # repeat the same allocations in the same reused workspace: the same peak, in seconds
-            # instead of minutes for a 7B model (tests/test_plan.py holds it to the full walk).
-            self.spans = [self.spans[0], self.spans[-1]]
+        # Traced, the first block (full size) and the last (the rest): the same peak.
+        self.spans = tracing.walked([(i, min(i + rows, n)) for i in range(0, n, rows)])
         self.block_shape = (batch, rows, m)
         self.row_factor = self.col_factor = torch.empty(0)
 

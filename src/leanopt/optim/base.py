@@ -25,14 +25,14 @@ from typing import Any, ClassVar
 
 import torch
 
-from leanopt import kernels
+from leanopt import kernels, tracing
 from leanopt.kernels.multi_tensor import TableCache
 from leanopt.optim import clipping
 from leanopt.optim import rounding as rounding_module
 from leanopt.optim.identity import declared_optimizer, recognize_states
 from leanopt.optim.layout import StateSpec, convert_saved
 from leanopt.optim.offload import Offloaded, check_offload
-from leanopt.optim.param_step import ParamStep, chunk_elements, chunks, walked
+from leanopt.optim.param_step import ParamStep, chunk_elements, chunks
 from leanopt.optim.peer_states import as_leanopt_state
 from leanopt.optim.placement import OnDevice, Placement
 from leanopt.optim.rounding import LOW_PRECISION, check_rounding, rounding_dither, stochastic_round
@@ -376,7 +376,7 @@ class LeanOptimizer(torch.optim.Optimizer):
             whole = not (part.param.is_contiguous() and master.is_contiguous() and (comp is None or comp.is_contiguous()))
             flat = [(part.param, master, comp, 0)] if whole else [
                 (part.param.view(-1)[i : i + size], master.view(-1)[i : i + size], None if comp is None else comp.view(-1)[i : i + size], i)
-                for i in walked(list(range(0, master.numel(), size)))
+                for i in tracing.walked(list(range(0, master.numel(), size)))
             ]  # fmt: skip
             for target, exact, compensation, at in flat:
                 if compensation is not None:

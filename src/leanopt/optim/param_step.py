@@ -28,7 +28,7 @@ import torch
 from leanopt import tracing
 from leanopt.quant import QuantizedState
 
-__all__ = ["CHUNK_ELEMENTS", "ParamStep", "chunk_elements", "chunks", "spans", "state_chunk", "walked"]
+__all__ = ["CHUNK_ELEMENTS", "ParamStep", "chunk_elements", "chunks", "spans", "state_chunk"]
 
 # Elements of one param stepped at once where a path bounds its temporaries (the host step of
 # offload, the fp32 copy of a rounded bf16 param): 2**22, a 16 MiB fp32 buffer. TinyLlama-1.1B's
@@ -64,18 +64,6 @@ def spans(numel: int, chunk: int | None) -> list[tuple[int, int]] | None:
     return [(start, min(start + chunk, numel)) for start in range(0, numel, chunk)]
 
 
-def walked(parts: list[Any]) -> list[Any]:
-    """The pieces of a param a step walks one after the other (:func:`spans`), as it walks them:
-    all of them, except in a memory trace (:mod:`leanopt.tracing`), which walks the first and
-    the last. On fake tensors the pieces between them repeat the allocations of the first in the
-    same sizes and free them again, so they reach its peak and no other: a 7B model's rounded
-    steps are traced in seconds instead of a minute (tests/test_plan.py holds it to the full walk)."""
-    trace = tracing.active()
-    if trace is not None and trace.trim_repeated_blocks and len(parts) > 2:
-        return [parts[0], parts[-1]]
-    return parts
-
-
 def chunk_elements(chunkable: bool, p: torch.Tensor, block_sizes: Iterable[int], limit: int = CHUNK_ELEMENTS) -> int | None:
     """Elements per chunk of ``p`` for a rule that is ``chunkable``, or None where it is stepped
     whole: a rule that is not, complex or non-contiguous params. A chunk is a multiple of each
@@ -109,7 +97,7 @@ def chunks(item: ParamStep, chunk: int | None) -> Iterator[ParamStep]:
         yield item
         return
     param, grad = item.param.view(-1), item.grad.reshape(-1)
-    for start, stop in walked(parts):
+    for start, stop in tracing.walked(parts):
         yield dataclasses.replace(
             item, param=param[start:stop], grad=grad[start:stop],
             state={k: state_chunk(v, start, stop) for k, v in item.state.items()}, offset=item.offset + start,
