@@ -330,11 +330,21 @@ def measure_dist(case: str, configs: list[tuple[str, str, bool]], gpus: int, tim
 def measure(case: str, configs: list[tuple[str, str, bool]]) -> list[int]:
     """Measured peaks of ``configs`` on ``case``, one after the other in one fresh process
     (the full benchmark starts one process per configuration)."""
+    (measured,) = measure_cases([(case, configs)])
+    return measured
+
+
+def measure_cases(runs: list[tuple[str, list[tuple]]]) -> list[list[int]]:
+    """:func:`measure` of several (case, configs), one after the other in one fresh process: each
+    configuration has its own warm-up, baseline and measured model, so a process's start and
+    imports are paid once for them all."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, __file__, "--worker", case, *map(_encode, configs)]
+    cmd = [sys.executable, __file__]
+    for case, configs in runs:
+        cmd += ["--worker", case, *map(_encode, configs)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if out.returncode != 0:
-        raise RuntimeError(f"worker {case} {configs} failed:\n{out.stderr[-2000:]}")
+        raise RuntimeError(f"worker {runs} failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -393,7 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="full", help="full, small, or comma-separated case names")
     parser.add_argument("--sets", default="base,bf16,release", help=f"comma-separated configuration sets: {', '.join(SETS)}")
-    parser.add_argument("--worker", nargs="+", metavar="CASE OPTIMIZER:PRECISION:CKPT")
+    parser.add_argument("--worker", nargs="+", action="append", metavar="CASE OPTIMIZER:PRECISION:CKPT",
+                        help=argparse.SUPPRESS)  # fmt: skip
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--gpus", type=int, default=1, help="N > 1: FSDP2 over N gloo ranks (torchrun), per-rank peaks")
     parser.add_argument("--dist-worker", nargs="+", metavar="CASE OPTIMIZER:PRECISION:CKPT", help=argparse.SUPPRESS)
@@ -401,13 +412,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.dist_worker:
         dist_worker(args.dist_worker[0], args.dist_worker[1:])
         return 0
-    if args.worker:
-        case, *configs = args.worker
+    if args.worker:  # measure_cases: one list of peaks per --worker CASE CONFIG...
         measured = []
-        for config in configs:
-            optimizer, precision, ckpt, rounding, release = _decode(config)
-            measured.append(worker(case, optimizer, precision, ckpt, rounding=rounding, release=release,
-                                   offload=_decode_offload(config)))
+        for case, *configs in args.worker:
+            peaks = []
+            for config in configs:
+                optimizer, precision, ckpt, rounding, release = _decode(config)
+                peaks.append(worker(case, optimizer, precision, ckpt, rounding=rounding, release=release,
+                                    offload=_decode_offload(config)))  # fmt: skip
+            measured.append(peaks)
         print(json.dumps(measured))
         return 0
     cases = {"full": list(CASES), "small": list(SMALL)}.get(args.cases) or args.cases.split(",")

@@ -4,6 +4,7 @@ CUDA is covered by scripts/gpu_check.sh (stage plan_check, ``doctor`` rows)."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -89,8 +90,19 @@ for _case in OPTIMIZERS:
         DOCTORED.setdefault((_case.family, getattr(_case.cls, "state_bits", None)), _case.name)
 
 
+@pytest.fixture
+def tensor_plan(monkeypatch):
+    """The doctor's plan without its process bytes: the tests that use it compare tensor categories,
+    and the process bytes (a probe subprocess per optimizer and precision, ~7 s of CPU each) are held
+    to a fresh process by tests/test_plan_process.py and put beside the doctor's runtime overhead by
+    test_cli_doctor_prints_the_table_and_json."""
+    from leanopt.memory import plan as plan_module
+
+    monkeypatch.setattr(plan_module, "plan", functools.partial(plan_module.plan, process=False))
+
+
 @pytest.mark.parametrize("optimizer", list(DOCTORED.values()))
-def test_measured_categories_are_the_plans(optimizer):
+def test_measured_categories_are_the_plans(optimizer, tensor_plan):
     model, opt, batch = _setup(optimizer=optimizer)
     d = doctor(model, opt, batch)
     assert d.planned is not None, d.plan_note
@@ -163,7 +175,7 @@ def test_cli_doctor_prints_the_table_and_json(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_offloaded_host_copies_are_master_weights(dtype):
+def test_offloaded_host_copies_are_master_weights(dtype, tensor_plan):
     """With offload="cpu" on the CPU the optimizer keeps a host copy of each param (an fp32 master
     of a bf16 param: leanopt.optim.offload.master_dtype), in the memory measured: master weights,
     4 B/param, not runtime overhead; the plan beside it says the same."""
