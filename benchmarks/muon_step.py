@@ -1,7 +1,8 @@
 """leanopt.Muon's step beside torch.optim.Muon on the same shapes, in one interleaved run.
 
     python benchmarks/muon_step.py [--shapes small|tinyllama] [--layers N] [--device cpu|cuda]
-                                   [--rounds 5] [--threads N] [--json PATH]
+                                   [--rounds 5] [--threads N] [--backend auto|triton] [--dynamo-only]
+                                   [--json PATH]
 
 Each round steps torch.optim.Muon (its single-tensor loop, the only one it has), leanopt.Muon
 (``backend="auto"``) and leanopt.Muon8bit once each, on their own copies of the same fp32 params
@@ -10,13 +11,19 @@ of each one's time, and leanopt's ratio to torch's (<= 1.0 is the goal). The New
 share is the time of orthogonalizing every matrix alone (kernels.newton_schulz) over leanopt's
 step. ``--shapes tinyllama``: TinyLlama-1.1B's matrices (hidden 2048, 256-wide k/v, MLP 5632;
 22 layers by default), the GPU's workload; ``small``: the same ratios at 1/8 of the width (2
-layers), what a CPU here can time. ``--ns-host``: also the time of one orthogonalization of each
-distinct TinyLlama shape on the host (the figure behind docs/muon.md's offload decision).
+layers), what a CPU here can time. ``--backend``: leanopt's (default ``auto``; scripts/gpu_check.py's
+dry run takes ``triton``, interpreted: the kernels the GPU runs).
+``--dynamo-only``: every ``torch.compile`` traced by dynamo and run eagerly, no Inductor code (the dry
+run: Muon8bit's quantized momentum would otherwise be compiled for the CPU, ~15 s of CPU on 2 cores,
+code that a GPU does not run).
+``--ns-host``: also the time of one orthogonalization of each distinct TinyLlama shape on the host
+(the figure behind docs/muon.md's offload decision).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -57,14 +64,14 @@ def timed(fn: Callable[[], None], device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def run(shapes: list[tuple[int, int]], device: torch.device, rounds: int, warmup: int = 1) -> dict:
+def run(shapes: list[tuple[int, int]], device: torch.device, rounds: int, warmup: int = 1, backend: str = "auto") -> dict:
     gen = torch.Generator(device=device).manual_seed(0)  # drawn where they live: 1 B params on a GPU
     base = [torch.randn(s, generator=gen, device=device).mul_(0.02) for s in shapes]
     grads = [torch.randn(s, generator=gen, device=device).mul_(1e-3) for s in shapes]
     makers: dict[str, Callable[[list], torch.optim.Optimizer]] = {
         "torch.optim.Muon": lambda ps: torch.optim.Muon(ps, lr=0.02),
-        "leanopt.Muon": lambda ps: leanopt.Muon(ps, lr=0.02),
-        "leanopt.Muon8bit": lambda ps: leanopt.Muon8bit(ps, lr=0.02),
+        "leanopt.Muon": lambda ps: leanopt.Muon(ps, lr=0.02, backend=backend),
+        "leanopt.Muon8bit": lambda ps: leanopt.Muon8bit(ps, lr=0.02, backend=backend),
     }
     opts = {}
     for name, make in makers.items():
@@ -136,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--backend", default="auto", help="leanopt's backend (default auto; triton: interpreted on the CPU)")
+    ap.add_argument("--dynamo-only", action="store_true", help="torch.compile traced by dynamo, run eagerly (no Inductor)")
     ap.add_argument("--ns-host", action="store_true", help="time one orthogonalization of each TinyLlama shape on the host")
     ap.add_argument("--offload-check", action="store_true",
                     help="offload='cpu' (momentum on the host, NS on the device) against the on-device step")
@@ -143,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.dynamo_only:
+        torch.compile = functools.partial(torch.compile, backend="eager")  # type: ignore[assignment]
     device = torch.device(args.device)
     shapes = shapes_of(args.shapes, args.layers)
     result = {
@@ -154,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         "shapes": args.shapes,
         "layers": args.layers or SHAPES[args.shapes][3],
         "device": str(device),
-        **run(shapes, device, args.rounds, args.warmup),
+        **run(shapes, device, args.rounds, args.warmup, args.backend),
     }
     if args.ns_host:
         result["ns_host"] = ns_host(shapes_of("tinyllama", 1))

@@ -82,7 +82,7 @@ STAGES = [
     Stage("timing_bfloat16", 80, 30, "optimizer.step, TinyLlama-1.1B shapes, bf16 params"),
     Stage("accuracy", 40, 30, "distance from fp32 AdamW, sparse-gradient hazard, NaN isolation"),
     # The planner's check: 8 rows (two models x four configurations), each a plan and a
-    # measured step; dry, 2 rows (one per model) measured in two CPU processes. On top, two fresh GPU processes
+    # measured step; dry, 1 row (the small DistilBERT) measured in a CPU process. On top, two fresh GPU processes
     # (process_bytes against max_memory_reserved + the context) and leanopt.doctor (+30 s).
     Stage("plan_check", 90, 150, "python3 -m leanopt.memory.plan_check, if present"),
     # The host (CPU) step at one thread and at every core, the first step with a fresh
@@ -124,15 +124,12 @@ TARGETS = [
     ("first_step", "first step (compile included) <= 2 s, every leanopt optimizer", 2.0, "<="),
 ]
 
-# In a dry run, a few CUDA cases run on the CPU (LEANOPT_CUDA_TESTS_ON_CPU=1) after the real
-# `pytest -m cuda` (all skipped there): one of each test function, so tests/test_cuda.py is run.
-# With GPU_CHECK_CPU_CASES=all, every one of them (tests/test_gpu_check.py: its check that every
-# CUDA case passes on the CPU reads them from its dry run instead of running them a second time).
-DRY_TEST_SELECTION = (
-    "(adamw_matches and float32 and defaults) or (quantized_matches and bfloat16 and AdamW4bit) or "
-    "(adafactor_matches and float32 and beta1) or (many_shapes and AdamW8bit) or "
-    "(round_trip and bfloat16 and Adafactor)"
-)
+# In a dry run, one case of each test function of tests/test_cuda.py runs on the CPU
+# (LEANOPT_CUDA_TESTS_ON_CPU=1) after the real `pytest -m cuda` (all skipped there), so that the
+# CUDA tests' own code is run: the first case of each function in the order that run collected
+# them. With GPU_CHECK_CPU_CASES=all, every case (~45 s on 2 cores).
+CPU_CASES_MODULE = "tests/test_cuda.py"
+
 
 T0 = float(os.environ.get("GPU_CHECK_T0") or time.time())
 
@@ -697,7 +694,7 @@ def _junit(path: Path) -> dict[str, Any]:
     root = ET.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
     out: dict[str, Any] = {"tests": 0, "failed": 0, "errors": 0, "skipped": 0, "seconds": 0.0, "failures": [], "skip_reasons": {},
-                           "collection_errors": []}  # fmt: skip
+                           "collection_errors": [], "cases": {}}  # fmt: skip
     for s in suites:
         out["tests"] += int(s.get("tests", 0))
         out["failed"] += int(s.get("failures", 0))
@@ -706,6 +703,7 @@ def _junit(path: Path) -> dict[str, Any]:
         out["seconds"] += float(s.get("time", 0.0))
         for case in s.iter("testcase"):
             name = f"{case.get('classname', '')}::{case.get('name', '')}"
+            out["cases"][name] = next((tag for tag in ("failure", "error", "skipped") if case.find(tag) is not None), "passed")
             for tag in ("failure", "error"):
                 el = case.find(tag)
                 if el is not None:
@@ -848,6 +846,18 @@ def _hopper_compile_check(deadline: float) -> dict[str, Any]:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def one_case_per_function(summary: dict[str, Any], module: str = CPU_CASES_MODULE) -> list[str]:
+    """Node ids of the first case of each test function of ``module`` among the cases of a JUnit
+    summary (``_junit``; classname ``tests.test_cuda``, name ``test_x[params]``), in their order."""
+    dotted = module.removesuffix(".py").replace("/", ".")
+    picked: dict[str, str] = {}
+    for case in summary.get("cases", {}):
+        classname, _, name = case.partition("::")
+        if classname == dotted:
+            picked.setdefault(name.split("[")[0], f"{module}::{name}")
+    return list(picked.values())
+
+
 def cuda_test_files() -> list[str]:
     """The test modules that hold CUDA cases (``pytest.mark.cuda``), relative to the root."""
     tests = sorted((ROOT / "tests").glob("test_*.py"))
@@ -869,14 +879,13 @@ def stage_tests(args: argparse.Namespace, part: Part, deadline: float) -> int:
     part.update(junit=junit)
     ok = _cases_ok(junit[label])
     if args.dry_run:
-        # ... and one case of each test function on the CPU (every case: GPU_CHECK_CPU_CASES=all), Triton interpreted.
+        # ... and one case of each test function of tests/test_cuda.py on the CPU (the plain run above lists
+        # them all; every case: GPU_CHECK_CPU_CASES=all), Triton interpreted.
         env_cpu = env | {"LEANOPT_CUDA_TESTS_ON_CPU": "1", "TRITON_INTERPRET": "1"}
-        every = os.environ.get("GPU_CHECK_CPU_CASES") == "all"
-        cpu_label = "on the CPU (LEANOPT_CUDA_TESTS_ON_CPU=1), " + ("every case" if every else "a selection")
-        _, junit[cpu_label] = _pytest(
-            "cuda cases on the CPU", ["tests/test_cuda.py"] + ([] if every else ["-k", DRY_TEST_SELECTION]), env_cpu,
-            work / "cuda_tests_cpu.xml", deadline - time.time() - 2,
-        )  # fmt: skip
+        picked = [] if os.environ.get("GPU_CHECK_CPU_CASES") == "all" else one_case_per_function(junit[label])
+        cpu_label = "on the CPU (LEANOPT_CUDA_TESTS_ON_CPU=1), " + ("one case of each test function" if picked else "every case")
+        _, junit[cpu_label] = _pytest("cuda cases on the CPU", picked or [CPU_CASES_MODULE], env_cpu, work / "cuda_tests_cpu.xml",
+                                      deadline - time.time() - 2)  # fmt: skip
         ok = ok and _cases_ok(junit[cpu_label])
         part.update(junit=junit)
         # Informational: on the GPU the kernels are compiled for real by the tests above.
@@ -1307,11 +1316,13 @@ def stage_muon(args: argparse.Namespace, part: Part, deadline: float) -> int:
     TinyLlama-1.1B's 154 matrices (fp32), interleaved rounds: ms/step, the ratio to torch (goal
     <= 1.0), the Newton-Schulz share of the step; and ``offload="cpu"`` (momentum on the host,
     orthogonalization on the GPU) against the on-device step after three steps. Dry: 1/8-width
-    shapes, one layer, on the CPU."""
+    shapes, one layer, on the CPU, leanopt's Triton kernels interpreted (what the GPU runs), the
+    compiled graphs traced by dynamo and run eagerly (as in the twins stage: no Inductor compile for
+    the CPU); three rounds, so that the NS share is a median of three (its steps cost less than a second)."""
     out = Path(os.environ.get("GPU_CHECK_WORK", tempfile.gettempdir())) / "muon.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "muon_step.py"), "--json", str(out), "--offload-check"]
     if args.dry_run:
-        cmd += ["--device", "cpu", "--shapes", "small", "--layers", "1", "--rounds", "2"]
+        cmd += ["--device", "cpu", "--shapes", "small", "--layers", "1", "--rounds", "3", "--backend", "triton", "--dynamo-only"]
     else:
         cmd += ["--device", "cuda", "--shapes", "tinyllama", "--rounds", "3"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(1.0, deadline - time.time() - 1))
