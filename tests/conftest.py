@@ -12,6 +12,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     _share = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
     os.environ.setdefault("OMP_NUM_THREADS", str(_share))
+    # Inductor compiles in a pool of as many subprocesses as there are cores, started in each worker
+    # that compiles: on a worker's share of the cores, in the worker itself.
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(_share))
     import torch as _torch
 
     _torch.set_num_threads(_share)
@@ -30,6 +33,25 @@ LONGEST_FIRST = [
     "tests/test_rounding.py", "tests/test_contract.py", "tests/test_trainer_features.py", "tests/test_plan_offload.py",
     "tests/test_release.py", "tests/test_quantized.py", "tests/test_offload.py",
 ]
+
+
+# ---- the garbage collector -----------------------------------------------------------------------
+# A full collection scans every object alive: with torch and transformers imported, ~450,000 that
+# live as long as the process, ~0.25 CPU-s a collection. Accelerate's free_memory (the end of every
+# Trainer.train()), leanopt's plan and doctor and the tests themselves collect explicitly, hundreds
+# of times in a run. What exists once the tests are collected is frozen (gc.freeze: kept out of
+# every later collection); what the tests make is collected as before.
+def pytest_collection_finish(session):
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import gc
+
+    gc.unfreeze()  # the interpreter's exit sees the objects as usual
 
 
 def _xdist_worker() -> bool:

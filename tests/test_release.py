@@ -64,7 +64,7 @@ def assert_same_training(ours: torch.nn.Module, opt, usual: torch.nn.Module, usu
 
 @pytest.mark.parametrize("case,backend", CASE_BACKENDS)
 def test_released_training_is_bit_identical_to_the_usual_loop(case: OptimizerCase, backend: str) -> None:
-    steps = 20 if backend != "triton" else 6  # the interpreter is slow
+    steps = 8 if backend != "triton" else 6  # StepLR halves the lr at steps 3 and 6; the interpreter is slow
     ours, usual = model(), model()
     opt = case.cls(case.param_groups(ours), backend=backend, **case.kwargs)
     usual_opt = case.cls(case.param_groups(usual), backend=backend, **case.kwargs)

@@ -92,14 +92,14 @@ def test_optimizers_tuple_trains_and_the_callback_logs_measured_bytes_once(name:
     callback = OptimizerStateCallback()
     trainer = transformers.Trainer(
         model=model,
-        args=training_args(tmp_path),
+        args=training_args(tmp_path, max_steps=3),  # a record at step 1, none at steps 2 and 3
         train_dataset=TokenDataset(),
         optimizers=(opt, None),
         callbacks=[callback],
     )
     result = trainer.train()
     assert unwrap_optimizer(trainer.optimizer) is opt
-    assert trainer.state.global_step == 8 and state_steps(opt) == {8}
+    assert trainer.state.global_step == 3 and state_steps(opt) == {3}
     assert torch.isfinite(torch.tensor(result.training_loss))
     records = [e for e in trainer.state.log_history if OptimizerStateCallback.KEY in e]
     assert len(records) == 1 and records[0]["step"] == 1
@@ -116,7 +116,7 @@ def _kw(name: str) -> dict:
 @names
 def test_optimizer_cls_and_kwargs_gets_trainers_decay_groups_and_args(name: str, tmp_path) -> None:
     model = tiny_distilbert()
-    args = training_args(tmp_path, max_steps=4, lr_scheduler_type="constant")
+    args = training_args(tmp_path, max_steps=2, lr_scheduler_type="constant")
     trainer = transformers.Trainer(
         model=model,
         args=args,
@@ -130,7 +130,7 @@ def test_optimizer_cls_and_kwargs_gets_trainers_decay_groups_and_args(name: str,
     assert {g["optimizer"] for g in opt.param_groups} == {name}
     assert {g["weight_decay"] for g in opt.param_groups} == {0.01, 0.0}
     assert {g["lr"] for g in opt.param_groups} == {LR}  # from TrainingArguments, which Trainer doesn't pass
-    assert sum(len(g["params"]) for g in opt.param_groups if g["weight_decay"] == 0.0) > 0 and state_steps(opt) == {4}
+    assert sum(len(g["params"]) for g in opt.param_groups if g["weight_decay"] == 0.0) > 0 and state_steps(opt) == {2}
 
 
 def test_optimizer_cls_and_kwargs_fills_from_training_arguments(tmp_path) -> None:
@@ -160,7 +160,7 @@ def test_optimizer_cls_and_kwargs_fills_from_training_arguments(tmp_path) -> Non
     assert optimizer_cls_and_kwargs("torch-adafactor", args)[1] == {"lr": 3e-4}  # takes no relative_step
 
 
-def _run(name: str, out, resume: str | None = None, *, steps: int = 12, save_steps: int = 6):
+def _run(name: str, out, resume: str | None = None, *, steps: int = 4, save_steps: int = 2):
     model = tiny_distilbert(seed=1)  # resuming overwrites these weights from the checkpoint
     args = training_args(out, max_steps=steps, save_strategy="steps", save_steps=save_steps)
     trainer = transformers.Trainer(
@@ -176,23 +176,25 @@ def _run(name: str, out, resume: str | None = None, *, steps: int = 12, save_ste
 @names
 def test_resume_from_checkpoint_ends_with_the_uninterrupted_weights(name: str, tmp_path) -> None:
     full_model, _ = _run(name, tmp_path / "full")
-    checkpoint = tmp_path / "full" / "checkpoint-6"
+    # Saved after 2 of 4 steps: the resumed run restores the state, the schedule's step and the
+    # data position, and takes the last 2 steps.
+    checkpoint = tmp_path / "full" / "checkpoint-2"
     # Trainer reads it with torch.load(weights_only=True): only plain types in leanopt's state_dict.
     saved = torch.load(checkpoint / "optimizer.pt", weights_only=True)
-    assert {int(st["step"]) for st in saved["state"].values()} == {6}
-    # The checkpoint says which optimizer wrote it: `leanopt inspect checkpoint-6` reads it.
+    assert {int(st["step"]) for st in saved["state"].values()} == {2}
+    # The checkpoint says which optimizer wrote it: `leanopt inspect checkpoint-2` reads it.
     assert {g["optimizer"] for g in saved["param_groups"]} == {name}
     assert inspect_file(checkpoint).optimizer == name
-    resumed_model, resumed_opt = _run(name, tmp_path / "resumed", resume=str(checkpoint))
+    resumed_model, resumed_opt = _run(name, tmp_path / "resumed", resume=str(checkpoint), save_steps=100)
     for (n, a), b in zip(full_model.named_parameters(), resumed_model.parameters()):
         assert torch.equal(a, b), n
-    assert state_steps(resumed_opt) == {12}
+    assert state_steps(resumed_opt) == {4}
 
 
 def test_resume_with_a_sibling_converts_and_with_another_family_is_refused(tmp_path) -> None:
     # A Lion8bit checkpoint resumes under Trainer with Lion4bit (its state converted on load);
     # resuming it with AdamW fails before training, naming both.
-    _run("lion8bit", tmp_path / "full", steps=4, save_steps=2)
+    _run("lion8bit", tmp_path / "full")
     checkpoint = str(tmp_path / "full" / "checkpoint-2")
     _, opt = _run("lion4bit", tmp_path / "resumed", resume=checkpoint, steps=4, save_steps=100)
     assert type(opt) is leanopt.Lion4bit and state_steps(opt) == {4}
@@ -281,11 +283,11 @@ def test_released_gradients_under_trainer_equal_the_usual_run(name: str, tmp_pat
         opt = make_optimizer(name, model)
         handle = leanopt.release_gradients(model, opt) if release else None
         trainer = transformers.Trainer(
-            model=model, args=training_args(tmp_path / str(release), max_grad_norm=0.0),
+            model=model, args=training_args(tmp_path / str(release), max_grad_norm=0.0, max_steps=3),
             train_dataset=TokenDataset(), optimizers=(opt, None),
         )  # fmt: skip
         trainer.train()
-        assert state_steps(opt) == {8}
+        assert state_steps(opt) == {3}
         if handle is not None:
             handle.remove()
         finals.append([p.detach().clone() for p in model.parameters()])
