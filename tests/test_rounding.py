@@ -161,46 +161,62 @@ def test_rounding_with_released_gradients_equals_the_usual_loop(case: OptimizerC
 
 
 _ROUNDED_PEAK = """
-import sys, torch, leanopt
+import gc, json, sys, torch, leanopt
 from leanopt.optim import rounding
-torch.manual_seed(0)
-rounding.ROUNDING_CHUNK = int(sys.argv[1])
-# 2**21 bf16 elements (4 MiB): an fp32 copy of it whole is 8 MiB, the rule's and the rounding's
-# temporaries several times that.
-p = torch.nn.Parameter(torch.randn(2**21).to(torch.bfloat16))
-opt = leanopt.AdamW([p], lr=1e-3, rounding=sys.argv[2])
 def rss(field):
     for line in open("/proc/self/status"):
         if line.startswith(field):
             return int(line.split()[1]) * 1024
-for step in range(3):
-    p.grad = torch.randn(2**21).to(torch.bfloat16)
-    if step == 2:
-        base = rss("VmRSS:")
-        open("/proc/self/clear_refs", "w").write("5")  # peak RSS := current RSS
-    opt.step()
-print(rss("VmHWM:") - base)
+peaks = {}
+for how in sys.argv[1:]:
+    name, chunk = how.split(":")
+    torch.manual_seed(0)
+    rounding.ROUNDING_CHUNK = int(chunk)
+    # 2**21 bf16 elements (4 MiB): an fp32 copy of it whole is 8 MiB, the rule's and the rounding's
+    # temporaries several times that.
+    p = torch.nn.Parameter(torch.randn(2**21).to(torch.bfloat16))
+    opt = leanopt.AdamW([p], lr=1e-3, rounding=name)
+    for step in range(3):
+        p.grad = torch.randn(2**21).to(torch.bfloat16)
+        if step == 2:
+            base = rss("VmRSS:")
+            open("/proc/self/clear_refs", "w").write("5")  # peak RSS := current RSS
+        opt.step()
+    peaks[how] = rss("VmHWM:") - base
+    del p, opt
+    gc.collect()  # the large blocks go back to the system before the next measurement
+print(json.dumps(peaks))
 """
 
+ROUNDED_CHUNKS = (2**18, 2**21)
 
-@pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
-def test_a_rounded_step_holds_the_temporaries_of_one_chunk(rounding: str) -> None:
-    # The step's peak over the memory before it, in a fresh process whose large blocks go back
-    # to the system when freed: with chunks of 2**18 elements the fp32 copies and the rule's and
-    # rounding's temporaries are those of one chunk; the whole param's (a chunk of 2**21) are
-    # several times as large. (Scaled down 4x from ROUNDING_CHUNK's 2**20 and a 2**23 param,
-    # whose figures docs/plan.md gives: the same bytes per element.)
+
+@pytest.fixture(scope="module")
+def rounded_peaks() -> dict[str, int]:
+    """Each rounding's step peak over the memory before it, with chunks of 2**18 and of 2**21
+    elements, measured one after the other in one fresh process whose large blocks go back to
+    the system when freed (each step's own fresh param and optimizer, its two earlier steps
+    taken first)."""
+    import json
     import os
     import subprocess
     import sys
 
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
-    peaks = {}
-    for chunk in (2**18, 2**21):
-        out = subprocess.run([sys.executable, "-c", _ROUNDED_PEAK, str(chunk), rounding], env=env, capture_output=True,
-                             text=True, timeout=300)  # fmt: skip
-        assert out.returncode == 0, out.stderr[-2000:]
-        peaks[chunk] = int(out.stdout.split()[-1])
+    hows = [f"{r}:{c}" for r in ("stochastic", "kahan") for c in ROUNDED_CHUNKS]
+    out = subprocess.run([sys.executable, "-c", _ROUNDED_PEAK, *hows], env=env, capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
+def test_a_rounded_step_holds_the_temporaries_of_one_chunk(rounding: str, rounded_peaks: dict[str, int]) -> None:
+    # With chunks of 2**18 elements the fp32 copies and the rule's and rounding's temporaries
+    # are those of one chunk; the whole param's (a chunk of 2**21) are several times as large.
+    # (Scaled down 4x from ROUNDING_CHUNK's 2**20 and a 2**23 param, whose figures docs/plan.md
+    # gives: the same bytes per element.)
+    peaks = {chunk: rounded_peaks[f"{rounding}:{chunk}"] for chunk in ROUNDED_CHUNKS}
     per_element = peaks[2**18] / 2**18
     assert per_element <= 96, (peaks, per_element)  # ~64 B per element of one chunk
     assert peaks[2**21] >= 4 * peaks[2**18], peaks
