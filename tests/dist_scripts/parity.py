@@ -5,7 +5,7 @@ same run in one process.
 
 One launch runs every check (a launch costs more than the checks): for each optimizer NAME,
 
-* ``ddp`` and ``fsdp``: 20 steps on a global batch split over the ranks, against the same 20
+* ``ddp`` and ``fsdp``: ``STEPS`` (10) steps on a global batch split over the ranks, against the same
   steps in one process (rank 0 runs them) two ways: on the whole batch (``vs_full``), and as
   two accumulated half-batches (``vs_accumulated``: the ranks' exact gradient arithmetic, since
   halving is exact in floating point, so any difference left comes from the optimizer).
@@ -15,9 +15,9 @@ One launch runs every check (a launch costs more than the checks): for each opti
   (each rank keeps its shard) and gathers back to the same state.
 * ``example``: ``examples/fsdp2_train.py`` runs in this same launch (its ``main``), so the
   documented example is tested without a launch of its own.
-* ``dcp``: the fsdp run saves ``get_state_dict`` with ``torch.distributed.checkpoint`` after step
-  10; a fresh model and optimizer on 2 ranks load it with ``set_state_dict`` and train steps
-  11-20 again: the losses and weights must be identical. The checkpoint stays in OUT_DIR for
+* ``dcp``: the fsdp run saves ``get_state_dict`` with ``torch.distributed.checkpoint`` after
+  ``SAVE_AT`` (5) steps; a fresh model and optimizer on 2 ranks load it with ``set_state_dict`` and
+  train the steps after it again: the losses and weights must be identical. The checkpoint stays in OUT_DIR for
   the one-process load in ``test_distributed.py``.
 
 Rank 0 writes ``OUT_DIR/results.json``: ``{NAME: {mode: {metric: value}}}``, and an ``error``
@@ -51,8 +51,8 @@ from leanopt.quant import QuantizedState
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from registry import OPTIMIZERS  # noqa: E402  (tests/registry.py: the one list of optimizers)
 
-STEPS = 20
-SAVE_AT = 10
+STEPS = 10
+SAVE_AT = 5
 GLOBAL_BATCH = 32
 
 # Adafactor also runs its relative scale (an RMS all-reduced under FSDP2) and weight decay here.
@@ -280,7 +280,7 @@ def run_fsdp_and_dcp(name: str, rank: int, world: int, ref, out_dir: str) -> tup
     state = gathered_state(opt, model)
     final = whole_params(model)
 
-    # A fresh model (other weights) and optimizer on the same 2 ranks load step 10 and go on.
+    # A fresh model (other weights) and optimizer on the same 2 ranks load step SAVE_AT and go on.
     resumed = shard(make_model(seed=1))
     resumed_opt = build(name, resumed)
     model_sd, optim_sd = get_state_dict(resumed, resumed_opt)
