@@ -518,25 +518,24 @@ REAL_STEPS = {
 }
 
 
+def measure_real_steps(runs: dict[str, list[tuple]]) -> dict[str, list[int]]:
+    """Each model's configurations -> their measured peaks, all in one fresh process
+    (bench.measure_cases); skipped where /proc cannot give the resident high-water mark."""
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("needs Linux /proc to read the resident high-water mark")
+    return dict(zip(runs, _bench().measure_cases(list(runs.items())), strict=True))
+
+
 @pytest.fixture(scope="module")
 def real_steps() -> dict[str, dict[tuple, int]]:
     """Each model's configurations (``REAL_STEPS``) -> their measured peaks."""
-    if not Path("/proc/self/clear_refs").exists():
-        pytest.skip("needs Linux /proc to read the resident high-water mark")
-    runs = [(case, [config for group in groups.values() for config in group]) for case, groups in REAL_STEPS.items()]
-    return {case: dict(zip(configs, peaks, strict=True)) for (case, configs), peaks in zip(runs, _bench().measure_cases(runs))}
+    runs = {case: [config for group in groups.values() for config in group] for case, groups in REAL_STEPS.items()}
+    return {case: dict(zip(runs[case], peaks, strict=True)) for case, peaks in measure_real_steps(runs).items()}
 
 
 def _check_predictions(case: str, configs: list[tuple], real: list[int]) -> None:
     for config, measured, predicted in zip(configs, real, _bench().predict_all(case, configs), strict=True):
         assert abs(predicted - measured) <= SMALL_TOLERANCE * measured, (case, config, predicted, measured)
-
-
-def _check_against_real_steps(case: str, configs: list[tuple]) -> None:
-    """``configs`` measured in one fresh process of their own, each held to its plan."""
-    if not Path("/proc/self/clear_refs").exists():
-        pytest.skip("needs Linux /proc to read the resident high-water mark")
-    _check_predictions(case, configs, _bench().measure(case, configs))
 
 
 def _check_group(real_steps, case: str, group: str) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from leanopt.memory.estimate import estimate
 from leanopt.memory.plan import FLOPS_PER_PARAM_TOKEN, plan
 from leanopt.memory.plan_model import over_model, param_keys
 from leanopt.memory.plan_step import trace_step
-from test_plan import TINY_DISTILBERT, _check_predictions, _one_line_error, _released_direct, tiny_distilbert, tiny_gpt2
+from test_plan import TINY_DISTILBERT, _check_predictions, _one_line_error, _released_direct, measure_real_steps, tiny_distilbert, tiny_gpt2
 
 MUONS = ["muon", "muon8bit"]
 
@@ -142,11 +141,7 @@ REAL_STEPS = {
 
 @pytest.fixture(scope="module")
 def real_steps() -> dict[str, list[int]]:
-    from test_plan import _bench
-
-    if not Path("/proc/self/clear_refs").exists():
-        pytest.skip("needs Linux /proc to read the resident high-water mark")
-    return dict(zip(REAL_STEPS, _bench().measure_cases(list(REAL_STEPS.items())), strict=True))
+    return measure_real_steps(REAL_STEPS)
 
 
 def test_prediction_matches_a_real_step(real_steps):

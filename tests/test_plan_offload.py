@@ -25,6 +25,7 @@ from leanopt.optim import offload as offload_module
 from leanopt.optim import param_step
 from registry import OPTIMIZERS
 from test_offload import assert_same_run, batch, bf16_run_beside_fp32_masters, loss_of, make_model, train
+from test_plan import _bench, measure_real_steps
 
 cases = pytest.mark.parametrize("case", OPTIMIZERS, ids=str)
 ROOT = Path(__file__).resolve().parents[1]
@@ -236,15 +237,6 @@ def test_cli_plan_offload_table_and_json(tmp_path, capsys) -> None:
 
 
 # ---- a real step: device peak + host bytes on CPU params --------------------------------------------
-def _bench():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("plan_vs_measured", ROOT / "benchmarks" / "plan_vs_measured.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 # Each configuration on one model, the plain offloaded step on both; all measured in one fresh process.
 OFFLOADED_STEPS = {
     "tiny-distilbert": [("adamw", "fp32", False, None, True, True), ("adamw", "fp32", False, None, False, True)],
@@ -254,9 +246,7 @@ OFFLOADED_STEPS = {
 
 @pytest.fixture(scope="module")
 def offloaded_steps() -> dict[str, list[int]]:
-    if not Path("/proc/self/clear_refs").exists():
-        pytest.skip("needs Linux /proc to read the resident high-water mark")
-    return dict(zip(OFFLOADED_STEPS, _bench().measure_cases(list(OFFLOADED_STEPS.items())), strict=True))
+    return measure_real_steps(OFFLOADED_STEPS)
 
 
 @pytest.mark.parametrize("case", list(OFFLOADED_STEPS))
