@@ -6,11 +6,12 @@
   safe AdamW, Lion, AdEMAMix): the hand-written C++ kernel's dense loop
   (:func:`leanopt.kernels.cpu_native.dense`), where it builds: no compile on the first step.
 * Any other dense case: the rule's elementwise function, compiled once per (rule, flags,
-  dtypes) by Inductor with dynamic shapes (no per-shape recompiles).
+  dtypes) by Inductor with dynamic shapes (no per-shape recompiles); a one-element param runs it
+  eagerly (Dynamo would compile a second graph for size 1; the same bits).
 * Block-quantized states: fp32 params and gradients of the rules with a C++ twin go to the hand-written
   C++ kernel (:mod:`leanopt.kernels.cpu_native`, one pass per block) when it builds here; any
   other case: dequantize -> rule -> requantize, compiled as one fused loop over whole blocks,
-  for any rule and any number of states. Encoding replaces the code book's
+  for any rule and any number of states (eagerly for a param of one block, as a one-element one). Encoding replaces the code book's
   binary search with one gather from a 2^16-entry lookup table (:func:`encode_tables`).
 
 Scalars of the schedule reach the compiled graphs as 0-dim fp64 tensors, so a new step or lr
@@ -88,6 +89,13 @@ def _eager(eligible_native: bool) -> bool:
     return not can_compile() or (eligible_native and cpu_native.pending())
 
 
+def _single(n: int) -> bool:
+    """Whether a param of ``n`` elements (dense) or ``n`` blocks (quantized) runs eagerly: Dynamo
+    specializes a size of 1, so one element or one block would compile a graph of its own, for a
+    step of a few microseconds. Eager and compiled give the same bits (tests/test_cpu_paths.py)."""
+    return n == 1
+
+
 def _dense_eager(update: Callable[..., Any], p: Tensor, g: Tensor, states: Sequence[Tensor], c: list[Tensor]) -> None:
     flat = [t.view(-1) for t in (p, g, *states)]
     n = flat[0].numel()
@@ -114,7 +122,7 @@ def _dense_rounded(rule: Rule, flags: tuple, safe: bool, maximize: bool, p: Tens
     stored = tuple(s.dtype == torch.bfloat16 for s in states)
     update = graphs.rounded_update(rule, flags, safe, maximize, stored)
     step_t, offset_t = torch.tensor(step, dtype=torch.int64), torch.tensor(offset, dtype=torch.int64)
-    if not can_compile():
+    if not can_compile() or _single(p.numel()):
         _rounded_eager(update, p, g.contiguous(), states, c, step_t, offset_t)
         return
     key = (rule, flags, safe, maximize, stored)
@@ -168,7 +176,7 @@ def dense(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mapping[s
             cpu_native.dense(rule, p, grads[i], states[i], steps[i], hp, safe)
             continue
         scalars = graphs.as_tensors(rule.scalar_values(hp, steps[i], safe))
-        if _eager(eligible) and tracing.active() is None:
+        if (_eager(eligible) or _single(p.numel())) and tracing.active() is None:
             update = graphs.dense_update(rule, flags, safe, hp["maximize"], len(states[i]))
             _dense_eager(update, p, grads[i].contiguous(), states[i], scalars)
             continue
@@ -298,7 +306,7 @@ def quantized(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mappi
             zeros_ = tuple(b.zero_index for b in books)
             lasts = tuple(b.thresholds.numel() for b in books)
             scalars = graphs.as_tensors(rule.scalar_values(hp, steps[i], True))
-            if _eager(cpu_native.eligible(rule, p, grads[i], qs, hp)) and tracing.active() is None:
+            if (_eager(cpu_native.eligible(rule, p, grads[i], qs, hp)) or _single(rows)) and tracing.active() is None:
                 _quantized_eager(rule, flags, hp["maximize"], fmt.bits, kinds, zeros_, lasts, p2, g2, tensors, steps[i],
                                  offsets[i], scalars)  # fmt: skip
                 if full < n:
