@@ -581,17 +581,23 @@ def test_fsdp_prediction_matches_real_steps_on_each_rank(case):
 
 
 @pytest.mark.slow
-def test_a_7b_model_plans_without_allocating_it():
+def test_a_7b_wide_model_plans_without_allocating_it():
     import resource
 
-    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+    # Llama-2-7B's widths with 4 of its 32 layers: 1.07e9 params, 4.3 GB of fp32 weights alone, so
+    # a plan that allocated any of them would grow the process by gigabytes. The whole 7B plan's
+    # time is a benchmark's figure (docs/plan.md: 23 s of CPU on the idle build machine); its 32
+    # layers are identical, and 4 of them take every path of the trace that 32 take.
+    layers = 4
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=layers,
                                       num_attention_heads=32, max_position_embeddings=4096)  # fmt: skip
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config)
+    n = sum(p.numel() for p in model.parameters())
+    assert n == 2 * 32000 * 4096 + layers * (4 * 4096**2 + 3 * 4096 * 11008 + 2 * 4096) + 4096
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    # The traces only (no probe process: tests/test_plan_probe.py). How long it takes is a
-    # benchmark's figure, not this test's (docs/plan.md: 23 s of CPU on the idle build machine).
+    # The traces only (no probe process: tests/test_plan_probe.py).
     rows = plan(model, batch=1, seq=2048, budget="80GiB", process=False)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before < 1024**2  # KiB: under 1 GiB grown
     assert len(rows) == 4 * 4 * 2 * 2  # 4 optimizers x (fp32, bf16-mixed, bf16 kahan, bf16 stochastic) x ckpt x release
-    assert rows[0].peak_bytes > 16 * 6.7e9  # weights + gradients + AdamW state, fp32
+    assert rows[0].peak_bytes > 16 * n  # weights + gradients + AdamW state, fp32
