@@ -77,3 +77,32 @@ def test_every_optimizer_hints_lr_as_float_or_tensor() -> None:
         hint = inspect.signature(case.cls).parameters[case.lr_key].annotation
         resolved = eval(hint, {"torch": torch}) if isinstance(hint, str) else hint
         assert {float, torch.Tensor} <= set(typing.get_args(resolved)), f"{case.name}: lr is hinted {hint!r}"
+
+
+# Building and saving an optimizer in a fresh process (a CLI command, the planner's probe, a
+# worker): torch guards add_param_group, zero_grad, state_dict and load_state_dict against
+# dynamo's tracing, and the guard's first call imports dynamo (~1.1 s of CPU); leanopt calls the
+# function under the guard until dynamo is imported (optim.base._unguarded).
+BUILD_AND_SAVE = """
+import json, sys, torch, leanopt
+for name, cls in leanopt.optim.REGISTRY.items():
+    ps = [torch.nn.Parameter(torch.zeros(4, 4)), torch.nn.Parameter(torch.zeros(4))]
+    opt = cls(leanopt.muon_groups(ps)) if cls.family == "muon" else cls(ps)
+    opt.zero_grad()
+    opt.load_state_dict(opt.state_dict())
+print(json.dumps(sorted(m for m in sys.modules if m == "torch._dynamo" or m.startswith("torch._dynamo."))))
+"""
+
+
+def test_building_and_saving_an_optimizer_leaves_dynamo_unimported() -> None:
+    out = subprocess.run([sys.executable, "-c", BUILD_AND_SAVE], capture_output=True, text=True, timeout=300, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+    # Once dynamo is imported (here, in the suite's process), torch's guarded methods run.
+    import torch._dynamo  # noqa: F401
+
+    from leanopt.optim.base import _unguarded
+
+    opt = leanopt.AdamW([torch.nn.Parameter(torch.zeros(2))])
+    for name in ("add_param_group", "zero_grad", "state_dict", "load_state_dict"):
+        bound = getattr(torch.optim.Optimizer, name).__get__(opt)
+        assert _unguarded(bound) is bound, name

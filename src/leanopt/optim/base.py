@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -93,6 +94,19 @@ def as_float(value: Any) -> float:
     return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
 
 
+def _unguarded(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A bound method of ``torch.optim.Optimizer`` as leanopt calls it. torch guards
+    ``add_param_group``, ``zero_grad``, ``state_dict`` and ``load_state_dict`` against dynamo's
+    tracing (``torch._disable_dynamo``), and the guard's first call imports dynamo: ~1.1 s of
+    CPU, most of what building an optimizer costs in a fresh process (a CLI command, a probe).
+    Until dynamo is imported in this process nothing can be tracing the call, so the function
+    under the guard runs; once it is, the guarded method, as torch's own optimizers call it."""
+    inner = getattr(getattr(method, "__func__", None), "__wrapped__", None)
+    if inner is None or "torch._dynamo" in sys.modules:
+        return method
+    return inner.__get__(method.__self__)
+
+
 class LeanOptimizer(torch.optim.Optimizer):
     """Base class of leanopt's optimizers (bookkeeping only; the maths is in ``kernels``).
 
@@ -158,7 +172,7 @@ class LeanOptimizer(torch.optim.Optimizer):
         # Gradients the placement holds elsewhere (offloaded, released) are dropped or zeroed
         # first; torch's zero_grad then does p.grad.
         self.placement.zero_grad(set_to_none)
-        super().zero_grad(set_to_none)
+        _unguarded(super().zero_grad)(set_to_none)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # torch's __getstate__ keeps defaults, state and param_groups: a copy (deepcopy, pickle)
@@ -212,7 +226,7 @@ class LeanOptimizer(torch.optim.Optimizer):
         self.validate_group(merged)
         check_rounding(merged.get("rounding", "nearest"))
         self.placement.check_group({**merged, "params": param_group.get("params") or []}, len(self.param_groups))
-        super().add_param_group(param_group)
+        _unguarded(super().add_param_group)(param_group)
         self.placement.group_added()
 
     def _check_grad(self, p: torch.Tensor, gi: int, pi: int) -> None:
@@ -406,7 +420,7 @@ class LeanOptimizer(torch.optim.Optimizer):
         post_hooks = self._optimizer_state_dict_post_hooks
         self._optimizer_state_dict_post_hooks = OrderedDict()
         try:
-            sd = super().state_dict()
+            sd = _unguarded(super().state_dict)()
         finally:
             self._optimizer_state_dict_post_hooks = post_hooks
         params = [p for g in self.param_groups for p in g["params"]]
@@ -504,7 +518,7 @@ class LeanOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_pre_hooks = OrderedDict()
         self._optimizer_load_state_dict_post_hooks = OrderedDict()
         try:
-            super().load_state_dict({"state": {}, "param_groups": saved_groups})
+            _unguarded(super().load_state_dict)({"state": {}, "param_groups": saved_groups})
         finally:
             self._optimizer_load_state_dict_pre_hooks = pre_hooks
             self._optimizer_load_state_dict_post_hooks = post_hooks
