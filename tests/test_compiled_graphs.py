@@ -27,7 +27,7 @@ from leanopt.kernels import graphs, rules, twins
 from leanopt.optim.elementwise import ElementwiseOptimizer
 from leanopt.quant import BlockFormat, QuantizedState
 from external_optimizer import RMSPROP, RMSprop, RMSprop8bit
-from registry import GENERIC
+from registry import GENERIC, representatives
 from test_rules import _matches_reference
 from test_user_rules import dynamo_only  # noqa: F401 - the fixture
 
@@ -120,7 +120,9 @@ def test_compiled_backend_matches_reference(case) -> None:
     _matches_reference(case, "compiled", torch.float32, {})
 
 
-@pytest.mark.parametrize("case", [c for c in ELEMENTWISE if c.name in ("adamw", "adamw4bit", "rmsprop8bit")], ids=str)
+# The param's conversion on load and store and the maximize sign: the same plumbing for every rule
+# of a family, one case per family (dense, block-quantized, bf16 states, a user's rule).
+@pytest.mark.parametrize("case", representatives(ELEMENTWISE), ids=str)
 @pytest.mark.parametrize("dtype,kwargs", [(torch.bfloat16, {}), (torch.float32, {"maximize": True, "weight_decay": 0.1})],
                          ids=["bfloat16", "maximize"])  # fmt: skip
 @pytest.mark.usefixtures("dynamo_only")
