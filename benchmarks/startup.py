@@ -6,8 +6,10 @@
 
 Each round runs every command once, in turn (so a change in the machine's load falls on all of
 them alike): ``import torch``; ``import leanopt``; ``import leanopt; leanopt.AdamW`` (what a
-training script pays before its first step); ``leanopt inspect missing.pt`` and ``leanopt
-estimate distilbert-base-cassed`` (a mistake: the answer is one line). It prints the medians and
+training script pays before its first step); an optimizer built, zero_grad-ed, saved and loaded
+(nothing stepped); ``leanopt estimate 125m`` (an answer that builds each optimizer it lists, on
+meta tensors); ``leanopt inspect missing.pt`` and ``leanopt estimate distilbert-base-cassed`` (a
+mistake: the answer is one line). It prints the medians and
 ranges, the difference of the medians from ``import torch``, and the 1-minute load average before
 and after (the machine's load changes every time here).
 """
@@ -27,6 +29,9 @@ COMMANDS = {
     "import torch": ["-c", "import torch"],
     "import leanopt": ["-c", "import leanopt"],
     "import leanopt; leanopt.AdamW": ["-c", "import leanopt; leanopt.AdamW"],
+    "build and save an AdamW8bit": ["-c", "import torch, leanopt; o = leanopt.AdamW8bit([torch.nn.Parameter(torch.zeros(8))]); "
+                                          "o.zero_grad(); o.load_state_dict(o.state_dict())"],  # fmt: skip
+    "leanopt estimate 125m --optimizers adamw": ["-m", "leanopt", "estimate", "125m", "--optimizers", "adamw"],
     "leanopt inspect missing.pt": ["-m", "leanopt", "inspect", "missing.pt"],
     "leanopt estimate distilbert-base-cassed": ["-m", "leanopt", "estimate", "distilbert-base-cassed"],
 }

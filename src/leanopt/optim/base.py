@@ -104,7 +104,7 @@ def _unguarded(method: Callable[..., Any]) -> Callable[..., Any]:
     inner = getattr(getattr(method, "__func__", None), "__wrapped__", None)
     if inner is None or "torch._dynamo" in sys.modules:
         return method
-    return inner.__get__(method.__self__)
+    return inner.__get__(method.__self__)  # type: ignore[attr-defined]  # a bound method
 
 
 class LeanOptimizer(torch.optim.Optimizer):
