@@ -11,8 +11,9 @@
 * Block-quantized states: fp32 params and gradients of the rules with a C++ twin go to the hand-written
   C++ kernel (:mod:`leanopt.kernels.cpu_native`, one pass per block) when it builds here; any
   other case: dequantize -> rule -> requantize, compiled as one fused loop over whole blocks,
-  for any rule and any number of states (eagerly for a param of one block, as a one-element one). Encoding replaces the code book's
-  binary search with one gather from a 2^16-entry lookup table (:func:`encode_tables`).
+  for any rule and any number of states (a param of one block runs it eagerly, as a one-element
+  one does). Encoding replaces the code book's binary search with one gather from a 2^16-entry
+  lookup table (:func:`encode_tables`).
 
 Scalars of the schedule reach the compiled graphs as 0-dim fp64 tensors, so a new step or lr
 does not recompile.
