@@ -16,7 +16,6 @@ wrapper that sleeps first: the first steps must not wait for it.
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import subprocess
@@ -29,7 +28,7 @@ import torch
 
 from leanopt.kernels import cpu_elementwise, cpu_native, graphs
 from leanopt.optim.elementwise import ElementwiseOptimizer
-from registry import BF16_STATES, OPTIMIZERS, representatives
+from registry import OPTIMIZERS
 from test_user_rules import dynamo_only  # noqa: F401 - the fixture
 
 ELEMENTWISE = [c for c in OPTIMIZERS if issubclass(c.cls, ElementwiseOptimizer)]
@@ -90,44 +89,6 @@ def test_native_compiled_and_eager_paths_agree_to_the_bit(case, paths) -> None:
         for i, (a, b) in enumerate(zip(got["native"], got[mode])):
             same = torch.equal(a.view(torch.int32), b.view(torch.int32)) if a.dtype == torch.float32 else torch.equal(a, b)
             assert same, f"{case}: tensor {i} ({tuple(a.shape)} {a.dtype}) differs between native and {mode}"
-
-
-# ``maximize`` reaches the compiled graphs as an input (graphs.scalar_row), not a constant: the same
-# plumbing for every rule, so one case per family with a compiled CPU path: bf16 params (which the
-# native kernel never takes) with dense, bf16 and block-quantized states.
-MAXIMIZING = [c for c in representatives(ELEMENTWISE) + representatives(BF16_STATES)
-              if "maximize" in inspect.signature(c.cls).parameters]  # fmt: skip
-
-
-@pytest.mark.parametrize("case", MAXIMIZING, ids=str)
-def test_a_maximizing_group_runs_the_graph_compiled_without_maximize(case) -> None:
-    """A group that maximizes steps as one that does not on the negated gradient, to the bit,
-    and in the graphs compiled for it: nothing compiles for ``maximize``."""
-    gen = torch.Generator().manual_seed(0)
-    start = [torch.randn(s, generator=gen).to(torch.bfloat16) for s in SHAPES]
-    grads = [[torch.randn(s, generator=gen).to(torch.bfloat16) for s in SHAPES] for _ in range(3)]
-
-    def run(maximize: bool) -> list[torch.Tensor]:
-        params = [torch.nn.Parameter(t.clone()) for t in start]
-        opt = case.cls(case.param_groups(params), **{**case.kwargs, "backend": "cpu", "maximize": maximize})
-        for step in grads:
-            for p, g in zip(params, step):
-                p.grad = -g if maximize else g.clone()
-            opt.step()
-        out = [p.detach() for p in params]
-        for p in params:
-            for v in opt.state[p].values():
-                out += [v] if isinstance(v, torch.Tensor) else [v.codes, v.absmax]
-        return out
-
-    caches = (cpu_elementwise._DENSE, cpu_elementwise._ROUNDED, cpu_elementwise._QUANTIZED)
-    plain = run(False)
-    graphs_after_plain = [dict(c) for c in caches]
-    assert any(graphs_after_plain) or not cpu_elementwise.can_compile()
-    flipped = run(True)
-    assert [dict(c) for c in caches] == graphs_after_plain
-    for a, b in zip(plain, flipped, strict=True):
-        assert torch.equal(a, b) and torch.equal(torch.signbit(a), torch.signbit(b))
 
 
 # ---- the background build -------------------------------------------------------------------

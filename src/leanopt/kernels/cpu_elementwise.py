@@ -46,14 +46,14 @@ from leanopt.quant.formats import may_hold_true
 _DENSE: dict[tuple, Callable[..., Any]] = {}
 
 
-def _dense_graph(rule: Rule, flags: tuple, safe: bool, n: int) -> Callable[..., Any]:
+def _dense_graph(rule: Rule, flags: tuple, safe: bool, maximize: bool, n: int) -> Callable[..., Any]:
     if tracing.active() is not None:  # a compiled graph cannot take fake tensors
         return graphs.traced_dense
-    key = (rule, flags, safe, n)
+    key = (rule, flags, safe, maximize, n)
     graph = _DENSE.get(key)
     if graph is None:
-        variant = f"{rule.name}_dense{'_safe' if safe else ''}_" + "_".join(map(str, map(int, flags)))
-        update = graphs.dense_update(rule, flags, safe, n)
+        variant = f"{rule.name}_dense{'_safe' if safe else ''}{'_max' if maximize else ''}_" + "_".join(map(str, map(int, flags)))
+        update = graphs.dense_update(rule, flags, safe, maximize, n)
         graph = _DENSE[key] = compiled_per_dtypes(own_code(update, variant), fallback=functools.partial(_dense_eager, update))
     return graph
 
@@ -116,20 +116,20 @@ def _dense_eager(update: Callable[..., Any], p: Tensor, g: Tensor, states: Seque
 _ROUNDED: dict[tuple, Callable[..., Any]] = {}
 
 
-def _dense_rounded(rule: Rule, flags: tuple, safe: bool, p: Tensor, g: Tensor, states: Sequence[Tensor], c: list[Tensor],
-                   step: int, offset: int) -> None:  # fmt: skip
+def _dense_rounded(rule: Rule, flags: tuple, safe: bool, maximize: bool, p: Tensor, g: Tensor, states: Sequence[Tensor],
+                   c: list[Tensor], step: int, offset: int) -> None:  # fmt: skip
     if tracing.active() is not None:
         return  # taken to allocate nothing of the param's size, as the dense graph (not measured)
     stored = tuple(s.dtype == torch.bfloat16 for s in states)
-    update = graphs.rounded_update(rule, flags, safe, stored)
+    update = graphs.rounded_update(rule, flags, safe, maximize, stored)
     step_t, offset_t = torch.tensor(step, dtype=torch.int64), torch.tensor(offset, dtype=torch.int64)
     if not can_compile() or _single(p.numel()):
         _rounded_eager(update, p, g.contiguous(), states, c, step_t, offset_t)
         return
-    key = (rule, flags, safe, stored)
+    key = (rule, flags, safe, maximize, stored)
     graph = _ROUNDED.get(key)
     if graph is None:
-        variant = f"{rule.name}_bf16_states{'_safe' if safe else ''}_" + "_".join(
+        variant = f"{rule.name}_bf16_states{'_safe' if safe else ''}{'_max' if maximize else ''}_" + "_".join(
             map(str, map(int, flags + stored)))  # fmt: skip
         graph = _ROUNDED[key] = compiled_per_dtypes(own_code(update, variant), fallback=functools.partial(_rounded_eager, update))
     graph(p, g, list(states), c, step_t, offset_t)
@@ -165,8 +165,9 @@ def dense(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mapping[s
         if p.numel() == 0:
             continue
         if torch.bfloat16 in [s.dtype for s in states[i]]:
-            scalars = graphs.as_tensors(graphs.scalar_row(rule, hp, steps[i], safe))
-            _dense_rounded(rule, flags, safe, p, grads[i], states[i], scalars, steps[i], 0 if offsets is None else offsets[i])
+            scalars = graphs.as_tensors(rule.scalar_values(hp, steps[i], safe))
+            _dense_rounded(rule, flags, safe, hp["maximize"], p, grads[i], states[i], scalars, steps[i],
+                           0 if offsets is None else offsets[i])  # fmt: skip
             continue
         if _fusable(rule, safe, p, grads[i], states[i]):
             fused.setdefault(p.dtype, []).append(i)
@@ -175,12 +176,12 @@ def dense(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mapping[s
         if eligible and cpu_native.usable():  # takes_dense, without checking the tensors twice
             cpu_native.dense(rule, p, grads[i], states[i], steps[i], hp, safe)
             continue
-        scalars = graphs.as_tensors(graphs.scalar_row(rule, hp, steps[i], safe))
+        scalars = graphs.as_tensors(rule.scalar_values(hp, steps[i], safe))
         if (_eager(eligible) or _single(p.numel())) and tracing.active() is None:
-            update = graphs.dense_update(rule, flags, safe, len(states[i]))
+            update = graphs.dense_update(rule, flags, safe, hp["maximize"], len(states[i]))
             _dense_eager(update, p, grads[i].contiguous(), states[i], scalars)
             continue
-        graph = _dense_graph(rule, flags, safe, len(states[i]))
+        graph = _dense_graph(rule, flags, safe, hp["maximize"], len(states[i]))
         graph(p, grads[i], list(states[i]), scalars)
     for idx in fused.values():
         pick = lambda k: [states[i][k] for i in idx]  # noqa: E731
@@ -199,16 +200,17 @@ def dense(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mapping[s
 _QUANTIZED: dict[tuple, Callable[..., Any]] = {}
 
 
-def _quantized_graph(rule: Rule, flags: tuple, bits: int, kinds: tuple, zeros: tuple, lasts: tuple) -> Callable[..., Any]:
+def _quantized_graph(rule: Rule, flags: tuple, maximize: bool, bits: int, kinds: tuple, zeros: tuple,
+                     lasts: tuple) -> Callable[..., Any]:  # fmt: skip
     # One graph per (rule, flags, bits, state kinds, zero codes); the block size is a static
     # dimension of the 2-D inputs and only the number of blocks is dynamic, so loops vectorise.
     if tracing.active() is not None:  # a compiled graph cannot take fake tensors
         return graphs.traced_quantized(bits)
-    key = (rule, flags, bits, kinds, zeros, lasts)
+    key = (rule, flags, maximize, bits, kinds, zeros, lasts)
     graph = _QUANTIZED.get(key)
     if graph is None:
-        variant = f"{rule.name}_quantized_{bits}bit_{len(_QUANTIZED)}"
-        update = graphs.quantized_update(rule, flags, bits, kinds, zeros, lasts)
+        variant = f"{rule.name}_quantized_{bits}bit{'_max' if maximize else ''}_{len(_QUANTIZED)}"
+        update = graphs.quantized_update(rule, flags, maximize, bits, kinds, zeros, lasts)
 
         def fallback(p2: Tensor, g2: Tensor, *rest: Tensor) -> None:
             n = len(kinds) * graphs.PER_STATE
@@ -218,12 +220,12 @@ def _quantized_graph(rule: Rule, flags: tuple, bits: int, kinds: tuple, zeros: t
     return graph
 
 
-def _quantized_eager(rule: Rule, flags: tuple, bits: int, kinds: tuple, zeros: tuple, lasts: tuple, p2: Tensor, g2: Tensor,
-                     tensors: list[Tensor], step: int, offset: int, c: list[Tensor]) -> None:  # fmt: skip
+def _quantized_eager(rule: Rule, flags: tuple, maximize: bool, bits: int, kinds: tuple, zeros: tuple, lasts: tuple,
+                     p2: Tensor, g2: Tensor, tensors: list[Tensor], step: int, offset: int, c: list[Tensor]) -> None:  # fmt: skip
     """:func:`leanopt.kernels.graphs.quantized_update` over chunks of whole blocks; the decay
     rounding only in chunks whose gradient holds an exact 0 (elsewhere it changes nothing)."""
-    plain = graphs.quantized_update(rule, flags, bits, (False,) * len(kinds), zeros, lasts)
-    rounding = graphs.quantized_update(rule, flags, bits, kinds, zeros, lasts) if any(kinds) else plain
+    plain = graphs.quantized_update(rule, flags, maximize, bits, (False,) * len(kinds), zeros, lasts)
+    rounding = graphs.quantized_update(rule, flags, maximize, bits, kinds, zeros, lasts) if any(kinds) else plain
     _quantized_chunks(plain, rounding, p2, g2, tensors, torch.tensor(step, dtype=torch.int64), offset, c)
 
 
@@ -304,16 +306,17 @@ def quantized(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mappi
             g2 = grads[i].reshape(-1)[:full].view(rows, bs)
             zeros_ = tuple(b.zero_index for b in books)
             lasts = tuple(b.thresholds.numel() for b in books)
-            scalars = graphs.as_tensors(graphs.scalar_row(rule, hp, steps[i], True))
+            scalars = graphs.as_tensors(rule.scalar_values(hp, steps[i], True))
             if (_eager(cpu_native.eligible(rule, p, grads[i], qs, hp)) or _single(rows)) and tracing.active() is None:
-                _quantized_eager(rule, flags, fmt.bits, kinds, zeros_, lasts, p2, g2, tensors, steps[i], offsets[i], scalars)
+                _quantized_eager(rule, flags, hp["maximize"], fmt.bits, kinds, zeros_, lasts, p2, g2, tensors, steps[i],
+                                 offsets[i], scalars)  # fmt: skip
                 if full < n:
                     reference.partial_block(rule, p.view(-1), grads[i].reshape(-1), qs, steps[i], hp, offsets[i], full)
                 continue
             # The decay rounding changes only elements whose gradient is exactly 0: without any,
             # the graph without it stores the same codes (and skips the dither: ~30% of the step).
             decays = kinds if not any(kinds) or _has_zero(g2) else (False,) * len(kinds)
-            graph = _quantized_graph(rule, flags, fmt.bits, decays, zeros_, lasts)
+            graph = _quantized_graph(rule, flags, hp["maximize"], fmt.bits, decays, zeros_, lasts)
             step_t = torch.tensor(steps[i], dtype=torch.int64)
             for lo, hi in graphs.row_spans(rows, max(1, graphs.QUANTIZED_CHUNK // bs)):
                 views = _row_views(p2, g2, tensors, lo, hi)

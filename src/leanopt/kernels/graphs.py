@@ -18,8 +18,7 @@ group compiles at most five graphs. Each param's sizes are symbolic (one graph s
 shapes; a one-element param or one-block param is grouped apart, as Dynamo specializes sizes 1);
 a quantized block stays a static dimension so its loops vectorize. Every step-dependent number
 reaches the graph as a row of one small fp64 table on the param's device, copied from pinned
-host memory without a sync; a new step or lr never recompiles, and neither does ``maximize``
-(:func:`scalar_row`): one graph serves a group that maximizes and one that does not.
+host memory without a sync; a new step or lr never recompiles.
 """
 
 from __future__ import annotations
@@ -46,17 +45,6 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def as_tensors(values: Sequence[float]) -> list[Tensor]:
     """The schedule's numbers as 0-dim fp64 CPU tensors: a compiled graph's inputs, not its constants."""
     return [torch.tensor(v, dtype=torch.float64) for v in values]
-
-
-def scalar_row(rule: Rule, hp: Mapping[str, Any], step: int, safe: bool) -> tuple[float, ...]:
-    """The numbers an update here takes as ``c``: the rule's scalars, then ``maximize`` (1 or 0),
-    an input of the graph rather than a constant of it, so that it compiles no variant of its own."""
-    return (*rule.scalar_values(hp, step, safe), float(bool(hp["maximize"])))
-
-
-def _signed(g: Tensor, maximize: Tensor) -> Tensor:
-    # -g where maximize is set: the same bits as negating it (a sign flip, NaN's too).
-    return torch.where(maximize != 0, -g, g)
 
 
 def safe_result(g: Tensor, p: Tensor, new_p: Tensor, new: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
@@ -96,17 +84,18 @@ _ROUNDED_UPDATES: dict[tuple, Callable[..., Any]] = {}
 _QUANTIZED_UPDATES: dict[tuple, Callable[..., Any]] = {}
 
 
-def dense_update(rule: Rule, flags: tuple, safe: bool, n: int) -> Callable[..., Any]:
-    """``update(p, g, states, c)``: the dense update, states in the compute dtype; ``c`` as
-    :func:`scalar_row` gives it."""
-    key = (rule, flags, safe, n)
+def dense_update(rule: Rule, flags: tuple, safe: bool, maximize: bool, n: int) -> Callable[..., Any]:
+    """``update(p, g, states, c)``: the dense update, states in the compute dtype."""
+    key = (rule, flags, safe, maximize, n)
     update = _DENSE_UPDATES.get(key)
     if update is None:
 
         def update(p: Tensor, g: Tensor, states: list[Tensor], c: list[Tensor]) -> None:
             pf = p.to(compute_dtype(p.dtype))
-            gf = _signed(g.to(pf.dtype), c[-1])
-            new_p, new = rule.apply(pf, gf, states, c[:-1], flags, safe)
+            gf = g.to(pf.dtype)
+            if maximize:
+                gf = -gf
+            new_p, new = rule.apply(pf, gf, states, c, flags, safe)
             if safe:
                 new_p, new = safe_result(gf, pf, new_p, new)
             p.copy_(new_p)
@@ -117,20 +106,22 @@ def dense_update(rule: Rule, flags: tuple, safe: bool, n: int) -> Callable[..., 
     return update
 
 
-def rounded_update(rule: Rule, flags: tuple, safe: bool, stored: tuple) -> Callable[..., Any]:
+def rounded_update(rule: Rule, flags: tuple, safe: bool, maximize: bool, stored: tuple) -> Callable[..., Any]:
     """``update(p, g, states, c, step, offset)``: the dense update of a param whose states ``j``
     with ``stored[j]`` are bf16 (:mod:`leanopt.quant.bf16`), as a function of flat tensors;
     ``step`` and ``offset`` (0-dim int64: the flat index of ``p``'s element 0) key the dither."""
-    key = (rule, flags, safe, stored)
+    key = (rule, flags, safe, maximize, stored)
     update = _ROUNDED_UPDATES.get(key)
     if update is None:
         n = len(stored)
 
         def update(p: Tensor, g: Tensor, states: list[Tensor], c: list[Tensor], step: Tensor, offset: Tensor) -> None:
             pf = p.to(compute_dtype(p.dtype))
-            gf = _signed(g.to(pf.dtype), c[-1])
+            gf = g.to(pf.dtype)
+            if maximize:
+                gf = -gf
             read = [s.to(pf.dtype) if bf16 else s for s, bf16 in zip(states, stored)]
-            new_p, new = rule.apply(pf, gf, read, c[:-1], flags, safe)
+            new_p, new = rule.apply(pf, gf, read, c, flags, safe)
             if safe:
                 new_p, new = safe_result(gf, pf, new_p, new)
             p.copy_(new_p)
@@ -197,14 +188,15 @@ def _pack(index: Tensor, rows: int, block: int, bits: int) -> Tensor:
 
 # Per quantized state, the tensors a quantized update takes: codes [blocks, block bytes], scales
 # [blocks], code values, lookup table. Then the dither's key (0-dim int64: the step and the flat
-# index of element 0 in the whole tensor), then the numbers of scalar_row.
+# index of element 0 in the whole tensor), then the rule's scalars.
 PER_STATE = 4
 
 
-def quantized_update(rule: Rule, flags: tuple, bits: int, kinds: tuple, zeros: tuple, lasts: tuple) -> Callable[..., Any]:
+def quantized_update(rule: Rule, flags: tuple, maximize: bool, bits: int, kinds: tuple, zeros: tuple,
+                     lasts: tuple) -> Callable[..., Any]:  # fmt: skip
     """``update(p, g, *per_state, step, offset, *c)``: the block-quantized update (``p``/``g`` as
     [blocks, block]) in safe mode, with the decay rounding for the states ``kinds`` marks."""
-    key = (rule, flags, bits, kinds, zeros, lasts)
+    key = (rule, flags, maximize, bits, kinds, zeros, lasts)
     update = _QUANTIZED_UPDATES.get(key)
     if update is None:
         n = len(kinds)
@@ -215,9 +207,9 @@ def quantized_update(rule: Rule, flags: tuple, bits: int, kinds: tuple, zeros: t
             step, offset = rest[n * PER_STATE], rest[n * PER_STATE + 1]
             c = rest[n * PER_STATE + 2 :]
             pf = p.float()
-            gf = _signed(g.float(), c[-1])
+            gf = -g.float() if maximize else g.float()
             dense = [values[_unpack(codes, rows, block, bits)] * absmax.unsqueeze(1) for codes, absmax, values, _ in per_state]
-            new_p, new = rule.apply(pf, gf, dense, c[:-1], flags, True)
+            new_p, new = rule.apply(pf, gf, dense, c, flags, True)
             new_p, new = safe_result(gf, pf, new_p, new)
             p.copy_(new_p)
             for (codes, absmax, values, table), decays, zero, last, old, x in zip(
@@ -307,21 +299,21 @@ def dense(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mapping[s
     if tracing.active() is not None:
         return traced_dense()
     offsets = [0] * len(params) if offsets is None else offsets
-    flags = rule.flag_values(hp)
+    flags, maximize = rule.flag_values(hp), bool(hp["maximize"])
     groups: dict[tuple, list[int]] = {}
     for i, p in enumerate(params):
         if p.numel():
             key = (p.dtype, grads[i].dtype, tuple(s.dtype for s in states[i]), p.numel() == 1)
             groups.setdefault(key, []).append(i)
-    width = len(rule.scalars) + 1  # scalar_row
+    width = len(rule.scalars)
     for (pd, gd, sd, one), idx in groups.items():
         stored = tuple(d == torch.bfloat16 for d in sd)
         rounding = any(stored)
         if rounding:
-            update = rounded_update(rule, flags, safe, stored)
+            update = rounded_update(rule, flags, safe, maximize, stored)
         else:
-            update = dense_update(rule, flags, safe, len(sd))
-        variant = (f"{rule.name}_list{'_bf16' if rounding else ''}{'_safe' if safe else ''}_"
+            update = dense_update(rule, flags, safe, maximize, len(sd))
+        variant = (f"{rule.name}_list{'_bf16' if rounding else ''}{'_safe' if safe else ''}{'_max' if maximize else ''}_"
                    + "_".join(str(d).removeprefix("torch.") for d in (pd, gd, *sd)) + ("_one" if one else ""))  # fmt: skip
         for part in lists(idx):
             device = params[part[0]].device
@@ -330,9 +322,9 @@ def dense(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mapping[s
             tensors = [[s.detach().view(-1) for s in states[i]] for i in part]
             for t in (*flat, *gs, *(s for row in tensors for s in row)):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
-            scalars = _table([scalar_row(rule, hp, steps[i], safe) for i in part], torch.float64, device)
+            scalars = _table([rule.scalar_values(hp, steps[i], safe) for i in part], torch.float64, device)
             keys = _table([(steps[i], offsets[i]) for i in part], torch.int64, device)
-            graph_key = (rule, flags, safe, stored, pd, gd, sd, one, len(part))
+            graph_key = (rule, flags, safe, maximize, stored, pd, gd, sd, one, len(part))
             graph = _list_graph(graph_key, variant, update, "rounded" if rounding else "dense", len(part), width)
             graph(flat, gs, tensors, scalars, keys)
 
@@ -348,7 +340,7 @@ def quantized(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mappi
     from leanopt.kernels import reference
 
     offsets = [0] * len(params) if offsets is None else offsets
-    flags = rule.flag_values(hp)
+    flags, maximize = rule.flag_values(hp), bool(hp["maximize"])
     kinds = tuple(kind.decays for kind in rule.states(hp))
     # Each param's whole blocks as row spans of at most QUANTIZED_CHUNK elements: the items of
     # the lists, so that a graph's temporaries follow a span, not the largest param.
@@ -359,7 +351,7 @@ def quantized(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mappi
         formats = tuple(q.format for q in states[i])
         for lo, hi in row_spans(rows, max(1, QUANTIZED_CHUNK // fmt.block_size)):
             groups.setdefault((p.dtype, grads[i].dtype, formats, hi - lo == 1), []).append((i, lo, hi))
-    width = len(rule.scalars) + 1  # scalar_row
+    width = len(rule.scalars)
     for (pd, gd, formats, one), spans in groups.items():
         device = params[spans[0][0]].device
         bits, bs = formats[0].bits, formats[0].block_size
@@ -371,8 +363,8 @@ def quantized(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mappi
             for i, lo, hi in spans:
                 traced_quantized(bits)(params[i].view(-1)[lo * bs : hi * bs])
             continue
-        update = quantized_update(rule, flags, bits, kinds, zeros, lasts)
-        variant = (f"{rule.name}_list_quantized_{bits}bit_{len(kinds)}_"
+        update = quantized_update(rule, flags, maximize, bits, kinds, zeros, lasts)
+        variant = (f"{rule.name}_list_quantized_{bits}bit_{len(kinds)}{'_max' if maximize else ''}_"
                    + "_".join(str(d).removeprefix("torch.") for d in (pd, gd)) + ("_one" if one else ""))  # fmt: skip
         for part in lists(range(len(spans))):
             ps, gs, tensors = [], [], []
@@ -389,9 +381,9 @@ def quantized(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mappi
                 gs.append(g2)
                 tensors.append(per)
             rows_of = [spans[k] for k in part]
-            scalars = _table([scalar_row(rule, hp, steps[i], True) for i, _, _ in rows_of], torch.float64, device)
+            scalars = _table([rule.scalar_values(hp, steps[i], True) for i, _, _ in rows_of], torch.float64, device)
             keys = _table([(steps[i], offsets[i] + lo * bs) for i, lo, _ in rows_of], torch.int64, device)
-            key = ("quantized", rule, flags, bits, kinds, zeros, lasts, pd, gd, bs, one, len(part))
+            key = ("quantized", rule, flags, maximize, bits, kinds, zeros, lasts, pd, gd, bs, one, len(part))
             _list_graph(key, variant, update, "quantized", len(part), width)(ps, gs, tensors, scalars, keys)
     for i, p in enumerate(params):
         n, bs = p.numel(), states[i][0].format.block_size
