@@ -176,7 +176,12 @@ def _matches_reference(case: OptimizerCase, backend: str, dtype: torch.dtype, kw
         bf16_states = case.kwargs.get("state_dtype") == torch.bfloat16
         need = 0.99 if quantized or dtype != torch.float32 else 0.998 if bf16_states else 1.0
         assert close.float().mean() >= need, f"seed {seed}"
-        assert diff.max() <= lr / 10, f"seed {seed}: {diff.max()}"
+        # No element off by a wrong update: within lr/10, or where a bf16/fp16 param rounds to a
+        # coarser grid, two of its ulps (a bf16 state rounded the other way one step earlier moves
+        # the next update a little, and the param's rounding of it can go the other way: one ulp,
+        # 0.0039 at |p| ~ 0.5, more than lr/10 here).
+        bound = lr / 10 if dtype == torch.float32 else torch.clamp(2 * _ulp(r) * 1.001, min=lr / 10)
+        assert (diff <= bound).all(), f"seed {seed}: {diff.max()}"
         for key, want in ref_opt.state[r].items():
             got = opt.state[p][key]
             assert type(got) is type(want), key
