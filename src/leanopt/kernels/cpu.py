@@ -152,17 +152,30 @@ def own_code(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     return copy
 
 
+def flat_alias(t: Tensor) -> Tensor:
+    """``t``'s elements (contiguous) as a detached 1-D tensor on the same memory that is not a
+    view: a graph that writes into a view is guarded on its base's shape (dynamo replays the
+    write through the base), so a 1-D param and a 2-D one would compile the same graph twice."""
+    t = t.detach()  # not a view of a param (nor of a state that is not one itself)
+    if t.dim() == 1 and not t._is_view():
+        return t
+    if not t.is_contiguous():
+        return t.view(-1)  # raises as a view of it would: the paths give contiguous tensors
+    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), (t.numel(),), (1,))
+
+
 def compiled_per_dtypes(fn: Callable[..., Any], fallback: Callable[..., Any] | None = None) -> Callable[..., Any]:
     """``compiled(fn, fallback=fallback)`` once per combination of its tensor arguments' dtypes,
-    called with flat, detached tensors: each graph then only meets a few guard variants (a view
-    or not, a one-element tensor or not) and never dynamo's recompile limit, which a model's many
-    ranks, dtypes and ``requires_grad`` flags would hit in one graph (then the reference would run)."""
+    called with flat, detached tensors that are not views (:func:`flat_alias`): each graph then
+    only meets a few guard variants (a one-element tensor or not) and never dynamo's recompile
+    limit, which a model's many ranks, dtypes and ``requires_grad`` flags would hit in one graph
+    (then the reference would run)."""
     graphs: dict[tuple, Callable[..., Any]] = {}
 
     def flat(a: Any) -> Any:
         if isinstance(a, (list, tuple)):
             return [flat(x) for x in a]
-        return a.detach().view(-1) if isinstance(a, Tensor) and a.dim() != 0 else a
+        return flat_alias(a) if isinstance(a, Tensor) and a.dim() != 0 else a
 
     def dtypes(a: Any) -> tuple:
         if isinstance(a, (list, tuple)):

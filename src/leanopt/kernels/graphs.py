@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from leanopt import tracing
-from leanopt.kernels.cpu import compiled, own_code
+from leanopt.kernels.cpu import compiled, flat_alias, own_code
 from leanopt.kernels.multi_tensor import _to_device
 from leanopt.kernels.rules import Rule, skipped_elements
 from leanopt.quant import codebooks
@@ -317,9 +317,9 @@ def dense(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mapping[s
                    + "_".join(str(d).removeprefix("torch.") for d in (pd, gd, *sd)) + ("_one" if one else ""))  # fmt: skip
         for part in lists(idx):
             device = params[part[0]].device
-            flat = [params[i].detach().view(-1) for i in part]
-            gs = [grads[i].detach().reshape(-1) for i in part]
-            tensors = [[s.detach().view(-1) for s in states[i]] for i in part]
+            flat = [flat_alias(params[i]) for i in part]
+            gs = [flat_alias(grads[i]) if grads[i].is_contiguous() else grads[i].detach().reshape(-1) for i in part]
+            tensors = [[flat_alias(s) for s in states[i]] for i in part]
             for t in (*flat, *gs, *(s for row in tensors for s in row)):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
             scalars = _table([rule.scalar_values(hp, steps[i], safe) for i in part], torch.float64, device)
