@@ -242,9 +242,12 @@ class Driver:
             # A cold compile cache, so "first step" includes compilation (Triton and Inductor).
             env["TRITON_CACHE_DIR"] = str(self.work / f"triton_{stage.name}")
             env["TORCHINDUCTOR_CACHE_DIR"] = str(self.work / f"inductor_{stage.name}")
-        else:
+        elif not self.dry:
             env["TRITON_CACHE_DIR"] = str(self.work / "triton")
             env["TORCHINDUCTOR_CACHE_DIR"] = str(self.work / "inductor")
+        # Dry, the other stages compile into the caller's caches (Inductor's and Triton's own
+        # defaults, or what TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR name), as any leanopt
+        # program there does: the CPU graphs the suite compiled are not compiled again.
         return env
 
     def run(self) -> int:
