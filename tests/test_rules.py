@@ -189,7 +189,7 @@ def _matches_reference(case: OptimizerCase, backend: str, dtype: torch.dtype, kw
                 quantized_seen += 1
                 assert got.format == want.format and got.shape == want.shape
                 assert (got.codes == want.codes).float().mean() >= 0.99, f"{key} codes, seed {seed}"
-                torch.testing.assert_close(got.absmax, want.absmax, rtol=1e-5, atol=0)
+                torch.testing.assert_close(got.absmax, want.absmax, rtol=1e-5, atol=0, msg=lambda m: f"{key} absmax, seed {seed}: {m}")
             elif key != "step" and bf16_states:
                 # A rounding that went the other way is one bf16 ulp of the state as it was then, and
                 # later steps scale that gap by a decay <= 1 (the gradients do not depend on the
