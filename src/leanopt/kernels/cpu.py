@@ -156,7 +156,7 @@ def flat_alias(t: Tensor) -> Tensor:
     """``t``'s elements (contiguous) as a detached 1-D tensor on the same memory that is not a
     view: a graph that writes into a view is guarded on its base's shape (dynamo replays the
     write through the base), so a 1-D param and a 2-D one would compile the same graph twice."""
-    t = t.detach()  # not a view of a param (nor of a state that is not one itself)
+    t = t.detach()  # a view only where t is one
     if t.dim() == 1 and not t._is_view():
         return t
     if not t.is_contiguous():

@@ -318,7 +318,7 @@ def dense(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mapping[s
         for part in lists(idx):
             device = params[part[0]].device
             flat = [flat_alias(params[i]) for i in part]
-            gs = [flat_alias(grads[i]) if grads[i].is_contiguous() else grads[i].detach().reshape(-1) for i in part]
+            gs = [flat_alias(grads[i].contiguous()) for i in part]  # a strided gradient: read from a copy, as reshape made
             tensors = [[flat_alias(s) for s in states[i]] for i in part]
             for t in (*flat, *gs, *(s for row in tensors for s in row)):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
