@@ -97,7 +97,7 @@ def _single(n: int) -> bool:
     return n == 1
 
 
-def _dense_eager(update: Callable[..., Any], p: Tensor, g: Tensor, states: Sequence[Tensor], c: list[Tensor]) -> None:
+def _dense_eager(update: Callable[..., Any], p: Tensor, g: Tensor, states: Sequence[Tensor], c: Tensor) -> None:
     flat = [t.view(-1) for t in (p, g, *states)]
     n = flat[0].numel()
 
@@ -117,7 +117,7 @@ _ROUNDED: dict[tuple, Callable[..., Any]] = {}
 
 
 def _dense_rounded(rule: Rule, flags: tuple, safe: bool, maximize: bool, p: Tensor, g: Tensor, states: Sequence[Tensor],
-                   c: list[Tensor], step: int, offset: int) -> None:  # fmt: skip
+                   c: Tensor, step: int, offset: int) -> None:  # fmt: skip
     if tracing.active() is not None:
         return  # taken to allocate nothing of the param's size, as the dense graph (not measured)
     stored = tuple(s.dtype == torch.bfloat16 for s in states)
@@ -135,7 +135,7 @@ def _dense_rounded(rule: Rule, flags: tuple, safe: bool, maximize: bool, p: Tens
     graph(p, g, list(states), c, step_t, offset_t)
 
 
-def _rounded_eager(update: Callable[..., Any], p: Tensor, g: Tensor, states: Sequence[Tensor], c: list[Tensor],
+def _rounded_eager(update: Callable[..., Any], p: Tensor, g: Tensor, states: Sequence[Tensor], c: Tensor,
                    step: Tensor, offset: Tensor) -> None:  # fmt: skip
     """:func:`leanopt.kernels.graphs.rounded_update` over chunks, each with its own global offset."""
     flat = [t.view(-1) for t in (p, g, *states)]
@@ -165,7 +165,7 @@ def dense(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mapping[s
         if p.numel() == 0:
             continue
         if torch.bfloat16 in [s.dtype for s in states[i]]:
-            scalars = graphs.as_tensors(rule.scalar_values(hp, steps[i], safe))
+            scalars = graphs.scalar_row(rule.scalar_values(hp, steps[i], safe))
             _dense_rounded(rule, flags, safe, hp["maximize"], p, grads[i], states[i], scalars, steps[i],
                            0 if offsets is None else offsets[i])  # fmt: skip
             continue
@@ -176,7 +176,7 @@ def dense(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mapping[s
         if eligible and cpu_native.usable():  # takes_dense, without checking the tensors twice
             cpu_native.dense(rule, p, grads[i], states[i], steps[i], hp, safe)
             continue
-        scalars = graphs.as_tensors(rule.scalar_values(hp, steps[i], safe))
+        scalars = graphs.scalar_row(rule.scalar_values(hp, steps[i], safe))
         if (_eager(eligible) or _single(p.numel())) and tracing.active() is None:
             update = graphs.dense_update(rule, flags, safe, hp["maximize"], len(states[i]))
             _dense_eager(update, p, grads[i].contiguous(), states[i], scalars)
@@ -214,14 +214,14 @@ def _quantized_graph(rule: Rule, flags: tuple, maximize: bool, bits: int, kinds:
 
         def fallback(p2: Tensor, g2: Tensor, *rest: Tensor) -> None:
             n = len(kinds) * graphs.PER_STATE
-            _quantized_chunks(update, update, p2, g2, list(rest[:n]), rest[n], int(rest[n + 1]), list(rest[n + 2 :]))
+            _quantized_chunks(update, update, p2, g2, list(rest[:n]), rest[n], int(rest[n + 1]), rest[n + 2])
 
         graph = _QUANTIZED[key] = compiled(own_code(update, variant), dynamic=None, fallback=fallback)
     return graph
 
 
 def _quantized_eager(rule: Rule, flags: tuple, maximize: bool, bits: int, kinds: tuple, zeros: tuple, lasts: tuple,
-                     p2: Tensor, g2: Tensor, tensors: list[Tensor], step: int, offset: int, c: list[Tensor]) -> None:  # fmt: skip
+                     p2: Tensor, g2: Tensor, tensors: list[Tensor], step: int, offset: int, c: Tensor) -> None:  # fmt: skip
     """:func:`leanopt.kernels.graphs.quantized_update` over chunks of whole blocks; the decay
     rounding only in chunks whose gradient holds an exact 0 (elsewhere it changes nothing)."""
     plain = graphs.quantized_update(rule, flags, maximize, bits, (False,) * len(kinds), zeros, lasts)
@@ -230,7 +230,7 @@ def _quantized_eager(rule: Rule, flags: tuple, maximize: bool, bits: int, kinds:
 
 
 def _quantized_chunks(plain: Callable[..., Any], rounding: Callable[..., Any], p2: Tensor, g2: Tensor,
-                      tensors: list[Tensor], step: Tensor, offset: int, c: list[Tensor]) -> None:  # fmt: skip
+                      tensors: list[Tensor], step: Tensor, offset: int, c: Tensor) -> None:  # fmt: skip
     """``plain`` (or ``rounding``, where a chunk's gradient holds an exact 0) over chunks of
     whole blocks of ``p2``/``g2`` ([blocks, block]), each with its global offset."""
     rows, block = p2.shape
@@ -240,7 +240,7 @@ def _quantized_chunks(plain: Callable[..., Any], rounding: Callable[..., Any], p
         lo, hi = k * per_chunk, min((k + 1) * per_chunk, rows)
         views = _row_views(p2, g2, tensors, lo, hi)
         update = rounding if rounding is not plain and bool((views[1] == 0).any()) else plain
-        update(*views, step, torch.tensor(offset + lo * block, dtype=torch.int64), *c)
+        update(*views, step, torch.tensor(offset + lo * block, dtype=torch.int64), c)
 
     _over_chunks(chunk, -(-rows // per_chunk))
 
@@ -306,7 +306,7 @@ def quantized(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mappi
             g2 = grads[i].reshape(-1)[:full].view(rows, bs)
             zeros_ = tuple(b.zero_index for b in books)
             lasts = tuple(b.thresholds.numel() for b in books)
-            scalars = graphs.as_tensors(rule.scalar_values(hp, steps[i], True))
+            scalars = graphs.scalar_row(rule.scalar_values(hp, steps[i], True))
             if (_eager(cpu_native.eligible(rule, p, grads[i], qs, hp)) or _single(rows)) and tracing.active() is None:
                 _quantized_eager(rule, flags, hp["maximize"], fmt.bits, kinds, zeros_, lasts, p2, g2, tensors, steps[i],
                                  offsets[i], scalars)  # fmt: skip
@@ -324,6 +324,6 @@ def quantized(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mappi
                 # constant and the first graph compiled for one shape only (then a second, dynamic one).
                 for t in (*views[:2], *views[2 :: graphs.PER_STATE], *views[3 :: graphs.PER_STATE]):
                     torch._dynamo.maybe_mark_dynamic(t, 0)
-                graph(*views, step_t, torch.tensor(offsets[i] + lo * bs, dtype=torch.int64), *scalars)
+                graph(*views, step_t, torch.tensor(offsets[i] + lo * bs, dtype=torch.int64), scalars)
         if full < n:
             reference.partial_block(rule, p.view(-1), grads[i].reshape(-1), qs, steps[i], hp, offsets[i], full)

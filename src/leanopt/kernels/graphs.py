@@ -42,9 +42,18 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def as_tensors(values: Sequence[float]) -> list[Tensor]:
-    """The schedule's numbers as 0-dim fp64 CPU tensors: a compiled graph's inputs, not its constants."""
-    return [torch.tensor(v, dtype=torch.float64) for v in values]
+def scalar_row(values: Sequence[float]) -> Tensor:
+    """The schedule's numbers as one 1-D fp64 CPU tensor: a compiled graph's input, not its
+    constants. One tensor, split inside the graph (:func:`_split`): dynamo takes a 0-dim fp64
+    input for a Python float, traces it as a symbolic float, then restarts the whole trace to
+    make it a tensor again -- a second trace of every graph (4-6 s of a quantized graph's
+    compile on 2 cores, measured 2026-12-04); a 1-D tensor is traced once."""
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def _split(c: Tensor) -> tuple[Tensor, ...]:
+    """A scalar row (:func:`scalar_row`) as the rule's 0-dim scalars, in :attr:`Rule.scalars` order."""
+    return c.unbind(0)
 
 
 def safe_result(g: Tensor, p: Tensor, new_p: Tensor, new: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
@@ -85,17 +94,18 @@ _QUANTIZED_UPDATES: dict[tuple, Callable[..., Any]] = {}
 
 
 def dense_update(rule: Rule, flags: tuple, safe: bool, maximize: bool, n: int) -> Callable[..., Any]:
-    """``update(p, g, states, c)``: the dense update, states in the compute dtype."""
+    """``update(p, g, states, c)``: the dense update, states in the compute dtype (``c``: the
+    scalar row, :func:`scalar_row`)."""
     key = (rule, flags, safe, maximize, n)
     update = _DENSE_UPDATES.get(key)
     if update is None:
 
-        def update(p: Tensor, g: Tensor, states: list[Tensor], c: list[Tensor]) -> None:
+        def update(p: Tensor, g: Tensor, states: list[Tensor], c: Tensor) -> None:
             pf = p.to(compute_dtype(p.dtype))
             gf = g.to(pf.dtype)
             if maximize:
                 gf = -gf
-            new_p, new = rule.apply(pf, gf, states, c, flags, safe)
+            new_p, new = rule.apply(pf, gf, states, _split(c), flags, safe)
             if safe:
                 new_p, new = safe_result(gf, pf, new_p, new)
             p.copy_(new_p)
@@ -115,13 +125,13 @@ def rounded_update(rule: Rule, flags: tuple, safe: bool, maximize: bool, stored:
     if update is None:
         n = len(stored)
 
-        def update(p: Tensor, g: Tensor, states: list[Tensor], c: list[Tensor], step: Tensor, offset: Tensor) -> None:
+        def update(p: Tensor, g: Tensor, states: list[Tensor], c: Tensor, step: Tensor, offset: Tensor) -> None:
             pf = p.to(compute_dtype(p.dtype))
             gf = g.to(pf.dtype)
             if maximize:
                 gf = -gf
             read = [s.to(pf.dtype) if bf16 else s for s, bf16 in zip(states, stored)]
-            new_p, new = rule.apply(pf, gf, read, c, flags, safe)
+            new_p, new = rule.apply(pf, gf, read, _split(c), flags, safe)
             if safe:
                 new_p, new = safe_result(gf, pf, new_p, new)
             p.copy_(new_p)
@@ -188,13 +198,13 @@ def _pack(index: Tensor, rows: int, block: int, bits: int) -> Tensor:
 
 # Per quantized state, the tensors a quantized update takes: codes [blocks, block bytes], scales
 # [blocks], code values, lookup table. Then the dither's key (0-dim int64: the step and the flat
-# index of element 0 in the whole tensor), then the rule's scalars.
+# index of element 0 in the whole tensor), then the rule's scalar row.
 PER_STATE = 4
 
 
 def quantized_update(rule: Rule, flags: tuple, maximize: bool, bits: int, kinds: tuple, zeros: tuple,
                      lasts: tuple) -> Callable[..., Any]:  # fmt: skip
-    """``update(p, g, *per_state, step, offset, *c)``: the block-quantized update (``p``/``g`` as
+    """``update(p, g, *per_state, step, offset, c)``: the block-quantized update (``p``/``g`` as
     [blocks, block]) in safe mode, with the decay rounding for the states ``kinds`` marks."""
     key = (rule, flags, maximize, bits, kinds, zeros, lasts)
     update = _QUANTIZED_UPDATES.get(key)
@@ -205,7 +215,7 @@ def quantized_update(rule: Rule, flags: tuple, maximize: bool, bits: int, kinds:
             rows, block = p.shape
             per_state = [rest[k * PER_STATE : (k + 1) * PER_STATE] for k in range(n)]
             step, offset = rest[n * PER_STATE], rest[n * PER_STATE + 1]
-            c = rest[n * PER_STATE + 2 :]
+            c = _split(rest[n * PER_STATE + 2])
             pf = p.float()
             gf = -g.float() if maximize else g.float()
             dense = [values[_unpack(codes, rows, block, bits)] * absmax.unsqueeze(1) for codes, absmax, values, _ in per_state]
@@ -268,7 +278,7 @@ def lists(idx: Sequence[int]) -> list[list[int]]:
 
 def _list_graph(key: tuple, name: str, update: Callable[..., Any], form: str, length: int, width: int) -> Callable[..., Any]:
     """``graph(ps, gs, tensors, scalars, keys)``: ``update`` on each of ``length`` params, with
-    param ``i``'s scalar row (``width`` numbers) and dither key row as 0-dim tensors, in the
+    param ``i``'s scalar row (``width`` numbers) and its dither key row (0-dim tensors), in the
     argument order of its ``form``: ``"dense"`` :func:`dense_update`, ``"rounded"``
     :func:`rounded_update`, ``"quantized"`` :func:`quantized_update`."""
     graph = _LISTS.get(key)
@@ -276,13 +286,13 @@ def _list_graph(key: tuple, name: str, update: Callable[..., Any], form: str, le
 
         def run(ps: list[Tensor], gs: list[Tensor], tensors: list[list[Tensor]], scalars: Tensor, keys: Tensor) -> None:
             for i in range(length):
-                c = [scalars[i, j] for j in range(width)]
+                c = scalars[i]
                 if form == "dense":
                     update(ps[i], gs[i], tensors[i], c)
                 elif form == "rounded":
                     update(ps[i], gs[i], tensors[i], c, keys[i, 0], keys[i, 1])
                 else:
-                    update(ps[i], gs[i], *tensors[i], keys[i, 0], keys[i, 1], *c)
+                    update(ps[i], gs[i], *tensors[i], keys[i, 0], keys[i, 1], c)
 
         graph = _LISTS[key] = compiled(own_code(run, f"{name}_x{length}"), dynamic=None)
     return graph
