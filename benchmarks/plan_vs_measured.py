@@ -12,7 +12,7 @@ the model in bf16 with the optimizer built with ``rounding=``; release is
 Each configuration runs in a fresh process (``MALLOC_MMAP_THRESHOLD_=65536``: glibc serves every
 block of 64 KiB and more with its own mmap, so a freed tensor leaves the resident set at once):
 
-1. warm-up: a forward, backward and two optimizer steps on a two-layer model of the same
+1. warm-up: a forward, backward and two optimizer steps on a one-layer model of the same
    architecture, same precision, checkpointing, optimizer, rounding and release (thread pools,
    oneDNN, the optimizer compiling its update: one-time set-up, as ``leanopt compare`` puts it in
    the baseline); the kernels' scratch buffers it leaves (Adafactor's) are dropped: the measured
@@ -128,10 +128,10 @@ def build(case: str, *, tiny: bool = False) -> Any:
 
     model_class, config_class, values, _, _ = model_spec(case)
     values = dict(values)
-    if tiny:  # same code paths, two small layers
+    if tiny:  # the warm-up's model: the same code paths, one layer
         for key in ("n_layers", "n_layer", "num_hidden_layers"):
             if key in values:
-                values[key] = 2
+                values[key] = 1
     config = getattr(transformers, config_class)(**values)
     return getattr(transformers, model_class)(config)
 

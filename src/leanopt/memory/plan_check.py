@@ -7,7 +7,7 @@ On a CUDA machine, for each configuration of :data:`CONFIGS` (the rows of docs/p
 AdamW, bf16-mixed AdamW8bit, fp32 Adafactor, fp32 AdamW with checkpointing) on a DistilBERT-cased
 classifier (batch 8, seq 128) and GPT-2 (124M) as a causal LM (batch 4, seq 256), one process:
 
-1. warm-up: two steps of a two-layer model of the same architecture and configuration (the
+1. warm-up: two steps of a one-layer model of the same architecture and configuration (the
    Triton kernels compile, cuBLAS makes its workspace: one-time set-up, left in the baseline);
 2. baseline: ``torch.cuda.memory_allocated()``;
 3. the model is built on the GPU (random weights, train mode), two steps, then
