@@ -1,6 +1,6 @@
 """leanopt.Muon's step beside torch.optim.Muon on the same shapes, in one interleaved run.
 
-    python benchmarks/muon_step.py [--shapes small|tinyllama] [--layers N] [--device cpu|cuda]
+    python benchmarks/muon_step.py [--shapes small|tinyllama|toy] [--layers N] [--device cpu|cuda]
                                    [--rounds 5] [--threads N] [--backend auto|triton] [--dynamo-only]
                                    [--json PATH]
 
@@ -11,7 +11,9 @@ of each one's time, and leanopt's ratio to torch's (<= 1.0 is the goal). The New
 share is the time of orthogonalizing every matrix alone (kernels.newton_schulz) over leanopt's
 step. ``--shapes tinyllama``: TinyLlama-1.1B's matrices (hidden 2048, 256-wide k/v, MLP 5632;
 22 layers by default), the GPU's workload; ``small``: the same ratios at 1/8 of the width (2
-layers), what a CPU here can time. ``--backend``: leanopt's (default ``auto``; scripts/gpu_check.py's
+layers), what a CPU here can time; ``toy``: 1/32 of the width, one layer, and the offload check on
+matrices of 1/8 its size (scripts/gpu_check.py's dry run: the code runs, no figure is meant; on a
+CPU without bf16 matrix units ``small``'s orthogonalizations alone took ~60 s). ``--backend``: leanopt's (default ``auto``; scripts/gpu_check.py's
 dry run takes ``triton``, interpreted: the kernels the GPU runs).
 ``--dynamo-only``: every ``torch.compile`` traced by dynamo and run eagerly, no Inductor code (the dry
 run: Muon8bit's quantized momentum would otherwise be compiled for the CPU, ~15 s of CPU on 2 cores,
@@ -42,7 +44,10 @@ def layer_shapes(hidden: int, kv: int, mlp: int) -> list[tuple[int, int]]:
     return [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden), (mlp, hidden), (mlp, hidden), (hidden, mlp)]
 
 
-SHAPES = {"tinyllama": (2048, 256, 5632, 22), "small": (256, 32, 704, 2)}
+SHAPES = {"tinyllama": (2048, 256, 5632, 22), "small": (256, 32, 704, 2), "toy": (64, 8, 176, 1)}
+# The offload check's matrices (a TinyLlama layer's at 1/4 of the width); the toy set's at 1/32.
+OFFLOAD_SHAPES = {"toy": [(64, 64), (16, 64), (176, 64)]}
+DEFAULT_OFFLOAD_SHAPES = [(512, 512), (128, 512), (1408, 512)]
 
 
 def shapes_of(name: str, layers: int | None) -> list[tuple[int, int]]:
@@ -103,12 +108,12 @@ def run(shapes: list[tuple[int, int]], device: torch.device, rounds: int, warmup
     }
 
 
-def offload_check(device: torch.device, steps: int = 3) -> dict:
+def offload_check(device: torch.device, steps: int = 3, shapes: list[tuple[int, int]] | None = None) -> dict:
     """Muon with ``offload="cpu"`` against Muon on the device: the momentum runs on the host (the
     CPU path) and the orthogonalization on the device, so the params after ``steps`` steps differ
     from the on-device ones only where the host's and the device's momentum arithmetic do."""
     gen = torch.Generator().manual_seed(1)
-    shapes = [(512, 512), (128, 512), (1408, 512)]
+    shapes = shapes or DEFAULT_OFFLOAD_SHAPES
     base = [torch.randn(s, generator=gen).mul_(0.02) for s in shapes]
     grads = [[torch.randn(s, generator=gen).mul_(1e-3) for s in shapes] for _ in range(steps)]
     runs = {}
@@ -173,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         # A whole TinyLlama step on the host: each matrix's time, 22 layers.
         result["ns_host_step_s"] = round(sum(result["ns_host"]["x".join(map(str, s))]["s"] for s in shapes_of("tinyllama", None)), 1)
     if args.offload_check:
-        result["offload"] = offload_check(device)
+        result["offload"] = offload_check(device, shapes=OFFLOAD_SHAPES.get(args.shapes))
     result["load_after"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     text = json.dumps(result, indent=2)
     print(text)

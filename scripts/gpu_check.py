@@ -1318,14 +1318,14 @@ def stage_muon(args: argparse.Namespace, part: Part, deadline: float) -> int:
     """Muon (``benchmarks/muon_step.py``): leanopt.Muon and Muon8bit beside torch.optim.Muon on
     TinyLlama-1.1B's 154 matrices (fp32), interleaved rounds: ms/step, the ratio to torch (goal
     <= 1.0), the Newton-Schulz share of the step; and ``offload="cpu"`` (momentum on the host,
-    orthogonalization on the GPU) against the on-device step after three steps. Dry: 1/8-width
-    shapes, one layer, on the CPU, leanopt's Triton kernels interpreted (what the GPU runs), the
+    orthogonalization on the GPU) against the on-device step after three steps. Dry: 1/32-width
+    shapes (``--shapes toy``), one layer, on the CPU, leanopt's Triton kernels interpreted (what the GPU runs), the
     compiled graphs traced by dynamo and run eagerly (as in the twins stage: no Inductor compile for
     the CPU); three rounds, so that the NS share is a median of three (its steps cost less than a second)."""
     out = Path(os.environ.get("GPU_CHECK_WORK", tempfile.gettempdir())) / "muon.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "muon_step.py"), "--json", str(out), "--offload-check"]
     if args.dry_run:
-        cmd += ["--device", "cpu", "--shapes", "small", "--layers", "1", "--rounds", "3", "--backend", "triton", "--dynamo-only"]
+        cmd += ["--device", "cpu", "--shapes", "toy", "--rounds", "3", "--backend", "triton", "--dynamo-only"]
     else:
         cmd += ["--device", "cuda", "--shapes", "tinyllama", "--rounds", "3"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(1.0, deadline - time.time() - 1))

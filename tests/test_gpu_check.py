@@ -161,7 +161,7 @@ def test_dry_run_offload(dry_run) -> None:
 
 
 def test_dry_run_muon(dry_run) -> None:
-    # benchmarks/muon_step.py at 1/8 width: the three optimizers timed, the NS share, offload's
+    # benchmarks/muon_step.py at 1/32 width (--shapes toy): the three optimizers timed, the NS share, offload's
     # host step bit-identical to the on-device one (both on the CPU here).
     stage = _results(dry_run)["stages"]["muon"]
     assert stage["status"] == "ok", stage
