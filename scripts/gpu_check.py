@@ -1321,11 +1321,12 @@ def stage_muon(args: argparse.Namespace, part: Part, deadline: float) -> int:
     orthogonalization on the GPU) against the on-device step after three steps. Dry: 1/32-width
     shapes (``--shapes toy``), one layer, on the CPU, leanopt's Triton kernels interpreted (what the GPU runs), the
     compiled graphs traced by dynamo and run eagerly (as in the twins stage: no Inductor compile for
-    the CPU); three rounds, so that the NS share is a median of three (its steps cost less than a second)."""
+    the CPU); nine rounds (toy steps take ~30 ms: a median of three could be moved by one stall of a
+    loaded machine)."""
     out = Path(os.environ.get("GPU_CHECK_WORK", tempfile.gettempdir())) / "muon.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "muon_step.py"), "--json", str(out), "--offload-check"]
     if args.dry_run:
-        cmd += ["--device", "cpu", "--shapes", "toy", "--rounds", "3", "--backend", "triton", "--dynamo-only"]
+        cmd += ["--device", "cpu", "--shapes", "toy", "--rounds", "9", "--backend", "triton", "--dynamo-only"]
     else:
         cmd += ["--device", "cuda", "--shapes", "tinyllama", "--rounds", "3"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(1.0, deadline - time.time() - 1))
