@@ -61,17 +61,26 @@ DIST_CONFIGS = [("adamw", "fp32", False), ("adafactor", "fp32", False), ("adamw8
                 ("adamw8bit", "bf16-mixed", False), ("adamw", "fp32", True)]
 
 # A few MB each: what tests/test_plan.py runs.
+_TINY_DISTILBERT = ("DistilBertForSequenceClassification", "DistilBertConfig",
+                    {"vocab_size": 8000, "dim": 256, "n_layers": 2, "n_heads": 4, "hidden_dim": 1024,
+                     "max_position_embeddings": 256, "num_labels": 2})
+_TINY_GPT2 = ("GPT2LMHeadModel", "GPT2Config", {"vocab_size": 8000, "n_positions": 256, "n_embd": 256, "n_layer": 2, "n_head": 4})
+_NARROW_DISTILBERT = (*_TINY_DISTILBERT[:2], {**_TINY_DISTILBERT[2], "dim": 128, "hidden_dim": 512})
+_NARROW_GPT2 = (*_TINY_GPT2[:2], {**_TINY_GPT2[2], "n_embd": 128})
 SMALL = {
-    "tiny-distilbert": ("DistilBertForSequenceClassification", "DistilBertConfig",
-                        {"vocab_size": 8000, "dim": 256, "n_layers": 2, "n_heads": 4, "hidden_dim": 1024,
-                         "max_position_embeddings": 256, "num_labels": 2}, 16, 128),
-    "tiny-gpt2": ("GPT2LMHeadModel", "GPT2Config",
-                  {"vocab_size": 8000, "n_positions": 256, "n_embd": 256, "n_layer": 2, "n_head": 4}, 8, 128),
+    "tiny-distilbert": (*_TINY_DISTILBERT, 16, 128),
+    "tiny-gpt2": (*_TINY_GPT2, 8, 128),
+    # Fewer sequences, for the bf16 and bf16-mixed steps: a CPU without bf16 matrix instructions
+    # (AVX2) runs a bf16 matmul 40-100x slower than an fp32 one.
+    "tiny-distilbert-4seq": (*_TINY_DISTILBERT, 4, 128),
+    "tiny-gpt2-2seq": (*_TINY_GPT2, 2, 128),
+    "tiny-gpt2-4seq": (*_TINY_GPT2, 4, 128),
+    # Half as wide, for Muon: its Newton-Schulz iterations are bf16 matmuls, 1/8 of the FLOPs.
+    "narrow-distilbert": (*_NARROW_DISTILBERT, 16, 128),
+    "narrow-gpt2": (*_NARROW_GPT2, 8, 128),
     # One short sequence: the optimizer's step, not backward, is the peak (Muon's Newton-Schulz
     # temporaries are in the figure compared).
-    "tiny-distilbert-step": ("DistilBertForSequenceClassification", "DistilBertConfig",
-                             {"vocab_size": 8000, "dim": 256, "n_layers": 2, "n_heads": 4, "hidden_dim": 1024,
-                              "max_position_embeddings": 256, "num_labels": 2}, 1, 8),
+    "narrow-distilbert-step": (*_NARROW_DISTILBERT, 1, 8),
 }  # fmt: skip
 
 

@@ -493,9 +493,10 @@ def _bench():
 
 
 # Small models: fixed costs (allocator pages, thread stacks) weigh more than on the full-size
-# models of docs/plan.md (within 2 % there). The twelve configurations below, measured in two
-# processes on 2026-12-04: within 0.3 % but for Adafactor (-2.3 % and -1.5 %) and the quantized
-# bf16-mixed rows (+1.2 % and +1.3 %).
+# models of docs/plan.md (within 2 % there). The configurations below, measured in one process on
+# 2026-12-04: within 0.8 % but for the quantized bf16-mixed rows (+1.2 % AdamW8bit, +3.0 %
+# AdamW4bit: the code books and lookup tables a first step makes, which the plan counts in its step
+# and the measured third step finds made, ~2 MiB; docs/plan.md).
 SMALL_TOLERANCE = 0.05
 
 
@@ -503,19 +504,33 @@ SMALL_TOLERANCE = 0.05
 # (bench.measure_cases: a warm-up on a smaller model of the class, then the measured model, for
 # each configuration in turn), so that a process's start and imports are paid once.
 # Both models' plain steps; each pure-bf16, released and quantized configuration on one of them.
+# The bf16 and bf16-mixed steps take fewer sequences (-4seq, -2seq: batch 4 and 2 of 128 tokens),
+# their matmuls being 40-100x slower than fp32 ones on a CPU without bf16 instructions; AdamW4bit's
+# row at 4 sequences, where its ~2 MiB of tables is 3 % of the peak (7 % at 2).
 REAL_STEPS = {
     "tiny-distilbert": {
         "plain": [("adamw", "fp32", False), ("adafactor", "fp32", False), ("adamw", "fp32", True)],
-        "bf16-and-released": [("adamw", "bf16", False, "kahan"), ("adamw", "fp32", False, None, True)],
+        "bf16-and-released": [("adamw", "fp32", False, None, True)],
+    },
+    "tiny-distilbert-4seq": {
+        "bf16-and-released": [("adamw", "bf16", False, "kahan")],
         "quantized": [("adamw8bit", "bf16-mixed", False)],
     },
     "tiny-gpt2": {
         "plain": [("adamw", "fp32", False), ("adafactor", "fp32", False), ("adamw", "fp32", True)],
+    },
+    "tiny-gpt2-2seq": {
         "bf16-and-released": [("adamw", "bf16", False, "stochastic"), ("adafactor", "bf16", True, "kahan", True)],
-        # The quantized updates compile on the CPU first, in the warm-up (tens of seconds on 2 cores).
+    },
+    # The quantized updates compile on the CPU first, in the warm-up (tens of seconds on 2 cores).
+    "tiny-gpt2-4seq": {
         "quantized": [("adamw4bit", "bf16-mixed", True)],
     },
 }
+
+
+def _cases_with(group: str) -> list[str]:
+    return [case for case, groups in REAL_STEPS.items() if group in groups]
 
 
 def measure_real_steps(runs: dict[str, list[tuple]]) -> dict[str, list[int]]:
@@ -543,19 +558,19 @@ def _check_group(real_steps, case: str, group: str) -> None:
     _check_predictions(case, configs, [real_steps[case][config] for config in configs])
 
 
-@pytest.mark.parametrize("case", list(REAL_STEPS))
+@pytest.mark.parametrize("case", _cases_with("plain"))
 def test_prediction_matches_a_real_step(real_steps, case):
     _check_group(real_steps, case, "plain")
 
 
 # Pure bf16 (Kahan, stochastic rounding) and gradient release: measured within 2 % here (the
 # composition itself is held to a direct trace, to the byte, above).
-@pytest.mark.parametrize("case", list(REAL_STEPS))
+@pytest.mark.parametrize("case", _cases_with("bf16-and-released"))
 def test_bf16_and_released_predictions_match_a_real_step(real_steps, case):
     _check_group(real_steps, case, "bf16-and-released")
 
 
-@pytest.mark.parametrize("case", list(REAL_STEPS))
+@pytest.mark.parametrize("case", _cases_with("quantized"))
 def test_prediction_matches_a_real_step_quantized(real_steps, case):
     _check_group(real_steps, case, "quantized")
 

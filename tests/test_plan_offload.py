@@ -238,9 +238,12 @@ def test_cli_plan_offload_table_and_json(tmp_path, capsys) -> None:
 
 # ---- a real step: device peak + host bytes on CPU params --------------------------------------------
 # Each configuration on one model, the plain offloaded step on both; all measured in one fresh process.
+# The pure-bf16 step on 2 sequences (tests/test_plan.py's -2seq model: bf16 matmuls are slow on a
+# CPU without bf16 instructions).
 OFFLOADED_STEPS = {
     "tiny-distilbert": [("adamw", "fp32", False, None, True, True), ("adamw", "fp32", False, None, False, True)],
-    "tiny-gpt2": [("adamw8bit", "bf16", False, "nearest", True, True), ("adamw", "fp32", False, None, False, True)],
+    "tiny-gpt2": [("adamw", "fp32", False, None, False, True)],
+    "tiny-gpt2-2seq": [("adamw8bit", "bf16", False, "nearest", True, True)],
 }
 
 
@@ -256,7 +259,8 @@ def test_offloaded_prediction_matches_a_real_step(case, offloaded_steps) -> None
     host copies and states, within 2 %, and at most that plus the host gradient buffers
     ``host_bytes`` counts: they are not all live at the device's peak (without release they
     exist inside ``step()``; released, each is freed when its param is stepped in backward).
-    Measured here: within 1.3 % of the first (-1.26 to +0.03 %), 3.9-8.7 % under the second."""
+    Measured here: within 1.3 % of the first (-1.26 to +0.44 %), 3.9-10.4 % under the second (the
+    bf16 row on 2 sequences: +0.44 %, 10.4 %; 2026-12-04)."""
     bench = _bench()
     model, configs = bench.build_meta(case), OFFLOADED_STEPS[case]
     for config, real, predicted in zip(configs, offloaded_steps[case], bench.predict_all(case, configs), strict=True):
