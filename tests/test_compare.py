@@ -480,10 +480,12 @@ def test_digits_reports_accuracy() -> None:
 @pytest.fixture(scope="module")
 def trainer_result() -> Any:
     """The distilbert-trainer task in this process, 2 steps at one lr and one seed: AdamW, the
-    transformers Adafactor, and AdamW's pure-bf16 (Kahan) and gradient-release modes."""
+    transformers Adafactor, and AdamW's pure-bf16 (Kahan) and gradient-release modes; 4 sequences
+    and 32 validation examples (bf16 matmuls are slow on a CPU without bf16 instructions)."""
     pytest.importorskip("transformers")
     plan = get_task("distilbert-trainer").plan(device="cpu", quick=True, seed=0, steps=2, lr=None)
     plan.lr_multipliers, plan.seeds = [1.0], [0]
+    plan.batch_size, plan.sizes = 4, {**plan.sizes, "val_examples": 32}
     return compare(plan, ["adamw", "hf-adafactor", "adamw+bf16-kahan", "adamw+release"], isolate=False)
 
 
@@ -621,15 +623,20 @@ def _tiny_plan(task: str = "bytes-gpt", steps: int = 4, precision: str = "fp32")
 
 @pytest.fixture(scope="module")
 def modes_result() -> Any:
-    """Pure bf16 (Kahan), gradient release, and both, against plain AdamW: 4 steps, 2 seeds."""
+    """Pure bf16 (Kahan), gradient release, and both, against plain AdamW: 4 steps, 2 seeds, on
+    4 sequences and 32 validation windows (the bf16 contenders' matmuls are 40-100x slower than
+    fp32 ones on a CPU without bf16 instructions: 31 -> 9 s on one, nothing checked below
+    depends on the batch)."""
+    plan = _tiny_plan()
+    plan.batch_size, plan.sizes = 4, {**plan.sizes, "val_windows": 32}
     threads = torch.get_num_threads()
     # The bf16-states update runs eagerly here: its compiled graph stores the same bits (tested with
     # the bf16 states), and compiling it would add a third to this fixture's time for none of the numbers below.
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LEANOPT_NO_COMPILE", "1")
         try:
-            return compare(_tiny_plan(), ["adamw", "adamw+bf16-kahan", "adamw+release", "adamw+bf16-kahan+release",
-                                          "adamw+bf16-states"], isolate=False)
+            return compare(plan, ["adamw", "adamw+bf16-kahan", "adamw+release", "adamw+bf16-kahan+release", "adamw+bf16-states"],
+                           isolate=False)  # fmt: skip
         finally:
             torch.set_num_threads(threads)
 
