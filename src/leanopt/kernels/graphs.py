@@ -277,9 +277,9 @@ def lists(idx: Sequence[int]) -> list[list[int]]:
     return out
 
 
-def _list_graph(key: tuple, name: str, update: Callable[..., Any], form: str, length: int, width: int) -> Callable[..., Any]:
+def _list_graph(key: tuple, name: str, update: Callable[..., Any], form: str, length: int) -> Callable[..., Any]:
     """``graph(ps, gs, tensors, scalars, keys)``: ``update`` on each of ``length`` params, with
-    param ``i``'s scalar row (``width`` numbers) and its dither key row (0-dim tensors), in the
+    param ``i``'s scalar row (:func:`scalar_row`, a row of ``scalars``) and its dither key row (0-dim tensors), in the
     argument order of its ``form``: ``"dense"`` :func:`dense_update`, ``"rounded"``
     :func:`rounded_update`, ``"quantized"`` :func:`quantized_update`."""
     graph = _LISTS.get(key)
@@ -316,7 +316,6 @@ def dense(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mapping[s
         if p.numel():
             key = (p.dtype, grads[i].dtype, tuple(s.dtype for s in states[i]), p.numel() == 1)
             groups.setdefault(key, []).append(i)
-    width = len(rule.scalars)
     for (pd, gd, sd, one), idx in groups.items():
         stored = tuple(d == torch.bfloat16 for d in sd)
         rounding = any(stored)
@@ -336,7 +335,7 @@ def dense(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mapping[s
             scalars = _table([rule.scalar_values(hp, steps[i], safe) for i in part], torch.float64, device)
             keys = _table([(steps[i], offsets[i]) for i in part], torch.int64, device)
             graph_key = (rule, flags, safe, maximize, stored, pd, gd, sd, one, len(part))
-            graph = _list_graph(graph_key, variant, update, "rounded" if rounding else "dense", len(part), width)
+            graph = _list_graph(graph_key, variant, update, "rounded" if rounding else "dense", len(part))
             graph(flat, gs, tensors, scalars, keys)
 
 
@@ -362,7 +361,6 @@ def quantized(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mappi
         formats = tuple(q.format for q in states[i])
         for lo, hi in row_spans(rows, max(1, QUANTIZED_CHUNK // fmt.block_size)):
             groups.setdefault((p.dtype, grads[i].dtype, formats, hi - lo == 1), []).append((i, lo, hi))
-    width = len(rule.scalars)
     for (pd, gd, formats, one), spans in groups.items():
         device = params[spans[0][0]].device
         bits, bs = formats[0].bits, formats[0].block_size
@@ -395,7 +393,7 @@ def quantized(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mappi
             scalars = _table([rule.scalar_values(hp, steps[i], True) for i, _, _ in rows_of], torch.float64, device)
             keys = _table([(steps[i], offsets[i] + lo * bs) for i, lo, _ in rows_of], torch.int64, device)
             key = ("quantized", rule, flags, maximize, bits, kinds, zeros, lasts, pd, gd, bs, one, len(part))
-            _list_graph(key, variant, update, "quantized", len(part), width)(ps, gs, tensors, scalars, keys)
+            _list_graph(key, variant, update, "quantized", len(part))(ps, gs, tensors, scalars, keys)
     for i, p in enumerate(params):
         n, bs = p.numel(), states[i][0].format.block_size
         full = n // bs * bs
