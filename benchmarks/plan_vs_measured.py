@@ -74,7 +74,6 @@ SMALL = {
     # (AVX2) runs a bf16 matmul 40-100x slower than an fp32 one.
     "tiny-distilbert-4seq": (*_TINY_DISTILBERT, 4, 128),
     "tiny-gpt2-2seq": (*_TINY_GPT2, 2, 128),
-    "tiny-gpt2-4seq": (*_TINY_GPT2, 4, 128),
     # Half as wide, for Muon: its Newton-Schulz iterations are bf16 matmuls, 1/8 of the FLOPs.
     "narrow-distilbert": (*_NARROW_DISTILBERT, 16, 128),
     "narrow-gpt2": (*_NARROW_GPT2, 8, 128),
