@@ -51,15 +51,19 @@ DTYPES = (torch.float32, torch.bfloat16)
 TOY_STEPS = 3
 
 
-def cases() -> list[Any]:
-    """tests/registry.py's elementwise optimizer cases (the one list every parity test iterates)."""
+def cases(one_per_family: bool = False) -> list[Any]:
+    """tests/registry.py's elementwise optimizer cases (the one list every parity test iterates);
+    ``one_per_family``: only each family's representative (the dry run: the stage's own code is
+    the same for every rule, and tests/test_rules.py holds every rule's twin and compiled graphs
+    to the reference)."""
     tests = str(ROOT / "tests")
     if tests not in sys.path:
         sys.path.insert(0, tests)
     import leanopt
-    from registry import GENERIC
+    from registry import GENERIC, representatives
 
-    return [c for c in GENERIC if issubclass(c.cls, leanopt.ElementwiseOptimizer)]
+    elementwise = [c for c in GENERIC if issubclass(c.cls, leanopt.ElementwiseOptimizer)]
+    return representatives(elementwise) if one_per_family else elementwise
 
 
 def _ulp(x: torch.Tensor) -> torch.Tensor:

@@ -255,17 +255,20 @@ def test_one_case_of_every_cuda_test_function_passes_on_the_cpu(dry_run) -> None
 
 
 def test_dry_run_twins(dry_run) -> None:
-    """benchmarks/backend_parity.py in the dry run: every registered elementwise rule (tests/registry.py)
-    on its Triton twin (interpreted), its compiled graphs and the reference, within tolerance;
-    a rule without a twin checked to run the compiled graphs under backend='triton'."""
+    """benchmarks/backend_parity.py in the dry run: each family's elementwise rule (tests/registry.py's
+    representatives; the GPU run takes every rule) on its Triton twin (interpreted), its compiled
+    graphs and the reference, within tolerance; a rule without a twin checked to run the compiled
+    graphs under backend='triton'."""
     from leanopt.kernels import rules
     from leanopt.optim.elementwise import ElementwiseOptimizer
-    from registry import GENERIC
+    from registry import GENERIC, representatives
 
     stage = _results(dry_run)["stages"]["twins"]
     assert stage["status"] == "ok" and not stage["not_run"], stage.get("error")
     rows = {r["case"]: r for r in stage["rows"]}
-    assert set(rows) == {c.name for c in GENERIC if issubclass(c.cls, ElementwiseOptimizer)}
+    elementwise = [c for c in GENERIC if issubclass(c.cls, ElementwiseOptimizer)]
+    assert set(rows) == {c.name for c in representatives(elementwise)}
+    assert {row["twin"] for row in rows.values()} == {True, False}  # a twin's three pairs and the no-twin path
     for case in GENERIC:
         if case.name not in rows:
             continue
