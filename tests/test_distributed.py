@@ -4,7 +4,8 @@ One ``torchrun --nproc_per_node 2`` launch (``dist_scripts/parity.py``) runs eve
 optimizer of the registry (``tests/registry.py``) and writes its measurements; the tests below
 read them. A launch costs
 more than all the checks together (three Python processes importing torch on 2 shared cores).
-Loading the 2-rank checkpoint into one process runs here, in the pytest process.
+Loading the 2-rank checkpoint into one process, and ``leanopt convert`` of its DCP folder against
+the state gathered whole, run here, in the pytest process.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ import sys
 import warnings
 
 import pytest
+import torch
 import two_ranks
 
 import leanopt
 from leanopt.integrations.distributed import measure_global
 from leanopt.quant import QuantizedState
+from registry import OPTIMIZERS
 
 SCRIPTS = pathlib.Path(__file__).resolve().parent / "dist_scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -39,6 +42,7 @@ EXACT_STATE_RTOL = 1e-5
 
 
 NAMES = list(parity.KWARGS)  # every optimizer of tests/registry.py
+CASES = {case.name: case for case in OPTIMIZERS}
 names = pytest.mark.parametrize("name", NAMES)
 
 
@@ -133,6 +137,55 @@ def test_dcp_checkpoint_of_two_ranks_continues_in_one_process(results: dict, nam
     two_ranks = dcp_case["continued_losses"]
     worst = max(abs(a - b) / abs(b) for a, b in zip(losses, two_ranks))
     assert worst <= LOSS_RTOL, worst
+
+
+def assert_same(a, b, where: str = "") -> None:
+    if isinstance(a, dict):  # the same keys, in any order (DCP's metadata orders them its own way)
+        assert isinstance(b, dict) and sorted(map(str, a)) == sorted(map(str, b)), (where, list(a), b)
+        for k in a:
+            assert_same(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    else:
+        assert a == b, (where, a, b)
+
+
+@names
+def test_a_dcp_folder_converts_as_its_gathered_state_does(results: dict, name: str, tmp_path, capsys) -> None:
+    """``leanopt convert`` of the DCP folder the two ranks wrote: read, it is the state gathered
+    whole on rank 0 (leanopt's ``get_state_dict``, ``full_state_dict=True``), and it converts to
+    each optimizer of its rule (and torch's AdamW for the AdamW family) as that file does; through
+    the command, into an optimizer in one process (the DCP keys are param names)."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    from leanopt.checkpoint import TORCH_ADAMW, convert_state_dict, family_members
+    from leanopt.checkpoint_files import read_checkpoint
+    from leanopt.cli import main
+
+    dcp_case = case(results, name, "dcp")
+    folder = pathlib.Path(dcp_case["checkpoint"])
+    whole = torch.load(dcp_case["gathered"], weights_only=True)
+    assert (folder / "__0_0.distcp").is_file() and (folder / "__1_0.distcp").is_file()  # both ranks wrote shards
+    read = read_checkpoint(folder)
+    assert_same(read, whole)
+    targets = family_members(name) + ([TORCH_ADAMW] if CASES[name].cls.family == "adamw" else [])
+    for to in targets:
+        assert_same(convert_state_dict(read, to), convert_state_dict(whole, to), to)
+    dst = tmp_path / "converted.pt"
+    to = targets[-1]
+    assert main(["convert", str(folder), str(dst), "--to", to]) == 0
+    assert f"{folder} ({name}, " in capsys.readouterr().out
+    model = parity.make_model()
+    target = (torch.optim.AdamW(model.parameters()) if to == TORCH_ADAMW
+              else CASES[to].cls(CASES[to].param_groups(model), **{**CASES[to].kwargs, "backend": "reference"}))  # fmt: skip
+    set_state_dict(model, target, model_state_dict=model.state_dict(), optim_state_dict=torch.load(dst, weights_only=True))
+    model(torch.randn(4, 16)).square().mean().backward()
+    target.step()
+    assert {int(st["step"]) for st in target.state.values()} == {parity.SAVE_AT + 1}
 
 
 @names

@@ -16,9 +16,12 @@ One launch runs every check (a launch costs more than the checks): for each opti
 * ``example``: ``examples/fsdp2_train.py`` runs in this same launch (its ``main``), so the
   documented example is tested without a launch of its own.
 * ``dcp``: the fsdp run saves ``get_state_dict`` with ``torch.distributed.checkpoint`` after
-  ``SAVE_AT`` (5) steps; a fresh model and optimizer on 2 ranks load it with ``set_state_dict`` and
-  train the steps after it again: the losses and weights must be identical. The checkpoint stays in OUT_DIR for
-  the one-process load in ``test_distributed.py``.
+  ``SAVE_AT`` (5) steps, and rank 0 the same optimizer state gathered whole
+  (``OUT_DIR/full_NAME.pt``, leanopt's ``get_state_dict`` with ``full_state_dict=True``); a fresh
+  model and optimizer on 2 ranks load the checkpoint with ``set_state_dict`` and train the steps
+  after it again: the losses and weights must be identical. Both stay in OUT_DIR for
+  ``test_distributed.py``: the one-process load, and ``leanopt convert`` of the DCP folder
+  against the gathered file.
 
 Rank 0 writes ``OUT_DIR/results.json``: ``{NAME: {mode: {metric: value}}}``, and an ``error``
 entry (the traceback) for a case that raised. The checks are symmetric on both ranks, so an
@@ -38,12 +41,13 @@ import teardown
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import leanopt
 from leanopt.integrations.distributed import ShardQuantizedState, checkpoint_value, is_dtensor, measure_global
+from leanopt.integrations.distributed import get_state_dict as leanopt_get_state_dict
 from leanopt.memory import resolve_optimizer
 from leanopt.optim.lowbit import LowBit
 from leanopt.quant import QuantizedState
@@ -267,6 +271,13 @@ def run_fsdp_and_dcp(name: str, rank: int, world: int, ref, out_dir: str) -> tup
     model_sd, optim_sd = get_state_dict(model, opt)
     declared = sorted({str(g.get("optimizer")) for g in optim_sd["param_groups"]})  # the name saved with it
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint)
+    # The same optimizer state gathered whole (rank 0's file): what converting the DCP folder
+    # with ``leanopt convert`` must reproduce exactly (tests/test_distributed.py).
+    gathered = os.path.join(out_dir, f"full_{name}.pt")
+    _, whole = leanopt_get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        torch.save(whole, gathered)
+    dist.barrier()
     losses += train(model, opt, range(SAVE_AT, STEPS), rank, world)
 
     placements = {}
@@ -309,6 +320,7 @@ def run_fsdp_and_dcp(name: str, rank: int, world: int, ref, out_dir: str) -> tup
         "identical_state": same_state,
         "declared": declared,
         "checkpoint": checkpoint,
+        "gathered": gathered,
     }
     return fsdp, resume
 
