@@ -77,6 +77,7 @@ SMALL = {
     # Half as wide, for Muon: its Newton-Schulz iterations are bf16 matmuls, 1/8 of the FLOPs.
     "narrow-distilbert": (*_NARROW_DISTILBERT, 16, 128),
     "narrow-gpt2": (*_NARROW_GPT2, 8, 128),
+    "narrow-gpt2-2seq": (*_NARROW_GPT2, 2, 128),  # Muon8bit bf16-mixed: its matmuls are bf16
     # One short sequence: the optimizer's step, not backward, is the peak (Muon's Newton-Schulz
     # temporaries are in the figure compared).
     "narrow-distilbert-step": (*_NARROW_DISTILBERT, 1, 8),

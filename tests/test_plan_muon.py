@@ -131,13 +131,15 @@ def test_cli_prints_the_newton_schulz_line(tmp_path, capsys):
 # Adafactor, on the half-wide models (Muon's Newton-Schulz is bf16 matmuls, slow on a CPU without
 # bf16 instructions; 128 wide, 1/8 of the 256-wide models' FLOPs): measured within 1.2 % on
 # 2026-12-04 (fp32 +0.2 to +0.8 %, checkpointed +0.3 %, released +1.0 %, Kahan +0.1 %, Muon8bit
-# bf16-mixed +1.2 %). The one-sequence model's step is where its plan peaks (the Newton-Schulz
-# temporaries are in the figure compared); each other configuration on one of the two models, the
-# plain fp32 step on both. All measured in one fresh process.
+# bf16-mixed +2.0 % on 2 sequences: its autocast matmuls are bf16 too, 8 s there against 17 s on 8,
+# where it measured +1.2 %). The one-sequence model's step is where its plan peaks (the
+# Newton-Schulz temporaries are in the figure compared); each other configuration on one of the
+# two models, the plain fp32 step on both. All measured in one fresh process.
 REAL_STEPS = {
     "narrow-distilbert-step": [("muon", "fp32", False)],
     "narrow-distilbert": [("muon", "fp32", False), ("muon", "fp32", True), ("muon", "bf16", False, "kahan")],
-    "narrow-gpt2": [("muon", "fp32", False), ("muon", "fp32", False, None, True), ("muon8bit", "bf16-mixed", False)],
+    "narrow-gpt2": [("muon", "fp32", False), ("muon", "fp32", False, None, True)],
+    "narrow-gpt2-2seq": [("muon8bit", "bf16-mixed", False)],
 }
 
 
@@ -155,7 +157,7 @@ def test_prediction_matches_a_real_step(real_steps):
     _check_predictions("narrow-distilbert-step", REAL_STEPS["narrow-distilbert-step"], real_steps["narrow-distilbert-step"])
 
 
-@pytest.mark.parametrize("case", ["narrow-distilbert", "narrow-gpt2"])
+@pytest.mark.parametrize("case", ["narrow-distilbert", "narrow-gpt2", "narrow-gpt2-2seq"])
 def test_checkpointed_released_and_bf16_predictions_match_a_real_step(case, real_steps):
     _check_predictions(case, REAL_STEPS[case], real_steps[case])
 
