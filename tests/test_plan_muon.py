@@ -169,7 +169,7 @@ def test_doctor_attributes_muons_step():
     from leanopt.memory.doctor import doctor
 
     torch.manual_seed(0)
-    config = {**TINY_DISTILBERT, "vocab_size": 500, "dim": 256, "hidden_dim": 1024, "n_layers": 1}
+    config = {**TINY_DISTILBERT, "vocab_size": 500, "dim": 128, "hidden_dim": 512, "n_layers": 1}
     model = transformers.DistilBertForSequenceClassification(transformers.DistilBertConfig(**config))
     opt = leanopt.Muon(over_model(leanopt.Muon, model))
     d = doctor(model, opt, {"input_ids": torch.randint(0, 500, (1, 8)), "labels": torch.randint(0, 3, (1,))})
