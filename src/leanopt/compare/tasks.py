@@ -567,7 +567,8 @@ class TrainerWorkload(Workload):
                 handle.remove()
             if trainer.optimizer is None or trainer.model is None:  # both set by train()
                 raise RuntimeError("transformers.Trainer.train() left no optimizer or no model")
-            optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate's wrapper
+            wrapped = trainer.optimizer
+            optimizer: torch.optim.Optimizer = wrapped.optimizer if hasattr(wrapped, "optimizer") else wrapped  # accelerate's wrapper
             model = trainer.model
             # As the lesson scores it: Trainer.evaluate with compute_metrics, eval_* out.
             scores = trainer.evaluate(_TensorDictDataset(self.val_data))
