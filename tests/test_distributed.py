@@ -17,6 +17,7 @@ import warnings
 import pytest
 import torch
 import two_ranks
+from same_state import assert_same
 
 import leanopt
 from leanopt.integrations.distributed import measure_global
@@ -137,21 +138,6 @@ def test_dcp_checkpoint_of_two_ranks_continues_in_one_process(results: dict, nam
     two_ranks = dcp_case["continued_losses"]
     worst = max(abs(a - b) / abs(b) for a, b in zip(losses, two_ranks))
     assert worst <= LOSS_RTOL, worst
-
-
-def assert_same(a, b, where: str = "") -> None:
-    if isinstance(a, dict):  # the same keys, in any order (DCP's metadata orders them its own way)
-        assert isinstance(b, dict) and sorted(map(str, a)) == sorted(map(str, b)), (where, list(a), b)
-        for k in a:
-            assert_same(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    else:
-        assert a == b, (where, a, b)
 
 
 @names

@@ -28,6 +28,7 @@ import warnings
 
 import pytest
 import torch
+from same_state import assert_same
 
 import leanopt
 from leanopt.checkpoint import (
@@ -470,21 +471,6 @@ def test_torch_adamw_takes_only_adamw_family_states() -> None:
         with pytest.raises(ValueError, match=rf"cannot convert the {case.name} state_dict to torch-adamw: .* the {case.cls.family} rule, "
                            "torch.optim.AdamW the adamw rule"):  # fmt: skip
             convert_state_dict(opt.state_dict(), TORCH_ADAMW)
-
-
-def assert_same(a, b, where: str = "") -> None:
-    if isinstance(a, dict):  # the same keys, in any order (DCP's metadata orders them its own way)
-        assert isinstance(b, dict) and sorted(map(str, a)) == sorted(map(str, b)), (where, list(a), b)
-        for k in a:
-            assert_same(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    else:
-        assert a == b, (where, a, b)
 
 
 # ---- hostile and malformed files --------------------------------------------------------------------
