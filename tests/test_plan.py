@@ -190,11 +190,10 @@ def test_a_rounded_step_traced_on_its_first_and_last_chunks_equals_the_full_walk
 
     # Chunks of 3000 elements: the 2000 x 64 embedding in 43 (the last of 2000), a 256 x 64 layer
     # in 6 (the last of 1384). AdamW steps each chunk through its fp32 copies; Adafactor steps a
-    # param whole and writes it back in those pieces. A last chunk smaller than the others: a step
-    # that kept one chunk's temporaries alive while the next made its own would peak in a middle
-    # chunk, which the trimmed walk does not take (8,000 and 12,000 bytes apart here, until each
-    # chunk's temporaries were freed before the next chunk's; with chunks of 1000 the embedding's
-    # are all alike and hid it).
+    # param whole and writes it back in those pieces. A last chunk smaller than the others: a
+    # chunk's copies are still held while the next makes its own, so a middle chunk peaks higher
+    # than the first and the last; a walk of the first and last only was 8,000 and 12,000 bytes low
+    # here (with chunks of 1000 the embedding's are all alike, which hid it): the second is walked.
     monkeypatch.setattr(rounding_module, "ROUNDING_CHUNK", 3000)
     model = tiny_distilbert()
     trimmed = trace_step(model, optimizer, torch.bfloat16, rounding=rounding)

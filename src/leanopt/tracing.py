@@ -15,7 +15,8 @@ steps after the trace. The kernels ask :func:`active` and answer for the trace t
 * every cache the kernels fill on first use (code books, lookup tables, launch tables,
   workspaces) is the trace's own (:func:`cache`): made, and counted, inside the trace, and gone
   with it;
-* Adafactor's row blocks are walked first and last only (``trim_repeated_blocks``).
+* the pieces a step walks one after the other (Adafactor's row blocks, a rounded param's chunks)
+  are walked first, second and last only (``trim_repeated_blocks``, :func:`walked`).
 
 The trace is the calling thread's alone (``threading.local``): a step in another thread, during
 a plan, runs exactly as it would without one. Nothing of leanopt's is patched for a trace. This
@@ -61,13 +62,15 @@ _Part = TypeVar("_Part")
 def walked(parts: list[_Part]) -> list[_Part]:
     """The pieces a step walks one after the other (a param's chunks, Adafactor's row blocks),
     as it walks them: all of them, except in a trace that trims repeated blocks, which walks the
-    first and the last. On fake tensors the pieces between them repeat the allocations of the
-    first in the same sizes and free them again, so they reach its peak and no other: a 7B
+    first, the second and the last. On fake tensors each piece between the second and the last
+    repeats the second's allocations in the same sizes, with the same leftovers of the piece
+    before it still alive (a loop's variables hold them until the next piece replaces them: the
+    first piece has none), so they reach its peak and no other; the last may be smaller. A 7B
     model's steps are traced in seconds instead of minutes (tests/test_plan.py holds both
     shortcuts to the full walk)."""
     trace = active()
-    if trace is not None and trace.trim_repeated_blocks and len(parts) > 2:
-        return [parts[0], parts[-1]]
+    if trace is not None and trace.trim_repeated_blocks and len(parts) > 3:
+        return [parts[0], parts[1], parts[-1]]
     return parts
 
 

@@ -378,43 +378,28 @@ class LeanOptimizer(torch.optim.Optimizer):
                              f"of group {gi})")  # fmt: skip
         blocks = [v.format.block_size for v in item.state.values() if isinstance(v, QuantizedState)]
         chunk = chunk_elements(self.is_chunkable(group) and item.grad.is_contiguous(), p, blocks, rounding_module.ROUNDING_CHUNK)
-        # One call per chunk and per piece: its temporaries are freed when it returns, before the
-        # next one allocates its own (a loop's variables would keep the previous chunk's fp32
-        # copies alive meanwhile: one chunk's temporaries more at the step's peak).
         for part in chunks(item, chunk):
-            self._step_rounded_chunk(gi, group, item, part, rounding, key)
-
-    def _step_rounded_chunk(self, gi: int, group: Mapping[str, Any], item: ParamStep, part: ParamStep, rounding: str,
-                            key: str) -> None:  # fmt: skip
-        """:meth:`_step_rounded` on one chunk ``part`` of ``item``."""
-        master = part.param.float()
-        comp = part.state.get("kahan_comp") if rounding == "kahan" else None
-        if comp is not None:
-            master.add_(comp.float())
-        self.update(gi, group, [ParamStep(master, part.grad.float(), part.state, part.step, part.index, part.offset)], key)
-        # Written back in pieces of at most ROUNDING_CHUNK elements, so that the rounding's own
-        # temporaries are one piece's where the rule took the param whole (Adafactor).
-        size = rounding_module.ROUNDING_CHUNK
-        whole = not (part.param.is_contiguous() and master.is_contiguous() and (comp is None or comp.is_contiguous()))
-        if whole:
-            self._write_rounded(gi, item, part, part.param, master, comp, 0)
-            return
-        for at in tracing.walked(list(range(0, master.numel(), size))):
-            self._write_rounded(gi, item, part, part.param.view(-1)[at : at + size], master.view(-1)[at : at + size],
-                                None if comp is None else comp.view(-1)[at : at + size], at)  # fmt: skip
-
-    @staticmethod
-    def _write_rounded(gi: int, item: ParamStep, part: ParamStep, target: torch.Tensor, exact: torch.Tensor,
-                       compensation: torch.Tensor | None, at: int) -> None:  # fmt: skip
-        """``exact`` (fp32) written into ``target`` (the low-precision param's piece at flat ``at``
-        of ``part``): Kahan's nearest value and ``compensation``, or stochastically rounded."""
-        if compensation is not None:
-            nearest = exact.to(item.param.dtype)
-            compensation.copy_(exact.sub_(nearest.float()))
-            target.copy_(nearest)
-        else:
-            u = rounding_dither(exact.numel(), part.offset + at, part.step, gi, item.index[1], exact.device)
-            target.copy_(stochastic_round(exact, item.param.dtype, u))
+            master = part.param.float()
+            comp = part.state.get("kahan_comp") if rounding == "kahan" else None
+            if comp is not None:
+                master.add_(comp.float())
+            self.update(gi, group, [ParamStep(master, part.grad.float(), part.state, part.step, part.index, part.offset)], key)
+            # Written back in pieces of at most ROUNDING_CHUNK elements, so that the rounding's own
+            # temporaries are one piece's where the rule took the param whole (Adafactor).
+            size = rounding_module.ROUNDING_CHUNK
+            whole = not (part.param.is_contiguous() and master.is_contiguous() and (comp is None or comp.is_contiguous()))
+            flat = [(part.param, master, comp, 0)] if whole else [
+                (part.param.view(-1)[i : i + size], master.view(-1)[i : i + size], None if comp is None else comp.view(-1)[i : i + size], i)
+                for i in tracing.walked(list(range(0, master.numel(), size)))
+            ]  # fmt: skip
+            for target, exact, compensation, at in flat:
+                if compensation is not None:
+                    nearest = exact.to(p.dtype)
+                    compensation.copy_(exact.sub_(nearest.float()))
+                    target.copy_(nearest)
+                else:
+                    u = rounding_dither(exact.numel(), part.offset + at, part.step, gi, item.index[1], exact.device)
+                    target.copy_(stochastic_round(exact, p.dtype, u))
 
     def update(self, gi: int, group: Mapping[str, Any], items: list[ParamStep], key: str) -> None:
         """The rule: update each item's ``param`` and states in place from its ``grad`` (state
