@@ -27,7 +27,8 @@ What a fake tensor cannot do, or does not show, is answered here:
   tensors do not make: it is counted for a moment (:func:`_norm_upcast_bytes`).
 
 Adafactor's row blocks and a rounded param's chunks, the same allocations over and over, are
-walked first, second and last only (:data:`TRIM_REPEATED_BLOCKS`): the same peak, in seconds instead of minutes for a 7B model.
+walked first, second and last only (:data:`TRIM_REPEATED_BLOCKS`): the same peak, in seconds
+instead of minutes for a 7B model.
 Gradient release is counted in the same forward/backward trace (``count_released``), and
 one param's step on its own by :func:`traced_param_steps`.
 
