@@ -66,8 +66,23 @@ def tiny_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+# The plan's rows do not depend on the console's width: made once (every optimizer traced, ~5 s on
+# 2 cores) and rendered at each width.
+_PLANNED: dict[str, object] = {}
+
+
 @pytest.mark.parametrize("width", WIDTHS)
 def test_plan(width: int, tiny_config: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import leanopt.memory.plan as plan_module
+
+    real = plan_module.plan
+
+    def planned_once(*args: object, **kwargs: object) -> object:
+        if "rows" not in _PLANNED:
+            _PLANNED["rows"] = real(*args, **kwargs)
+        return _PLANNED["rows"]
+
+    monkeypatch.setattr(plan_module, "plan", planned_once)
     # bf16 stochastic is the widest precision label; the budget adds the verdict column
     out = cli(capsys, monkeypatch, width, "plan", str(tiny_config), "--batch", "2", "--seq", "16", "--optimizers",
               ",".join(NAMES), "--precisions", "bf16", "--roundings", "stochastic", "--grad-release", "off",
