@@ -20,7 +20,15 @@ from leanopt.quant.bf16 import state_dither, stochastic_bf16
 from registry import BF16_STATES, OptimizerCase, registered
 
 BACKENDS = ["cpu"] + (["triton"] if importlib.util.find_spec("triton") else [])
-CASE_BACKENDS = [pytest.param(c, b, id=f"{c.name}-{b}") for c in BF16_STATES for b in BACKENDS if b in c.backends]
+# Every case on fp32 params on every backend; bf16 params for the family's representative only:
+# the param's conversion on load and store is the kernels' plumbing around the rule, the same for
+# every rule (as in tests/test_rules.py), and on the CPU each (rule, param dtype) is a graph of its
+# own to compile (4-12 s on 2 cores).
+CASE_BACKENDS = [
+    pytest.param(c, b, dtype, id=f"{dtype}-{c.name}-{b}")
+    for c in BF16_STATES for b in BACKENDS if b in c.backends
+    for dtype in ([torch.float32, torch.bfloat16] if c.represents else [torch.float32])
+]  # fmt: skip
 
 
 def _ulp_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -59,13 +67,15 @@ def test_nearest_rounding_would_stall_the_second_moment_stochastic_does_not() ->
     assert abs(stochastic.float().mean().item() / v[0].item() - 1) < 2e-3
 
 
-@pytest.mark.parametrize("case,backend", CASE_BACKENDS)
-@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case,backend,param_dtype", CASE_BACKENDS)
 def test_backend_matches_the_reference(case: OptimizerCase, backend: str, param_dtype: torch.dtype) -> None:
     """Fresh random inputs, 6 steps. The backends write the same dither, so a state element
     differs from the reference's only where their fp32 maths differ by rounding and the dither
     falls between the two: at most one bf16 ulp, on at most 0.2% of elements; params within
-    1e-5 relative (fp32) or one bf16 ulp (bf16)."""
+    1e-5 relative (fp32) or one bf16 ulp (bf16). Where a state's update cancels to ~0, one fp32
+    maths can leave a residue (measured: -8.7e-11 against the reference's 0, AdamW's exp_avg with
+    bf16 gradients, scale ~0.05) that bf16 keeps: neighbours in value, thousands of ulps apart
+    by bit pattern, so differences under 2^-20 of the state's largest magnitude count as none."""
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     n = 3001  # not a multiple of any chunk
     out = {}
@@ -82,6 +92,8 @@ def test_backend_matches_the_reference(case: OptimizerCase, backend: str, param_
     for key, ref in s_ref.items():
         assert s[key].dtype == torch.bfloat16 and ref.dtype == torch.bfloat16, key
         apart = _ulp_steps(s[key], ref)
+        residue = (s[key].float() - ref.float()).abs() <= 2**-20 * ref.float().abs().max()
+        apart = torch.where(residue, 0, apart)
         assert apart.max() <= 1 and (apart > 0).float().mean() <= 2e-3, (key, apart.max(), (apart > 0).sum(), seed)
     if param_dtype == torch.float32:
         err = ((p - p_ref).abs().max() / p_ref.abs().max()).item()
