@@ -93,9 +93,19 @@ def _states_equal(a, b) -> bool:
     return torch.equal(a, b)
 
 
-@pytest.mark.parametrize("cls", LOW_BIT, ids=lambda c: c.__name__)
-@pytest.mark.parametrize("backend", ["reference"] + BACKENDS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+# Every rule, fp32 and bf16 params, on the reference and the CPU backends; Triton (interpreted:
+# ~1.6 s a case) takes bf16 params for the family's representative only: g*g overflows in the
+# rule's fp32 maths whatever the param's dtype, whose conversion on load and store is the
+# kernel's plumbing around the rule.
+REPRESENTATIVE = next(c.cls for c in OPTIMIZERS if c.cls in LOW_BIT and c.represents)
+OVERFLOW_CASES = [
+    pytest.param(cls, backend, dtype, id=f"{dtype}-{backend}-{cls.__name__}")
+    for dtype in (torch.float32, torch.bfloat16) for backend in ["reference", *BACKENDS] for cls in LOW_BIT
+    if not (backend == "triton" and dtype == torch.bfloat16 and cls is not REPRESENTATIVE)
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("cls,backend,dtype", OVERFLOW_CASES)
 def test_gradient_whose_square_overflows_is_skipped_like_nan(cls, backend: str, dtype: torch.dtype) -> None:
     huge_big, huge_small, huge_opt, history = _run_with_big_gradients(cls, backend, dtype, replace_with_nan=False)
     nan_big, nan_small, nan_opt, nan_history = _run_with_big_gradients(cls, backend, dtype, replace_with_nan=True)
