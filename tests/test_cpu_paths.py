@@ -278,3 +278,44 @@ def test_row_spans_never_leave_a_single_row() -> None:
     assert graphs.row_spans(9, 4) == [(0, 4), (4, 9)]
     assert graphs.row_spans(1, 4) == [(0, 1)]
     assert graphs.row_spans(4, 4) == [(0, 4)]
+
+
+# ---- the Inductor options of the graphs over stored states ------------------------------------------
+@pytest.mark.parametrize("backend", ["cpu", "compiled"])
+def test_graphs_over_stored_states_take_their_inductor_options(monkeypatch, backend: str) -> None:
+    """The graphs that decode and re-encode stored states compile with
+    ``kernels.cpu.stored_state_options``. Quantized states: no bounds check of the code-book
+    gathers (their indices are in range by construction). Two stored states or more (AdamW's
+    quantized or bf16 pair): scalar loops, where Inductor's vector code stepped slower
+    (docs/benchmarks.md). One state (Lion's) keeps the vector code. ``torch.compile`` is recorded
+    here, not run: what the compiled graphs compute is held to the reference by test_rules and
+    test_bf16_states."""
+    import leanopt
+    from leanopt.kernels import cpu
+
+    seen: dict[str, dict | None] = {}
+
+    def record(fn, **kwargs):
+        seen[fn.__name__] = kwargs.get("options")
+        return fn
+
+    monkeypatch.setattr(torch, "compile", record)
+    monkeypatch.setattr(cpu, "can_compile", lambda: True)
+    monkeypatch.setattr(cpu_elementwise, "can_compile", lambda: True)
+    for cache in ("_QUANTIZED", "_ROUNDED", "_DENSE"):
+        monkeypatch.setattr(cpu_elementwise, cache, {})
+    monkeypatch.setattr(graphs, "_LISTS", {})
+    runs = [(leanopt.AdamW8bit, {}), (leanopt.Lion8bit, {}), (leanopt.AdamW, {"state_dtype": torch.bfloat16}),
+            (leanopt.Lion, {"state_dtype": torch.bfloat16})]  # fmt: skip
+    got = {}
+    for cls, kwargs in runs:
+        seen.clear()
+        p = torch.nn.Parameter(torch.randn(64, 256).to(torch.bfloat16))
+        p.grad = torch.randn_like(p)
+        cls([p], lr=1e-3, backend=backend, **kwargs).step()
+        stored = {name: options for name, options in seen.items() if "quantized" in name or "bf16" in name}
+        assert len(stored) == 1, (cls.__name__, seen)
+        got[cls.__name__ + ("-bf16-states" if kwargs else "")] = next(iter(stored.values()))
+    no_check, scalar = {"assert_indirect_indexing": False}, {"cpp.simdlen": 0}
+    assert got == {"AdamW8bit": {**no_check, **scalar}, "Lion8bit": no_check, "AdamW-bf16-states": scalar,
+                   "Lion-bf16-states": None}  # fmt: skip

@@ -31,7 +31,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from leanopt import tracing
 from leanopt.kernels import cpu_native, graphs, reference
-from leanopt.kernels.cpu import can_compile, compiled, compiled_per_dtypes, own_code, spread
+from leanopt.kernels.cpu import can_compile, compiled, compiled_per_dtypes, own_code, spread, stored_state_options
 
 # What the planner and tests read here: the compiled quantized update's temporaries, the lookup
 # tables and their cache, the nearest-code gather (leanopt.kernels.graphs holds them).
@@ -131,7 +131,8 @@ def _dense_rounded(rule: Rule, flags: tuple, safe: bool, maximize: bool, p: Tens
     if graph is None:
         variant = f"{rule.name}_bf16_states{'_safe' if safe else ''}{'_max' if maximize else ''}_" + "_".join(
             map(str, map(int, flags + stored)))  # fmt: skip
-        graph = _ROUNDED[key] = compiled_per_dtypes(own_code(update, variant), fallback=functools.partial(_rounded_eager, update))
+        graph = _ROUNDED[key] = compiled_per_dtypes(own_code(update, variant), fallback=functools.partial(_rounded_eager, update),
+                                                    options=stored_state_options(sum(stored), lookups=False))  # fmt: skip
     graph(p, g, list(states), c, step_t, offset_t)
 
 
@@ -216,7 +217,8 @@ def _quantized_graph(rule: Rule, flags: tuple, maximize: bool, bits: int, kinds:
             n = len(kinds) * graphs.PER_STATE
             _quantized_chunks(update, update, p2, g2, list(rest[:n]), rest[n], int(rest[n + 1]), rest[n + 2])
 
-        graph = _QUANTIZED[key] = compiled(own_code(update, variant), dynamic=None, fallback=fallback)
+        graph = _QUANTIZED[key] = compiled(own_code(update, variant), dynamic=None, fallback=fallback,
+                                           options=stored_state_options(len(kinds), lookups=True))  # fmt: skip
     return graph
 
 

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from leanopt import tracing
-from leanopt.kernels.cpu import compiled, flat_alias, own_code
+from leanopt.kernels.cpu import compiled, flat_alias, own_code, stored_state_options
 from leanopt.kernels.multi_tensor import _to_device
 from leanopt.kernels.rules import Rule, skipped_elements
 from leanopt.quant import codebooks
@@ -277,11 +277,13 @@ def lists(idx: Sequence[int]) -> list[list[int]]:
     return out
 
 
-def _list_graph(key: tuple, name: str, update: Callable[..., Any], form: str, length: int) -> Callable[..., Any]:
+def _list_graph(key: tuple, name: str, update: Callable[..., Any], form: str, length: int,
+                options: dict[str, Any] | None = None) -> Callable[..., Any]:  # fmt: skip
     """``graph(ps, gs, tensors, scalars, keys)``: ``update`` on each of ``length`` params, with
     param ``i``'s scalar row (:func:`scalar_row`, a row of ``scalars``) and its dither key row (0-dim tensors), in the
     argument order of its ``form``: ``"dense"`` :func:`dense_update`, ``"rounded"``
-    :func:`rounded_update`, ``"quantized"`` :func:`quantized_update`."""
+    :func:`rounded_update`, ``"quantized"`` :func:`quantized_update`; compiled with Inductor
+    ``options`` (:func:`leanopt.kernels.cpu.stored_state_options`)."""
     graph = _LISTS.get(key)
     if graph is None:
 
@@ -295,7 +297,7 @@ def _list_graph(key: tuple, name: str, update: Callable[..., Any], form: str, le
                 else:
                     update(ps[i], gs[i], *tensors[i], keys[i, 0], keys[i, 1], c)
 
-        graph = _LISTS[key] = compiled(own_code(run, f"{name}_x{length}"), dynamic=None)
+        graph = _LISTS[key] = compiled(own_code(run, f"{name}_x{length}"), dynamic=None, options=options)
     return graph
 
 
@@ -335,7 +337,8 @@ def dense(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mapping[s
             scalars = _table([rule.scalar_values(hp, steps[i], safe) for i in part], torch.float64, device)
             keys = _table([(steps[i], offsets[i]) for i in part], torch.int64, device)
             graph_key = (rule, flags, safe, maximize, stored, pd, gd, sd, one, len(part))
-            graph = _list_graph(graph_key, variant, update, "rounded" if rounding else "dense", len(part))
+            graph = _list_graph(graph_key, variant, update, "rounded" if rounding else "dense", len(part),
+                                stored_state_options(sum(stored), lookups=False))  # fmt: skip
             graph(flat, gs, tensors, scalars, keys)
 
 
@@ -393,7 +396,8 @@ def quantized(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mappi
             scalars = _table([rule.scalar_values(hp, steps[i], True) for i, _, _ in rows_of], torch.float64, device)
             keys = _table([(steps[i], offsets[i] + lo * bs) for i, lo, _ in rows_of], torch.int64, device)
             key = ("quantized", rule, flags, maximize, bits, kinds, zeros, lasts, pd, gd, bs, one, len(part))
-            _list_graph(key, variant, update, "quantized", len(part))(ps, gs, tensors, scalars, keys)
+            graph = _list_graph(key, variant, update, "quantized", len(part), stored_state_options(len(kinds), lookups=True))
+            graph(ps, gs, tensors, scalars, keys)
     for i, p in enumerate(params):
         n, bs = p.numel(), states[i][0].format.block_size
         full = n // bs * bs
