@@ -49,7 +49,6 @@ import leanopt
 from leanopt.integrations.distributed import ShardQuantizedState, checkpoint_value, is_dtensor, measure_global
 from leanopt.integrations.distributed import get_state_dict as leanopt_get_state_dict
 from leanopt.memory import resolve_optimizer
-from leanopt.optim.lowbit import LowBit
 from leanopt.quant import QuantizedState
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -65,7 +64,7 @@ _EXTRA = {"adafactor": {"scale_parameter": True, "weight_decay": 0.01}}
 
 def _kwargs(case) -> dict:
     kwargs = {**case.kwargs, **_EXTRA.get(case.name, {})}
-    if issubclass(case.cls, LowBit):
+    if hasattr(case.cls, "state_bits"):  # block-quantized states: the low-bit elementwise rules, Muon's momentum
         # Sharded quantized states always run the reference rule (shard-aware block scales); the
         # one-process runs use it too, so that "exact" compares the same arithmetic.
         kwargs["backend"] = "reference"
