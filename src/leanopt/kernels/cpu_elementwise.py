@@ -218,7 +218,7 @@ def _quantized_graph(rule: Rule, flags: tuple, maximize: bool, bits: int, kinds:
             _quantized_chunks(update, update, p2, g2, list(rest[:n]), rest[n], int(rest[n + 1]), rest[n + 2])
 
         graph = _QUANTIZED[key] = compiled(own_code(update, variant), dynamic=None, fallback=fallback,
-                                           options=stored_state_options(len(kinds), lookups=True))  # fmt: skip
+                                           options=stored_state_options(len(kinds), lookups=True, decay_rounding=any(kinds)))  # fmt: skip
     return graph
 
 

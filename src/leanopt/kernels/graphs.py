@@ -396,7 +396,8 @@ def quantized(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mappi
             scalars = _table([rule.scalar_values(hp, steps[i], True) for i, _, _ in rows_of], torch.float64, device)
             keys = _table([(steps[i], offsets[i] + lo * bs) for i, lo, _ in rows_of], torch.int64, device)
             key = ("quantized", rule, flags, maximize, bits, kinds, zeros, lasts, pd, gd, bs, one, len(part))
-            graph = _list_graph(key, variant, update, "quantized", len(part), stored_state_options(len(kinds), lookups=True))
+            options = stored_state_options(len(kinds), lookups=True, decay_rounding=any(kinds))
+            graph = _list_graph(key, variant, update, "quantized", len(part), options)
             graph(ps, gs, tensors, scalars, keys)
     for i, p in enumerate(params):
         n, bs = p.numel(), states[i][0].format.block_size
