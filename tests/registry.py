@@ -329,9 +329,17 @@ OPTIMIZERS += [
                   family="muon"),  # fmt: skip
 ]
 
+# RMSprop against torch's: with weight decay and maximize, an element whose -g and wd * p nearly
+# cancel keeps only a few significant bits of its effective gradient, and its first steps are
+# +-10 lr whatever their size (v = 0.01 g^2): the two implementations' last-bit differences there
+# grow to ~1e-5 of the largest param. 3,001 seeds of test_rules.test_matches_its_reference on the
+# CPU backend (2026-12-05): median 6.6e-8, 99th percentile 3.1e-7, the largest 9.3e-6; 4 were over
+# 1e-6, the seed of a failed suite run among them. 3e-5 holds the tail with a margin of 3.
+RMSPROP_RTOL = 3e-5
+
 EXTERNAL: list[OptimizerCase] = [
     OptimizerCase("rmsprop", RMSprop, {"lr": 1e-3}, RMSPROP_INVALID, backends=("reference", "cpu"), external=True,
-                  reference=Reference("torch.optim.RMSprop", ({}, {"weight_decay": 0.01, "maximize": True})),
+                  reference=Reference("torch.optim.RMSprop", ({}, {"weight_decay": 0.01, "maximize": True}), rtol=RMSPROP_RTOL),
                   bytes_per_param=4.0, family="external", represents=True),  # fmt: skip
     OptimizerCase("rmsprop8bit", RMSprop8bit, {"lr": 1e-3}, RMSPROP_INVALID + STORAGE_INVALID,
                   backends=("reference", "cpu"), external=True, bytes_per_param=1.02, family="external"),  # fmt: skip
