@@ -327,6 +327,7 @@ def dense(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mapping[s
             update = dense_update(rule, flags, safe, maximize, len(sd))
         variant = (f"{rule.name}_list{'_bf16' if rounding else ''}{'_safe' if safe else ''}{'_max' if maximize else ''}_"
                    + "_".join(str(d).removeprefix("torch.") for d in (pd, gd, *sd)) + ("_one" if one else ""))  # fmt: skip
+        options = stored_state_options(sum(stored), lookups=False)
         for part in lists(idx):
             device = params[part[0]].device
             flat = [flat_alias(params[i]) for i in part]
@@ -337,8 +338,7 @@ def dense(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mapping[s
             scalars = _table([rule.scalar_values(hp, steps[i], safe) for i in part], torch.float64, device)
             keys = _table([(steps[i], offsets[i]) for i in part], torch.int64, device)
             graph_key = (rule, flags, safe, maximize, stored, pd, gd, sd, one, len(part))
-            graph = _list_graph(graph_key, variant, update, "rounded" if rounding else "dense", len(part),
-                                stored_state_options(sum(stored), lookups=False))  # fmt: skip
+            graph = _list_graph(graph_key, variant, update, "rounded" if rounding else "dense", len(part), options)
             graph(flat, gs, tensors, scalars, keys)
 
 
@@ -378,6 +378,7 @@ def quantized(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mappi
         update = quantized_update(rule, flags, maximize, bits, kinds, zeros, lasts)
         variant = (f"{rule.name}_list_quantized_{bits}bit_{len(kinds)}{'_max' if maximize else ''}_"
                    + "_".join(str(d).removeprefix("torch.") for d in (pd, gd)) + ("_one" if one else ""))  # fmt: skip
+        options = stored_state_options(len(kinds), lookups=True, decay_rounding=any(kinds))
         for part in lists(range(len(spans))):
             ps, gs, tensors = [], [], []
             for i, lo, hi in (spans[k] for k in part):
@@ -396,9 +397,7 @@ def quantized(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mappi
             scalars = _table([rule.scalar_values(hp, steps[i], True) for i, _, _ in rows_of], torch.float64, device)
             keys = _table([(steps[i], offsets[i] + lo * bs) for i, lo, _ in rows_of], torch.int64, device)
             key = ("quantized", rule, flags, maximize, bits, kinds, zeros, lasts, pd, gd, bs, one, len(part))
-            options = stored_state_options(len(kinds), lookups=True, decay_rounding=any(kinds))
-            graph = _list_graph(key, variant, update, "quantized", len(part), options)
-            graph(ps, gs, tensors, scalars, keys)
+            _list_graph(key, variant, update, "quantized", len(part), options)(ps, gs, tensors, scalars, keys)
     for i, p in enumerate(params):
         n, bs = p.numel(), states[i][0].format.block_size
         full = n // bs * bs
