@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from leanopt.kernels import cpu_native, reference
-from leanopt.kernels.rules import ADAMW, ADEMAMIX, LION
+from leanopt.kernels.rules import ADAMW, ADEMAMIX, LION, rule_id
 from leanopt.quant import BlockFormat
 from leanopt.quant.codebooks import code_names
 import repo_modules
@@ -318,3 +318,28 @@ def test_the_kernel_refuses_tensors_it_cannot_address() -> None:
     with pytest.raises(ValueError, match="absmax must be"):
         cpu_native.step_blocks(rule, p, g, states, 1, hp, 0, 2)
     assert torch.equal(p, before)
+
+
+def test_the_module_checks_its_arguments_before_it_runs() -> None:
+    """The extension's own argument handling (Python's C API, under the checks above): a list
+    argument that is not a list of numbers is a TypeError, a rule or state count the loops do
+    not have a ValueError, and neither writes anything; a right call writes the param."""
+    module = cpu_native._module()
+    p, g, m, v = torch.randn(64), torch.randn(64), torch.zeros(64), torch.zeros(64)
+    before = p.clone()
+    scalars = list(ADAMW.scalar_values(_hp("adamw", False), 1, True))
+    addr = [m.data_ptr(), v.data_ptr()]
+    with pytest.raises(TypeError):
+        module.step_dense(0, 0, False, True, p.data_ptr(), g.data_ptr(), 64, 5, scalars)
+    with pytest.raises(TypeError):
+        module.step_dense(0, 0, False, True, p.data_ptr(), g.data_ptr(), 64, addr, ["lr"])
+    with pytest.raises(TypeError):
+        module.step_dense(0, 0, False, True, p.data_ptr(), g.data_ptr(), 64, addr)
+    with pytest.raises(ValueError, match="wrong number of states"):
+        module.step_dense(rule_id(ADAMW), 0, False, True, p.data_ptr(), g.data_ptr(), 64, addr[:1], scalars)
+    with pytest.raises(ValueError, match="too many scalars"):
+        module.step_dense(rule_id(ADAMW), 0, False, True, p.data_ptr(), g.data_ptr(), 64, addr, [0.0] * 17)
+    assert torch.equal(p, before) and not m.any() and not v.any()
+    module.step_dense(rule_id(ADAMW), 0, False, True, p.data_ptr(), g.data_ptr(), 64, tuple(addr), scalars)
+    assert not torch.equal(p, before) and m.any() and v.any()
+    assert isinstance(module.avx512(), bool)

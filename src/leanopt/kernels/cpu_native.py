@@ -25,7 +25,8 @@ inputs here, the kernel's is correctly rounded (as Inductor's is), so an update 
 an ulp (tests/test_cpu_native.py).
 
 Built on first use with :func:`torch.utils.cpp_extension.load` (``-O3 -march=native``; the
-source includes pybind11 and ``ATen/Parallel.h`` only, so a cold build takes ~8 s) and cached
+source includes ``Python.h`` and ``ATen/Parallel.h`` only, its Python module written against
+Python's C API, so a cold build takes ~7 s on 2 cores) and cached
 under a name keyed on everything the build depends on (:func:`build_inputs`: the source,
 the flags, what the compiler makes of ``-march=native`` here, the compiler, this torch
 installation's headers and libraries, Python's). The build survives its own failures:
@@ -347,7 +348,7 @@ def _build_extension() -> Any:
     """Build (or load the cached build of) the extension, under :func:`_build_lock`; a cached
     library that does not match what its build recorded is rebuilt from scratch. ``load`` with
     the source written to the build folder rather than ``load_inline``, which would include
-    ``torch/extension.h`` (three quarters of the build time): the source includes pybind11 and
+    ``torch/extension.h`` (three quarters of the build time): the source includes Python.h and
     ATen/Parallel.h only. The file is rewritten only when it differs, so ninja rebuilds only
     when the source does."""
     from torch.utils.cpp_extension import LIB_EXT, load
