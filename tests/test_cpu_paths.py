@@ -8,7 +8,9 @@ run can switch paths between two steps: its results must not depend on when. Her
 registered elementwise optimizer takes the same steps on each path, on fresh random inputs with
 exact-zero gradients (the decay rounding) and sizes that are not whole blocks or vector widths,
 and params and states are compared to the bit: native = compiled = eager, and, for the low-bit
-optimizers (safe mode: correctly rounded square roots on every path), = the reference.
+optimizers (safe mode: correctly rounded square roots on every path), = the reference. bf16
+params of the low-bit optimizers with a twin in the kernel take it too: native = eager =
+reference.
 
 The background build itself runs in a subprocess with a fresh extensions cache and a compiler
 wrapper that sleeps first: the first steps must not wait for it.
@@ -26,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from leanopt.kernels import cpu_elementwise, cpu_native, graphs
+from leanopt.kernels import cpu_elementwise, cpu_native, graphs, twins
 from leanopt.optim.elementwise import ElementwiseOptimizer
 from registry import OPTIMIZERS
 from test_user_rules import dynamo_only  # noqa: F401 - the fixture
@@ -34,17 +36,17 @@ from test_user_rules import dynamo_only  # noqa: F401 - the fixture
 ELEMENTWISE = [c for c in OPTIMIZERS if issubclass(c.cls, ElementwiseOptimizer)]
 
 
-def _train(case, mode: str, shapes, steps: int = 5) -> list[torch.Tensor]:
-    """Params and state tensors after ``steps`` steps on ``mode``'s path."""
+def _train(case, mode: str, shapes, steps: int = 5, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    """Params and state tensors after ``steps`` steps on ``mode``'s path (params and gradients of ``dtype``)."""
     gen = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
     backend = "reference" if mode == "reference" else "cpu"
     opt = case.cls(case.param_groups(params), **{**case.kwargs, "backend": backend})
     for _ in range(steps):
         for p in params:
             g = torch.randn(p.shape, generator=gen) * 1e-2
             g[torch.rand(p.shape, generator=gen) < 0.3] = 0
-            p.grad = g
+            p.grad = g.to(dtype)
         opt.step()
     out = []
     for p in params:
@@ -59,14 +61,14 @@ def paths(monkeypatch):
     if not cpu_native.available():
         pytest.skip(f"native CPU kernel unavailable: {cpu_native.build_error()}")
 
-    def run(case, mode, shapes):
+    def run(case, mode, shapes, dtype=torch.float32):
         if mode == "native":
-            return _train(case, mode, shapes)
+            return _train(case, mode, shapes, dtype=dtype)
         with cpu_native.disabled():
             if mode == "eager":
                 monkeypatch.setattr(cpu_elementwise, "can_compile", lambda: False)
             try:
-                return _train(case, mode, shapes)
+                return _train(case, mode, shapes, dtype=dtype)
             finally:
                 monkeypatch.undo()
 
@@ -89,6 +91,26 @@ def test_native_compiled_and_eager_paths_agree_to_the_bit(case, paths) -> None:
         for i, (a, b) in enumerate(zip(got["native"], got[mode])):
             same = torch.equal(a.view(torch.int32), b.view(torch.int32)) if a.dtype == torch.float32 else torch.equal(a, b)
             assert same, f"{case}: tensor {i} ({tuple(a.shape)} {a.dtype}) differs between native and {mode}"
+
+
+# The low-bit optimizers whose rule the kernel's block loops have: bf16 params and gradients go
+# there too (widened per block, the new param rounded to the nearest bf16).
+NATIVE_QUANTIZED = [c for c in ELEMENTWISE if c.cls.safe and c.cls.rule.name in twins.NATIVE]
+
+
+@pytest.mark.parametrize("case", NATIVE_QUANTIZED, ids=str)
+def test_bf16_params_take_the_native_kernel_to_the_bit(case, paths, monkeypatch) -> None:
+    """bf16 params and gradients of whole blocks: the native kernel, the eager graph and the
+    reference to the bit (the compiled graph of bf16 params: tests/test_rules.py's
+    test_compiled_cpu_path_matches_reference)."""
+    calls = []
+    real = cpu_native.step_blocks
+    monkeypatch.setattr(cpu_native, "step_blocks", lambda *a, **k: calls.append(a[1].dtype) or real(*a, **k))
+    native = paths(case, "native", SHAPES, torch.bfloat16)
+    assert set(calls) == {torch.bfloat16}
+    for mode in ("eager", "reference"):
+        for i, (a, b) in enumerate(zip(native, paths(case, mode, SHAPES, torch.bfloat16))):
+            assert torch.equal(a, b), f"{case}: tensor {i} ({tuple(a.shape)} {a.dtype}) differs between native and {mode}"
 
 
 # ---- the background build -------------------------------------------------------------------
@@ -233,7 +255,7 @@ def test_adafactor_spread_or_in_order_gives_the_same_bits(monkeypatch, threads: 
 @pytest.mark.usefixtures("dynamo_only")
 @pytest.mark.parametrize("backend", ["cpu", "compiled"])
 def test_the_compiled_quantized_update_runs_in_bounded_chunks(monkeypatch, backend: str) -> None:
-    """Where the native kernel does not take a param (bf16/fp16 params, a rule without a C++
+    """Where the native kernel does not take a param (fp16 params, a rule without a C++
     twin, no kernel), and on the compiled path of any device (lists of spans), the quantized
     graph runs over at most ``QUANTIZED_CHUNK`` elements at a time: its temporaries (8-12 B per
     element) follow the chunk, not the largest param (an 11.7M-element embedding: 89 MiB at 8
@@ -318,7 +340,8 @@ def test_graphs_over_stored_states_take_their_inductor_options(monkeypatch, back
         p.grad = torch.randn_like(p)
         if zero:
             p.grad.view(-1)[::7] = 0
-        cls([p], lr=1e-3, backend=backend, **kwargs).step()
+        with cpu_native.disabled():  # where the kernel runs (fp32 and bf16 params), nothing is compiled
+            cls([p], lr=1e-3, backend=backend, **kwargs).step()
         stored = {name: options for name, options in seen.items() if "quantized" in name or "bf16" in name}
         assert len(stored) == 1, (label, seen)
         got[label] = next(iter(stored.values()))

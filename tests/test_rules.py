@@ -142,13 +142,16 @@ def test_backend_matches_reference(case: OptimizerCase, backend: str, dtype: tor
 
 
 @pytest.mark.parametrize("case", representatives([c for c in ELEMENTWISE if hasattr(c.cls, "state_bits")]), ids=str)
-@pytest.mark.parametrize("dtype,kwargs", [v for v in VARIANTS if v[0] == torch.float32], ids=lambda v: str(v))
+@pytest.mark.parametrize("dtype,kwargs", RULE_VARIANTS, ids=lambda v: str(v))
 def test_compiled_cpu_path_matches_reference(case: OptimizerCase, dtype: torch.dtype, kwargs: dict) -> None:
     # The compiled graph, where the native kernel does not run (or does not build), for the
-    # cases the native kernel takes when it does: fp32 params. One per family: every rule's
-    # compiled quantized graph is held to the reference with bf16 params (which the native
-    # kernel never takes) in test_backend_matches_reference; fp32 differs only in the param's
-    # conversion on load and store, the same for every rule.
+    # cases the native kernel takes when it does: fp32 and bf16 params. One per family: the
+    # graph's rule is held to the reference for every rule by the dense graphs and, with fp16
+    # params (which the kernel never takes), by each family's representative in
+    # test_backend_matches_reference; a rule without a twin here (RMSprop8bit) runs this graph
+    # for every dtype there. The kernel is held to the bit to this graph (compiled and run
+    # eagerly with fp32 params, run eagerly with bf16 params) and to the reference, for every
+    # rule with a twin here, in tests/test_cpu_paths.py.
     with cpu_native.disabled():
         _matches_reference(case, "cpu", dtype, kwargs)
 

@@ -8,7 +8,7 @@
 * Any other dense case: the rule's elementwise function, compiled once per (rule, flags,
   dtypes) by Inductor with dynamic shapes (no per-shape recompiles); a one-element param runs it
   eagerly (Dynamo would compile a second graph for size 1; the same bits).
-* Block-quantized states: fp32 params and gradients of the rules with a C++ twin go to the hand-written
+* Block-quantized states: fp32 or bf16 params and gradients of the rules with a C++ twin go to the hand-written
   C++ kernel (:mod:`leanopt.kernels.cpu_native`, one pass per block) when it builds here; any
   other case: dequantize -> rule -> requantize, compiled as one fused loop over whole blocks,
   for any rule and any number of states (a param of one block runs it eagerly, as a one-element

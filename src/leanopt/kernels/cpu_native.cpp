@@ -47,6 +47,21 @@ inline uint32_t fbits(float x) { uint32_t b; std::memcpy(&b, &x, 4); return b; }
 inline float bitsf(uint32_t b) { float x; std::memcpy(&x, &b, 4); return x; }
 inline bool finite(float x) { return (fbits(x) & 0x7F800000u) != 0x7F800000u; }
 
+// bf16 params and gradients: widened to fp32 for the rule, the new param rounded to the nearest
+// bf16, ties to even, a NaN to torch's quiet NaN (c10::BFloat16's conversion, which a compiled
+// graph's and the reference's ``p.copy_(fp32)`` make).
+inline void widen_bf16(const uint16_t* __restrict in, float* __restrict out, int n) {
+  for (int i = 0; i < n; ++i) out[i] = bitsf(static_cast<uint32_t>(in[i]) << 16);
+}
+inline uint16_t to_bf16(float x) {
+  const uint32_t u = fbits(x);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+inline void narrow_bf16(const float* __restrict in, uint16_t* __restrict out, int n) {
+  for (int i = 0; i < n; ++i) out[i] = to_bf16(in[i]);
+}
+
 inline uint32_t step_term(int64_t step) { return (uint32_t)((uint64_t)step * 0x85EBCA77ull); }
 
 // leanopt.quant.formats.dither, bit for bit.
@@ -437,25 +452,38 @@ inline int element_loop(float* __restrict P, const float* __restrict G, float* c
   return zeros;
 }
 
+// ``bf16``: p and g hold bf16 (uint16) values, widened per block into fp32 buffers.
 template <int BITS, int RULE>
-void run(float* p, const float* g, Book* books, int64_t nblocks, int bs, bool maximize, const Consts& k) {
+void run(void* p, const void* g, bool bf16, Book* books, int64_t nblocks, int bs, bool maximize, const Consts& k) {
   constexpr int NS = R<RULE>::NS;
   const int cb = BITS == 8 ? bs : bs / 2;
   int64_t grain = std::max<int64_t>(1, 16384 / bs);
   at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
     std::vector<float> buf((2 * NS + 3) * bs + 64);
+    std::vector<float> wide(bf16 ? 2 * bs : 0);  // bf16: the block's param and gradient in fp32
     std::vector<int32_t> ibuf(bs + 16);
     float* old[MAXS]; float* nw[MAXS];
     for (int s = 0; s < NS; ++s) { old[s] = buf.data() + s * bs; nw[s] = buf.data() + (NS + s) * bs; }
     float* gbuf = buf.data() + 2 * NS * bs;
     float* y = gbuf + bs;
     float* u = y + bs;
+    float* pw = wide.data();
+    float* gw = pw + (bf16 ? bs : 0);
     int32_t* idx = ibuf.data();
     float c[16];
     for (int i = 0; i < 16; ++i) c[i] = k.c[i];
     for (int64_t blk = b0; blk < b1; ++blk) {
-      float* __restrict P = p + blk * bs;
-      const float* __restrict G = g + blk * bs;
+      float* P;
+      const float* G;
+      if (bf16) {
+        widen_bf16(static_cast<const uint16_t*>(p) + blk * bs, pw, bs);
+        widen_bf16(static_cast<const uint16_t*>(g) + blk * bs, gw, bs);
+        P = pw;
+        G = gw;
+      } else {
+        P = static_cast<float*>(p) + blk * bs;
+        G = static_cast<const float*>(g) + blk * bs;
+      }
       for (int s = 0; s < NS; ++s)
         decode<BITS>(books[s].codes + blk * cb, books[s].values, books[s].absmax[blk], old[s], bs, k.vec);
       uint32_t mx[MAXS] = {0, 0, 0};
@@ -474,6 +502,7 @@ void run(float* p, const float* g, Book* books, int64_t nblocks, int bs, bool ma
         pack<BITS>(idx, bk.codes + blk * cb, bs);
         bk.absmax[blk] = scale;
       }
+      if (bf16) narrow_bf16(pw, static_cast<uint16_t*>(p) + blk * bs, bs);
     }
   });
 }
@@ -558,8 +587,9 @@ void step_dense(int64_t rule, int64_t flags, bool maximize, bool safe, int64_t p
 #undef LEANOPT_DENSE
 }
 
+// ``bf16``: p and g are bf16 tensors (else fp32).
 void step_blocks(int64_t rule, int64_t flags, int64_t bits, int64_t block, bool maximize, int64_t p, int64_t g,
-                 int64_t nblocks,
+                 bool bf16, int64_t nblocks,
                  std::vector<int64_t> codes, std::vector<int64_t> absmax, std::vector<int64_t> values,
                  std::vector<int64_t> thresholds, std::vector<int64_t> trees, std::vector<int64_t> buckets,
                  std::vector<int64_t> lows, std::vector<int64_t> zeros, std::vector<int64_t> lasts,
@@ -589,10 +619,10 @@ void step_blocks(int64_t rule, int64_t flags, int64_t bits, int64_t block, bool 
   k.step_term = step_term(step);
   k.offset = offset;
   k.vec = vec && kAvx512;
-  float* pp = at_addr<float>(p);
-  const float* gp = at_addr<const float>(g);
+  void* pp = at_addr<void>(p);
+  const void* gp = at_addr<const void>(g);
   int bs = (int)block;
-#define LEANOPT_RUN(B, RL) run<B, RL>(pp, gp, books, nblocks, bs, maximize, k)
+#define LEANOPT_RUN(B, RL) run<B, RL>(pp, gp, bf16, books, nblocks, bs, maximize, k)
   if (bits == 8) {
     switch (kernel) { case 0: LEANOPT_RUN(8, 0); break; case 1: LEANOPT_RUN(8, 1); break; case 2: LEANOPT_RUN(8, 2); break;
                       case 3: LEANOPT_RUN(8, 3); break; case 4: LEANOPT_RUN(8, 4); break; case 5: LEANOPT_RUN(8, 5); break; }
@@ -662,11 +692,11 @@ PyObject* py_step_dense(PyObject*, PyObject* args) {
 
 PyObject* py_step_blocks(PyObject*, PyObject* args) {
   long long rule, flags, bits, block, p, g, nblocks, step, offset;
-  int maximize, vec;
+  int maximize, bf16, vec;
   double progress, growth;
   PyObject* lists[11];
-  if (!PyArg_ParseTuple(args, "LLLLpLLLOOOOOOOOOOLLOddp:step_blocks", &rule, &flags, &bits, &block, &maximize, &p, &g,
-                        &nblocks, &lists[0], &lists[1], &lists[2], &lists[3], &lists[4], &lists[5], &lists[6],
+  if (!PyArg_ParseTuple(args, "LLLLpLLpLOOOOOOOOOOLLOddp:step_blocks", &rule, &flags, &bits, &block, &maximize, &p, &g,
+                        &bf16, &nblocks, &lists[0], &lists[1], &lists[2], &lists[3], &lists[4], &lists[5], &lists[6],
                         &lists[7], &lists[8], &lists[9], &step, &offset, &lists[10], &progress, &growth, &vec))
     return nullptr;
   std::vector<int64_t> v[10];
@@ -675,7 +705,7 @@ PyObject* py_step_blocks(PyObject*, PyObject* args) {
     if (!to_vector(lists[i], "the per-state arguments must be lists of ints", v[i])) return nullptr;
   if (!to_vector(lists[10], "scalars must be a list of floats", scalars)) return nullptr;
   return released([&] {
-    step_blocks(rule, flags, bits, block, maximize, p, g, nblocks, std::move(v[0]), std::move(v[1]), std::move(v[2]),
+    step_blocks(rule, flags, bits, block, maximize, p, g, bf16, nblocks, std::move(v[0]), std::move(v[1]), std::move(v[2]),
                 std::move(v[3]), std::move(v[4]), std::move(v[5]), std::move(v[6]), std::move(v[7]), std::move(v[8]),
                 std::move(v[9]), step, offset, std::move(scalars), progress, growth, vec);
   });

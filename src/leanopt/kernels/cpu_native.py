@@ -7,7 +7,9 @@ AMSGrad, Lion, AdEMAMix, SGD with momentum, with or without Nesterov; safe mode 
 :func:`~leanopt.kernels.rules.skipped_elements`), keep the new states in block-sized local
 buffers while their block maximum is reduced, then encode (the nearest code by the
 :class:`Tables`, the decay rounding of :meth:`~leanopt.quant.formats.BlockFormat.code_indices`
-where the gradient is exactly 0) and pack.
+where the gradient is exactly 0) and pack. fp32 or bf16 params and gradients: a bf16 block is
+widened to fp32 in a block-sized buffer and its new values rounded to the nearest bf16 (ties to
+even), what ``param.copy_(update)`` does on the other CPU paths, so the bits are theirs.
 
 Where the CPU has AVX-512 (``-march=native``), decode, encode and the decay rounding run 16
 lanes at a time with intrinsics: a table of 16 values is one register (``vpermps``), one of 256
@@ -37,7 +39,8 @@ a build killed mid-way never blocks the next process (:func:`_build_lock`), a da
 and never fails.
 
 :func:`leanopt.kernels.cpu_elementwise.quantized` runs the params :func:`takes` accepts here
-(fp32 params and gradients, a rule with a twin here) and the others in its compiled graph; a
+(fp32 or bf16 params with gradients of their dtype, a rule with a twin here) and the others
+in its compiled graph; a
 failed build falls back to that graph with one warning. The same rules over dense fp32 states
 (a low-bit optimizer's params below ``min_quant_size``; Lion, AdEMAMix and safe-mode AdamW in
 fp32) run in :func:`dense` (:func:`leanopt.kernels.cpu_elementwise.dense` sends them): the
@@ -578,13 +581,19 @@ def eytzinger(ordered: Tensor) -> Tensor:
     return out
 
 
+# The params (and their gradients) the block loops take: fp32, and bf16 widened to fp32 per block
+# and rounded back to the nearest bf16, as ``p.copy_(update)`` rounds on the other CPU paths.
+_PARAM_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def eligible(rule: Any, p: Tensor, g: Tensor, states: Sequence[Any], hp: Mapping[str, Any]) -> bool:
     """Whether :func:`quantized` can run this param, once the extension is there: a rule with a
-    twin here taking this many states (:data:`leanopt.kernels.twins.NATIVE`), fp32 CPU param and gradient, quantized states of one bit width and block size whose code
-    books have bucket tables (4-bit: even blocks)."""
+    twin here taking this many states (:data:`leanopt.kernels.twins.NATIVE`), an fp32 or bf16 CPU
+    param with a gradient of its dtype, quantized states of one bit width and block size whose
+    code books have bucket tables (4-bit: even blocks)."""
     from leanopt.quant import QuantizedState
 
-    if _off or p.device.type != "cpu" or p.dtype != torch.float32 or g.dtype != torch.float32:
+    if _off or p.device.type != "cpu" or p.dtype not in _PARAM_DTYPES or g.dtype != p.dtype:
         return False
     if not states or not twin_takes(NATIVE, rule, hp, len(states)) or not all(isinstance(q, QuantizedState) for q in states):
         return False
@@ -655,8 +664,8 @@ def dense(rule: Any, p: Tensor, g: Tensor, states: Sequence[Tensor], step: int, 
 
 def step_blocks(rule: Any, p: Tensor, g: Tensor, states: Sequence[Any], step: int, hp: Mapping[str, Any],
                 offset: int, blocks: int) -> None:  # fmt: skip
-    """The first ``blocks`` whole blocks of one param (flat, contiguous fp32 ``p``/``g``) and
-    its quantized ``states``, in place."""
+    """The first ``blocks`` whole blocks of one param (flat, contiguous fp32 or bf16 ``p`` and
+    ``g`` of its dtype) and its quantized ``states``, in place."""
     module = _module()
     assert module is not None, build_error()
     rid, flags = rule_id(rule), flag_bits(rule, hp)
@@ -664,8 +673,11 @@ def step_blocks(rule: Any, p: Tensor, g: Tensor, states: Sequence[Any], step: in
     bits, bs, cb_per_block = fixed[1], fixed[2], fixed[3]
     n = blocks * bs
     f32, u8 = torch.float32, torch.uint8
+    if p.dtype not in _PARAM_DTYPES:
+        raise ValueError(f"native kernel: param must be a float32 or bfloat16 tensor, not {p.dtype}")
     module.step_blocks(
-        rid, flags, bits, bs, bool(hp["maximize"]), _addr(p, f32, n, "param"), _addr(g, f32, n, "grad"), blocks,
+        rid, flags, bits, bs, bool(hp["maximize"]), _addr(p, p.dtype, n, "param"), _addr(g, p.dtype, n, "grad"),
+        p.dtype == torch.bfloat16, blocks,
         [_addr(q.codes, u8, blocks * cb_per_block, "codes") for q in states],
         [_addr(q.absmax, f32, blocks, "absmax") for q in states], *fixed[4:],
         int(step), int(offset), list(rule.scalar_values(hp, step, True)),

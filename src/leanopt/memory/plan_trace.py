@@ -20,7 +20,7 @@ What a fake tensor cannot do, or does not show, is answered here:
   and allocate, for a moment, what the compiled graph allocates: for block-quantized states,
   :data:`QUANTIZED_TEMP_BYTES` bytes per element of the param; for dense states nothing
   (measured: 0.00 B per element, fp32 and bf16 params).
-  Block-quantized states of fp32 params go to the native C++ kernel where it builds
+  Block-quantized states of fp32 and bf16 params go to the native C++ kernel where it builds
   (:mod:`leanopt.kernels.cpu_native`, as a real step does): in place, a block-sized buffer per
   thread, so nothing of the param's size is counted.
 * A CPU norm with an output dtype wider than its input converts the input first, a copy fake
