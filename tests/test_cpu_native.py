@@ -330,16 +330,16 @@ def test_the_module_checks_its_arguments_before_it_runs() -> None:
     scalars = list(ADAMW.scalar_values(_hp("adamw", False), 1, True))
     addr = [m.data_ptr(), v.data_ptr()]
     with pytest.raises(TypeError):
-        module.step_dense(0, 0, False, True, p.data_ptr(), g.data_ptr(), 64, 5, scalars)
+        module.step_dense(0, 0, False, True, p.data_ptr(), g.data_ptr(), False, 64, 5, scalars)
     with pytest.raises(TypeError):
-        module.step_dense(0, 0, False, True, p.data_ptr(), g.data_ptr(), 64, addr, ["lr"])
+        module.step_dense(0, 0, False, True, p.data_ptr(), g.data_ptr(), False, 64, addr, ["lr"])
     with pytest.raises(TypeError):
-        module.step_dense(0, 0, False, True, p.data_ptr(), g.data_ptr(), 64, addr)
+        module.step_dense(0, 0, False, True, p.data_ptr(), g.data_ptr(), False, 64, addr)
     with pytest.raises(ValueError, match="wrong number of states"):
-        module.step_dense(rule_id(ADAMW), 0, False, True, p.data_ptr(), g.data_ptr(), 64, addr[:1], scalars)
+        module.step_dense(rule_id(ADAMW), 0, False, True, p.data_ptr(), g.data_ptr(), False, 64, addr[:1], scalars)
     with pytest.raises(ValueError, match="too many scalars"):
-        module.step_dense(rule_id(ADAMW), 0, False, True, p.data_ptr(), g.data_ptr(), 64, addr, [0.0] * 17)
+        module.step_dense(rule_id(ADAMW), 0, False, True, p.data_ptr(), g.data_ptr(), False, 64, addr, [0.0] * 17)
     assert torch.equal(p, before) and not m.any() and not v.any()
-    module.step_dense(rule_id(ADAMW), 0, False, True, p.data_ptr(), g.data_ptr(), 64, tuple(addr), scalars)
+    module.step_dense(rule_id(ADAMW), 0, False, True, p.data_ptr(), g.data_ptr(), False, 64, tuple(addr), scalars)
     assert not torch.equal(p, before) and m.any() and v.any()
     assert isinstance(module.avx512(), bool)

@@ -9,8 +9,8 @@ registered elementwise optimizer takes the same steps on each path, on fresh ran
 exact-zero gradients (the decay rounding) and sizes that are not whole blocks or vector widths,
 and params and states are compared to the bit: native = compiled = eager, and, for the low-bit
 optimizers (safe mode: correctly rounded square roots on every path), = the reference. bf16
-params of the low-bit optimizers with a twin in the kernel take it too: native = eager =
-reference.
+params with a twin in the kernel take it too: native = eager (= the reference for the low-bit
+optimizers).
 
 The background build itself runs in a subprocess with a fresh extensions cache and a compiler
 wrapper that sleeps first: the first steps must not wait for it.
@@ -93,22 +93,23 @@ def test_native_compiled_and_eager_paths_agree_to_the_bit(case, paths) -> None:
             assert same, f"{case}: tensor {i} ({tuple(a.shape)} {a.dtype}) differs between native and {mode}"
 
 
-# The low-bit optimizers whose rule the kernel's block loops have: bf16 params and gradients go
-# there too (widened per block, the new param rounded to the nearest bf16).
-NATIVE_QUANTIZED = [c for c in ELEMENTWISE if c.cls.safe and c.cls.rule.name in twins.NATIVE]
+# The optimizers whose rule the kernel has: their bf16 params and gradients go there too (widened
+# per block or chunk, the new param rounded to the nearest bf16), quantized states and dense.
+NATIVE_TWIN = [c for c in ELEMENTWISE if c.cls.rule.name in twins.NATIVE]
 
 
-@pytest.mark.parametrize("case", NATIVE_QUANTIZED, ids=str)
+@pytest.mark.parametrize("case", NATIVE_TWIN, ids=str)
 def test_bf16_params_take_the_native_kernel_to_the_bit(case, paths, monkeypatch) -> None:
-    """bf16 params and gradients of whole blocks: the native kernel, the eager graph and the
-    reference to the bit (the compiled graph of bf16 params: tests/test_rules.py's
-    test_compiled_cpu_path_matches_reference)."""
+    """bf16 params and gradients: the native kernel and the eager graph to the bit, and the
+    reference for the low-bit optimizers (safe mode: correctly rounded roots on every path); the
+    compiled graph of bf16 params is tests/test_rules.py's test_compiled_cpu_path_matches_reference."""
     calls = []
-    real = cpu_native.step_blocks
-    monkeypatch.setattr(cpu_native, "step_blocks", lambda *a, **k: calls.append(a[1].dtype) or real(*a, **k))
+    for name in ("step_blocks", "dense"):
+        real = getattr(cpu_native, name)
+        monkeypatch.setattr(cpu_native, name, lambda *a, real=real, **k: calls.append(a[1].dtype) or real(*a, **k))
     native = paths(case, "native", SHAPES, torch.bfloat16)
     assert set(calls) == {torch.bfloat16}
-    for mode in ("eager", "reference"):
+    for mode in ("eager", "reference") if case.cls.safe else ("eager",):
         for i, (a, b) in enumerate(zip(native, paths(case, mode, SHAPES, torch.bfloat16))):
             assert torch.equal(a, b), f"{case}: tensor {i} ({tuple(a.shape)} {a.dtype}) differs between native and {mode}"
 

@@ -2,8 +2,8 @@
 
 * AdamW whose states have the param's dtype (fp32, fp64 params), outside safe mode: torch's
   own fused CPU kernel (``aten::_fused_adamw_``), one vectorised pass over a group's tensors.
-* Other fp32 params with fp32 states of the rules with a C++ twin (a low-bit optimizer's small params,
-  safe AdamW, Lion, AdEMAMix): the hand-written C++ kernel's dense loop
+* Other fp32 or bf16 params with fp32 states of the rules with a C++ twin (a low-bit optimizer's
+  small params, AdamW, Lion, AdEMAMix, SGD): the hand-written C++ kernel's dense loop
   (:func:`leanopt.kernels.cpu_native.dense`), where it builds: no compile on the first step.
 * Any other dense case: the rule's elementwise function, compiled once per (rule, flags,
   dtypes) by Inductor with dynamic shapes (no per-shape recompiles); a one-element param runs it

@@ -48,14 +48,15 @@ inline float bitsf(uint32_t b) { float x; std::memcpy(&x, &b, 4); return x; }
 inline bool finite(float x) { return (fbits(x) & 0x7F800000u) != 0x7F800000u; }
 
 // bf16 params and gradients: widened to fp32 for the rule, the new param rounded to the nearest
-// bf16, ties to even, a NaN to torch's quiet NaN (c10::BFloat16's conversion, which a compiled
-// graph's and the reference's ``p.copy_(fp32)`` make).
+// bf16, ties to even, and a NaN (a param a non-finite gradient reached outside safe mode) to
+// 0xFFFF: torch's vectorised conversion, which the reference's ``p.copy_(fp32)`` and Inductor's
+// vector code use (c10::BFloat16's scalar one makes 0x7FC0).
 inline void widen_bf16(const uint16_t* __restrict in, float* __restrict out, int n) {
   for (int i = 0; i < n; ++i) out[i] = bitsf(static_cast<uint32_t>(in[i]) << 16);
 }
 inline uint16_t to_bf16(float x) {
   const uint32_t u = fbits(x);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0xFFFF;
   return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 inline void narrow_bf16(const float* __restrict in, uint16_t* __restrict out, int n) {
@@ -511,14 +512,17 @@ void run(void* p, const void* g, bool bf16, Book* books, int64_t nblocks, int bs
 // The same rules over fp32 states stored as they are (a low-bit optimizer's small params; Lion
 // and AdEMAMix in fp32): chunks of 256 elements, the new states through a local buffer (the
 // element loop reads old and writes new states through distinct pointers), then copied back.
+// ``bf16``: p and g hold bf16 values, widened per chunk as in run().
 template <int RULE, bool SAFE>
-void run_dense(float* p, const float* g, float* const* st, int64_t n, bool maximize, const Consts& k) {
+void run_dense(void* p, const void* g, bool bf16, float* const* st, int64_t n, bool maximize, const Consts& k) {
   constexpr int NS = R<RULE>::NS;
   constexpr int CH = 256;
   const int64_t chunks = (n + CH - 1) / CH;
   at::parallel_for(0, chunks, std::max<int64_t>(1, 16384 / CH), [&](int64_t c0, int64_t c1) {
     alignas(64) float nbuf[MAXS][CH];
     alignas(64) float gbuf[CH];
+    alignas(64) float pw[CH];
+    alignas(64) float gw[CH];
     float* nw[MAXS] = {nbuf[0], nbuf[1], nbuf[2]};
     float c[16];
     for (int i = 0; i < 16; ++i) c[i] = k.c[i];
@@ -528,8 +532,20 @@ void run_dense(float* p, const float* g, float* const* st, int64_t n, bool maxim
       float* old[MAXS];
       for (int s = 0; s < NS; ++s) old[s] = st[s] + off;
       uint32_t mx[MAXS];
-      element_loop<RULE, SAFE>(p + off, g + off, old, nw, gbuf, len, maximize ? -1.0f : 1.0f, c, mx);
+      float* P;
+      const float* G;
+      if (bf16) {
+        widen_bf16(static_cast<const uint16_t*>(p) + off, pw, len);
+        widen_bf16(static_cast<const uint16_t*>(g) + off, gw, len);
+        P = pw;
+        G = gw;
+      } else {
+        P = static_cast<float*>(p) + off;
+        G = static_cast<const float*>(g) + off;
+      }
+      element_loop<RULE, SAFE>(P, G, old, nw, gbuf, len, maximize ? -1.0f : 1.0f, c, mx);
       for (int s = 0; s < NS; ++s) std::memcpy(st[s] + off, nw[s], sizeof(float) * len);
+      if (bf16) narrow_bf16(pw, static_cast<uint16_t*>(p) + off, len);
     }
   });
 }
@@ -569,7 +585,8 @@ inline int states_of(int kernel) {
   }
 }
 
-void step_dense(int64_t rule, int64_t flags, bool maximize, bool safe, int64_t p, int64_t g, int64_t n,
+// ``bf16``: p and g are bf16 tensors (else fp32); the states are fp32.
+void step_dense(int64_t rule, int64_t flags, bool maximize, bool safe, int64_t p, int64_t g, bool bf16, int64_t n,
                 std::vector<int64_t> states, std::vector<double> scalars) {
   const int kernel = kernel_of(rule, flags);
   LEANOPT_CHECK(kernel >= 0, "no loop for this rule number");
@@ -579,9 +596,10 @@ void step_dense(int64_t rule, int64_t flags, bool maximize, bool safe, int64_t p
   for (size_t s = 0; s < states.size(); ++s) st[s] = at_addr<float>(states[s]);
   Consts k{};
   for (int i = 0; i < 16; ++i) k.c[i] = i < (int)scalars.size() ? (float)scalars[i] : 0.0f;
-  float* pp = at_addr<float>(p);
-  const float* gp = at_addr<const float>(g);
-#define LEANOPT_DENSE(RL) (safe ? run_dense<RL, true>(pp, gp, st, n, maximize, k) : run_dense<RL, false>(pp, gp, st, n, maximize, k))
+  void* pp = at_addr<void>(p);
+  const void* gp = at_addr<const void>(g);
+#define LEANOPT_DENSE(RL) \
+  (safe ? run_dense<RL, true>(pp, gp, bf16, st, n, maximize, k) : run_dense<RL, false>(pp, gp, bf16, st, n, maximize, k))
   switch (kernel) { case 0: LEANOPT_DENSE(0); break; case 1: LEANOPT_DENSE(1); break; case 2: LEANOPT_DENSE(2); break;
                     case 3: LEANOPT_DENSE(3); break; case 4: LEANOPT_DENSE(4); break; case 5: LEANOPT_DENSE(5); break; }
 #undef LEANOPT_DENSE
@@ -677,9 +695,9 @@ PyObject* released(F&& body) {
 
 PyObject* py_step_dense(PyObject*, PyObject* args) {
   long long rule, flags, p, g, n;
-  int maximize, safe;
+  int maximize, safe, bf16;
   PyObject *states_obj, *scalars_obj;
-  if (!PyArg_ParseTuple(args, "LLppLLLOO:step_dense", &rule, &flags, &maximize, &safe, &p, &g, &n, &states_obj,
+  if (!PyArg_ParseTuple(args, "LLppLLpLOO:step_dense", &rule, &flags, &maximize, &safe, &p, &g, &bf16, &n, &states_obj,
                         &scalars_obj))
     return nullptr;
   std::vector<int64_t> states;
@@ -687,7 +705,7 @@ PyObject* py_step_dense(PyObject*, PyObject* args) {
   if (!to_vector(states_obj, "states must be a list of addresses", states) ||
       !to_vector(scalars_obj, "scalars must be a list of floats", scalars))
     return nullptr;
-  return released([&] { step_dense(rule, flags, maximize, safe, p, g, n, std::move(states), std::move(scalars)); });
+  return released([&] { step_dense(rule, flags, maximize, safe, p, g, bf16, n, std::move(states), std::move(scalars)); });
 }
 
 PyObject* py_step_blocks(PyObject*, PyObject* args) {

@@ -40,10 +40,10 @@ and never fails.
 
 :func:`leanopt.kernels.cpu_elementwise.quantized` runs the params :func:`takes` accepts here
 (fp32 or bf16 params with gradients of their dtype, a rule with a twin here) and the others
-in its compiled graph; a
-failed build falls back to that graph with one warning. The same rules over dense fp32 states
-(a low-bit optimizer's params below ``min_quant_size``; Lion, AdEMAMix and safe-mode AdamW in
-fp32) run in :func:`dense` (:func:`leanopt.kernels.cpu_elementwise.dense` sends them): the
+in its compiled graph; a failed build falls back to that graph with one warning. The same rules
+over dense fp32 states (a low-bit optimizer's params below ``min_quant_size``; Lion, AdEMAMix,
+SGD and AdamW with fp32 states, of fp32 or bf16 params, but AdamW's fp32 params outside safe
+mode, which torch's fused kernel runs) run in :func:`dense` (:func:`leanopt.kernels.cpu_elementwise.dense` sends them): the
 element loop in chunks of 256, so no Inductor compile on the first step (AdamW8bit's first
 step was 2.2 s, all of it compiling the dense graph for its small params).
 ``LEANOPT_NO_NATIVE`` (a boolean, read at the first build, with one warning when on:
@@ -613,11 +613,14 @@ def takes(rule: Any, p: Tensor, g: Tensor, states: Sequence[Any], hp: Mapping[st
 
 def eligible_dense(rule: Any, p: Tensor, g: Tensor, states: Sequence[Tensor], hp: Mapping[str, Any]) -> bool:
     """Whether :func:`dense` can run this param, once the extension is there: a rule with a
-    twin here taking this many states (:data:`leanopt.kernels.twins.NATIVE`), real (not fake) contiguous fp32 CPU param, gradient and states of the param's size."""
-    if _off or not twin_takes(NATIVE, rule, hp, len(states)):
+    twin here taking this many states (:data:`leanopt.kernels.twins.NATIVE`), real (not fake)
+    contiguous CPU tensors of the param's size: an fp32 or bf16 param with a gradient of its
+    dtype, fp32 states."""
+    if _off or not twin_takes(NATIVE, rule, hp, len(states)) or p.dtype not in _PARAM_DTYPES or g.dtype != p.dtype:
         return False
     for t in (p, g, *states):
-        if not isinstance(t, Tensor) or t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous():
+        wanted = torch.float32 if t is not p and t is not g else p.dtype
+        if not isinstance(t, Tensor) or t.device.type != "cpu" or t.dtype != wanted or not t.is_contiguous():
             return False
         if t.numel() != p.numel() or is_fake(t):
             return False
@@ -651,14 +654,16 @@ def _addr(t: Tensor, dtype: torch.dtype, numel: int, what: str) -> int:
 
 
 def dense(rule: Any, p: Tensor, g: Tensor, states: Sequence[Tensor], step: int, hp: Mapping[str, Any], safe: bool) -> None:
-    """One param's step with dense fp32 states, in place (:func:`takes_dense` params): the
-    rule of :func:`leanopt.kernels.reference.rule_step_`, skipping elements in safe mode."""
+    """One param's step with dense fp32 states, in place (:func:`takes_dense` params: fp32 or
+    bf16): the rule of :func:`leanopt.kernels.reference.rule_step_`, skipping elements in safe mode."""
     module = _module()
     assert module is not None, build_error()
     n = p.numel()
     f32 = torch.float32
-    module.step_dense(rule_id(rule), flag_bits(rule, hp), bool(hp["maximize"]), bool(safe), _addr(p, f32, n, "param"),
-                      _addr(g, f32, n, "grad"), n, [_addr(t, f32, n, "state") for t in states],
+    if p.dtype not in _PARAM_DTYPES:
+        raise ValueError(f"native kernel: param must be a float32 or bfloat16 tensor, not {p.dtype}")
+    module.step_dense(rule_id(rule), flag_bits(rule, hp), bool(hp["maximize"]), bool(safe), _addr(p, p.dtype, n, "param"),
+                      _addr(g, p.dtype, n, "grad"), p.dtype == torch.bfloat16, n, [_addr(t, f32, n, "state") for t in states],
                       list(rule.scalar_values(hp, step, safe)))  # fmt: skip
 
 
