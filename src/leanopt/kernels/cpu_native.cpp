@@ -63,6 +63,28 @@ inline void narrow_bf16(const float* __restrict in, uint16_t* __restrict out, in
   for (int i = 0; i < n; ++i) out[i] = to_bf16(in[i]);
 }
 
+// Elements off .. off + n - 1 of a param p and its gradient g as fp32 pointers for the element
+// loop: fp32 tensors' own memory, or (bf16) pw and gw holding them widened. store() writes pw
+// back to a bf16 param once the loop has updated it.
+struct Operands {
+  float* P;
+  const float* G;
+  Operands(void* p, const void* g, bool bf16, int64_t off, int n, float* pw, float* gw) {
+    if (bf16) {
+      widen_bf16(static_cast<const uint16_t*>(p) + off, pw, n);
+      widen_bf16(static_cast<const uint16_t*>(g) + off, gw, n);
+      P = pw;
+      G = gw;
+    } else {
+      P = static_cast<float*>(p) + off;
+      G = static_cast<const float*>(g) + off;
+    }
+  }
+  static void store(void* p, bool bf16, int64_t off, int n, const float* pw) {
+    if (bf16) narrow_bf16(pw, static_cast<uint16_t*>(p) + off, n);
+  }
+};
+
 inline uint32_t step_term(int64_t step) { return (uint32_t)((uint64_t)step * 0x85EBCA77ull); }
 
 // leanopt.quant.formats.dither, bit for bit.
@@ -474,17 +496,9 @@ void run(void* p, const void* g, bool bf16, Book* books, int64_t nblocks, int bs
     float c[16];
     for (int i = 0; i < 16; ++i) c[i] = k.c[i];
     for (int64_t blk = b0; blk < b1; ++blk) {
-      float* P;
-      const float* G;
-      if (bf16) {
-        widen_bf16(static_cast<const uint16_t*>(p) + blk * bs, pw, bs);
-        widen_bf16(static_cast<const uint16_t*>(g) + blk * bs, gw, bs);
-        P = pw;
-        G = gw;
-      } else {
-        P = static_cast<float*>(p) + blk * bs;
-        G = static_cast<const float*>(g) + blk * bs;
-      }
+      const Operands op(p, g, bf16, blk * bs, bs, pw, gw);
+      float* __restrict P = op.P;
+      const float* __restrict G = op.G;
       for (int s = 0; s < NS; ++s)
         decode<BITS>(books[s].codes + blk * cb, books[s].values, books[s].absmax[blk], old[s], bs, k.vec);
       uint32_t mx[MAXS] = {0, 0, 0};
@@ -503,7 +517,7 @@ void run(void* p, const void* g, bool bf16, Book* books, int64_t nblocks, int bs
         pack<BITS>(idx, bk.codes + blk * cb, bs);
         bk.absmax[blk] = scale;
       }
-      if (bf16) narrow_bf16(pw, static_cast<uint16_t*>(p) + blk * bs, bs);
+      Operands::store(p, bf16, blk * bs, bs, pw);
     }
   });
 }
@@ -532,20 +546,10 @@ void run_dense(void* p, const void* g, bool bf16, float* const* st, int64_t n, b
       float* old[MAXS];
       for (int s = 0; s < NS; ++s) old[s] = st[s] + off;
       uint32_t mx[MAXS];
-      float* P;
-      const float* G;
-      if (bf16) {
-        widen_bf16(static_cast<const uint16_t*>(p) + off, pw, len);
-        widen_bf16(static_cast<const uint16_t*>(g) + off, gw, len);
-        P = pw;
-        G = gw;
-      } else {
-        P = static_cast<float*>(p) + off;
-        G = static_cast<const float*>(g) + off;
-      }
-      element_loop<RULE, SAFE>(P, G, old, nw, gbuf, len, maximize ? -1.0f : 1.0f, c, mx);
+      const Operands op(p, g, bf16, off, len, pw, gw);
+      element_loop<RULE, SAFE>(op.P, op.G, old, nw, gbuf, len, maximize ? -1.0f : 1.0f, c, mx);
       for (int s = 0; s < NS; ++s) std::memcpy(st[s] + off, nw[s], sizeof(float) * len);
-      if (bf16) narrow_bf16(pw, static_cast<uint16_t*>(p) + off, len);
+      Operands::store(p, bf16, off, len, pw);
     }
   });
 }

@@ -43,9 +43,10 @@ and never fails.
 in its compiled graph; a failed build falls back to that graph with one warning. The same rules
 over dense fp32 states (a low-bit optimizer's params below ``min_quant_size``; Lion, AdEMAMix,
 SGD and AdamW with fp32 states, of fp32 or bf16 params, but AdamW's fp32 params outside safe
-mode, which torch's fused kernel runs) run in :func:`dense` (:func:`leanopt.kernels.cpu_elementwise.dense` sends them): the
-element loop in chunks of 256, so no Inductor compile on the first step (AdamW8bit's first
-step was 2.2 s, all of it compiling the dense graph for its small params).
+mode, which torch's fused kernel runs) run in :func:`dense`
+(:func:`leanopt.kernels.cpu_elementwise.dense` sends them): the element loop in chunks of 256,
+so no Inductor compile on the first step (AdamW8bit's first step was 2.2 s, all of it
+compiling the dense graph for its small params).
 ``LEANOPT_NO_NATIVE`` (a boolean, read at the first build, with one warning when on:
 docs/environment.md) or :func:`disabled` (tests) turns the kernel off. Under ``FakeTensorMode`` (memory
 planning) a native update is in place and allocates nothing of the param's size, so nothing
@@ -644,6 +645,14 @@ def _usable() -> bool:
     return available() if tracing.active() is not None else ready()
 
 
+def _param_addrs(p: Tensor, g: Tensor, numel: int) -> tuple[int, int, bool]:
+    """The addresses of a param and its gradient (fp32 or bf16, the same dtype), and whether
+    they are bf16: what the kernel's entry points take."""
+    if p.dtype not in _PARAM_DTYPES:
+        raise ValueError(f"native kernel: param must be a float32 or bfloat16 tensor, not {p.dtype}")
+    return _addr(p, p.dtype, numel, "param"), _addr(g, p.dtype, numel, "grad"), p.dtype == torch.bfloat16
+
+
 def _addr(t: Tensor, dtype: torch.dtype, numel: int, what: str) -> int:
     """``t.data_ptr()`` once ``t`` is a contiguous CPU tensor of ``dtype`` with at least
     ``numel`` elements: the kernel takes addresses, so nothing else may reach it."""
@@ -660,10 +669,8 @@ def dense(rule: Any, p: Tensor, g: Tensor, states: Sequence[Tensor], step: int, 
     assert module is not None, build_error()
     n = p.numel()
     f32 = torch.float32
-    if p.dtype not in _PARAM_DTYPES:
-        raise ValueError(f"native kernel: param must be a float32 or bfloat16 tensor, not {p.dtype}")
-    module.step_dense(rule_id(rule), flag_bits(rule, hp), bool(hp["maximize"]), bool(safe), _addr(p, p.dtype, n, "param"),
-                      _addr(g, p.dtype, n, "grad"), p.dtype == torch.bfloat16, n, [_addr(t, f32, n, "state") for t in states],
+    module.step_dense(rule_id(rule), flag_bits(rule, hp), bool(hp["maximize"]), bool(safe), *_param_addrs(p, g, n), n,
+                      [_addr(t, f32, n, "state") for t in states],
                       list(rule.scalar_values(hp, step, safe)))  # fmt: skip
 
 
@@ -678,11 +685,8 @@ def step_blocks(rule: Any, p: Tensor, g: Tensor, states: Sequence[Any], step: in
     bits, bs, cb_per_block = fixed[1], fixed[2], fixed[3]
     n = blocks * bs
     f32, u8 = torch.float32, torch.uint8
-    if p.dtype not in _PARAM_DTYPES:
-        raise ValueError(f"native kernel: param must be a float32 or bfloat16 tensor, not {p.dtype}")
     module.step_blocks(
-        rid, flags, bits, bs, bool(hp["maximize"]), _addr(p, p.dtype, n, "param"), _addr(g, p.dtype, n, "grad"),
-        p.dtype == torch.bfloat16, blocks,
+        rid, flags, bits, bs, bool(hp["maximize"]), *_param_addrs(p, g, n), blocks,
         [_addr(q.codes, u8, blocks * cb_per_block, "codes") for q in states],
         [_addr(q.absmax, f32, blocks, "absmax") for q in states], *fixed[4:],
         int(step), int(offset), list(rule.scalar_values(hp, step, True)),
