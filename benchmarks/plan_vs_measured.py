@@ -23,6 +23,11 @@ block of 64 KiB and more with its own mmap, so a freed tensor leaves the residen
 4. measured = ``VmHWM`` − file-backed RSS − baseline: the peak of the third step over the memory
    before the model was built.
 
+The figures of docs/plan.md are measured so. ``measure_cases(..., warmup_steps=1, measured_step=2)``
+(what the tests use, to halve the bf16 matmuls of a CPU without bf16 instructions) warms up on one
+step and measures the second: on the twelve small configurations of tests/test_plan.py, within
+0.7 % of the above (2026-12-05).
+
 Predicted = ``leanopt.memory.plan.plan(...)`` for the same configuration.
 
 ``--gpus N`` (N > 1): one ``torchrun --nproc_per_node N`` launch (gloo, CPU, one thread per rank)
@@ -201,9 +206,11 @@ def prepare(model: Any, optimizer: str, precision: str, checkpointing: bool, *, 
 
 
 def worker(case: str, optimizer: str, precision: str, checkpointing: bool, *, sharded: bool = False,
-           rounding: str | None = None, release: bool = False, offload: bool = False) -> int:
-    """Run in a fresh process: the measured peak of the third step, in bytes (``sharded``: this
-    rank's, under FSDP2, in an initialized process group)."""
+           rounding: str | None = None, release: bool = False, offload: bool = False, warmup_steps: int = 2,
+           measured_step: int = 3) -> int:
+    """Run in a fresh process: the measured peak of step ``measured_step`` (after ``warmup_steps``
+    on the one-layer model), in bytes (``sharded``: this rank's, under FSDP2, in an initialized
+    process group)."""
     import gc
 
     import torch
@@ -217,8 +224,8 @@ def worker(case: str, optimizer: str, precision: str, checkpointing: bool, *, sh
     tiny = build(case, tiny=True)
     opt = prepare(tiny, optimizer, precision, checkpointing, sharded=sharded, rounding=rounding, release=release, offload=offload)
     warm = step_fn(tiny, opt, precision, batch, seq)
-    warm()
-    warm()
+    for _ in range(warmup_steps):
+        warm()
     _unrelease(opt)
     del tiny, opt, warm
     _drop_kernel_workspaces()
@@ -227,12 +234,12 @@ def worker(case: str, optimizer: str, precision: str, checkpointing: bool, *, sh
     barrier()
     # 2. baseline
     base = _status_kib()["RssAnon"]
-    # 3. the model, two steps, reset the high-water mark, the third step
+    # 3. the model, the steps before the measured one, reset the high-water mark, the measured step
     model = build(case)
     opt = prepare(model, optimizer, precision, checkpointing, sharded=sharded, rounding=rounding, release=release, offload=offload)
     step = step_fn(model, opt, precision, batch, seq)
-    step()
-    step()
+    for _ in range(measured_step - 1):
+        step()
     gc.collect()
     barrier()
     with open("/proc/self/clear_refs", "w") as f:
@@ -343,12 +350,15 @@ def measure(case: str, configs: list[tuple[str, str, bool]]) -> list[int]:
     return measured
 
 
-def measure_cases(runs: list[tuple[str, list[tuple]]]) -> list[list[int]]:
+def measure_cases(runs: list[tuple[str, list[tuple]]], *, warmup_steps: int = 2, measured_step: int = 3) -> list[list[int]]:
     """:func:`measure` of several (case, configs), one after the other in one fresh process: each
     configuration has its own warm-up, baseline and measured model, so a process's start and
-    imports are paid once for them all."""
+    imports are paid once for them all. ``warmup_steps`` (>= 1) and ``measured_step`` (>= 2: the
+    optimizer's state exists before it): :func:`worker`'s."""
+    if warmup_steps < 1 or measured_step < 2:
+        raise ValueError(f"warmup_steps must be >= 1 and measured_step >= 2, got {warmup_steps} and {measured_step}")
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, __file__]
+    cmd = [sys.executable, __file__, "--steps", f"{warmup_steps},{measured_step}"]
     for case, configs in runs:
         cmd += ["--worker", case, *map(_encode, configs)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
@@ -414,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sets", default="base,bf16,release", help=f"comma-separated configuration sets: {', '.join(SETS)}")
     parser.add_argument("--worker", nargs="+", action="append", metavar="CASE OPTIMIZER:PRECISION:CKPT",
                         help=argparse.SUPPRESS)  # fmt: skip
+    parser.add_argument("--steps", default="2,3", help=argparse.SUPPRESS)  # --worker's: warm-up steps, measured step
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--gpus", type=int, default=1, help="N > 1: FSDP2 over N gloo ranks (torchrun), per-rank peaks")
     parser.add_argument("--dist-worker", nargs="+", metavar="CASE OPTIMIZER:PRECISION:CKPT", help=argparse.SUPPRESS)
@@ -422,13 +433,15 @@ def main(argv: list[str] | None = None) -> int:
         dist_worker(args.dist_worker[0], args.dist_worker[1:])
         return 0
     if args.worker:  # measure_cases: one list of peaks per --worker CASE CONFIG...
+        warmup_steps, measured_step = map(int, args.steps.split(","))
         measured = []
         for case, *configs in args.worker:
             peaks = []
             for config in configs:
                 optimizer, precision, ckpt, rounding, release = _decode(config)
                 peaks.append(worker(case, optimizer, precision, ckpt, rounding=rounding, release=release,
-                                    offload=_decode_offload(config)))  # fmt: skip
+                                    offload=_decode_offload(config), warmup_steps=warmup_steps,
+                                    measured_step=measured_step))  # fmt: skip
             measured.append(peaks)
         print(json.dumps(measured))
         return 0

@@ -40,7 +40,7 @@ ROWS = [("distilbert", "adamw", "fp32", False), ("distilbert", "adamw8bit", "bf1
         ("distilbert", "adafactor", "fp32", False), ("distilbert", "adamw", "fp32", True),
         ("gpt2", "adamw", "fp32", False), ("gpt2", "adamw8bit", "bf16-mixed", False)]  # fmt: skip
 SMALL_ROWS = [("tiny-distilbert", "adamw", "fp32", False), ("tiny-distilbert", "adafactor", "fp32", False),
-              ("tiny-gpt2", "adamw", "fp32", False), ("tiny-gpt2-2seq", "adamw8bit", "bf16-mixed", False)]  # fmt: skip
+              ("tiny-gpt2", "adamw", "fp32", False), ("narrow-gpt2-2seq", "adamw8bit", "bf16-mixed", False)]  # fmt: skip
 
 # Run as `python -c`: the user's script. Only /proc is read; the step is the benchmark's.
 WORKER = textwrap.dedent("""

@@ -132,7 +132,10 @@ def test_cli_prints_the_newton_schulz_line(tmp_path, capsys):
 # bf16 instructions; 128 wide, 1/8 of the 256-wide models' FLOPs): measured within 1.2 % on
 # 2026-12-04 (fp32 +0.2 to +0.8 %, checkpointed +0.3 %, released +1.0 %, Kahan +0.1 %, Muon8bit
 # bf16-mixed +2.0 % on 2 sequences: its autocast matmuls are bf16 too, 8 s there against 17 s on 8,
-# where it measured +1.2 %). The one-sequence model's step is where its plan peaks (the
+# where it measured +1.2 %). On 2026-12-05, measured as here (one warm-up step, the second step:
+# measure_real_steps): fp32 -0.0 to +1.1 %, checkpointed +0.1 %, released +0.1 %, Kahan +0.8 %,
+# Muon8bit +3.7 % (+3.4 % the benchmark's way, two warm-up steps and the third, that day). The
+# one-sequence model's step is where its plan peaks (the
 # Newton-Schulz temporaries are in the figure compared); each other configuration on one of the
 # two models, the plain fp32 step on both. All measured in one fresh process.
 REAL_STEPS = {
