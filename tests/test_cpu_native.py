@@ -323,7 +323,8 @@ def test_the_kernel_refuses_tensors_it_cannot_address() -> None:
 def test_the_module_checks_its_arguments_before_it_runs() -> None:
     """The extension's own argument handling (Python's C API, under the checks above): a list
     argument that is not a list of numbers is a TypeError, a rule or state count the loops do
-    not have a ValueError, and neither writes anything; a right call writes the param."""
+    not have, or dtype bits out of range, a ValueError, and neither writes anything; a right call
+    writes the param."""
     module = cpu_native._module()
     p, g, m, v = torch.randn(64), torch.randn(64), torch.zeros(64), torch.zeros(64)
     before = p.clone()
@@ -339,6 +340,9 @@ def test_the_module_checks_its_arguments_before_it_runs() -> None:
         module.step_dense(rule_id(ADAMW), 0, False, True, p.data_ptr(), g.data_ptr(), False, 64, addr[:1], scalars)
     with pytest.raises(ValueError, match="too many scalars"):
         module.step_dense(rule_id(ADAMW), 0, False, True, p.data_ptr(), g.data_ptr(), False, 64, addr, [0.0] * 17)
+    for dtypes in (-1, 4):  # the param's and the gradient's bf16 bits: 0 to 3
+        with pytest.raises(ValueError, match="dtypes"):
+            module.step_dense(rule_id(ADAMW), 0, False, True, p.data_ptr(), g.data_ptr(), dtypes, 64, addr, scalars)
     assert torch.equal(p, before) and not m.any() and not v.any()
     module.step_dense(rule_id(ADAMW), 0, False, True, p.data_ptr(), g.data_ptr(), False, 64, tuple(addr), scalars)
     assert not torch.equal(p, before) and m.any() and v.any()

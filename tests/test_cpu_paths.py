@@ -10,7 +10,7 @@ exact-zero gradients (the decay rounding) and sizes that are not whole blocks or
 and params and states are compared to the bit: native = compiled = eager, and, for the low-bit
 optimizers (safe mode: correctly rounded square roots on every path), = the reference. bf16
 params with a twin in the kernel take it too: native = eager (= the reference for the low-bit
-optimizers).
+optimizers). So does Muon's momentum (an fp32 direction from fp32 or bf16 gradients).
 
 The background build itself runs in a subprocess with a fresh extensions cache and a compiler
 wrapper that sleeps first: the first steps must not wait for it.
@@ -18,6 +18,7 @@ wrapper that sleeps first: the first steps must not wait for it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -111,6 +112,34 @@ def test_bf16_params_take_the_native_kernel_to_the_bit(case, paths, monkeypatch)
     assert set(calls) == {torch.bfloat16}
     for mode in ("eager", "reference") if case.cls.safe else ("eager",):
         for i, (a, b) in enumerate(zip(native, paths(case, mode, SHAPES, torch.bfloat16))):
+            assert torch.equal(a, b), f"{case}: tensor {i} ({tuple(a.shape)} {a.dtype}) differs between native and {mode}"
+
+
+# Muon's momentum (an elementwise rule with a twin in the kernel, none in Triton) writes an fp32
+# direction: from a bf16 param's gradient over its fp32 buffer (the dense loop), and from either
+# dtype over a block-quantized buffer (the block loops). Native = eager to the bit, with and
+# without Nesterov; the compiled graph too on the family's representative, Nesterov, bf16 (the
+# graph CUDA runs; the quantized machinery around the rule is AdamW8bit's, compiled above).
+MUON = [c for c in OPTIMIZERS if getattr(c.cls, "momentum_storage", None) is not None]
+
+
+@pytest.mark.parametrize("nesterov", [True, False], ids=["nesterov", "plain"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", MUON, ids=str)
+def test_muons_momentum_takes_the_native_kernel_to_the_bit(case, dtype, nesterov, paths, monkeypatch) -> None:
+    case = dataclasses.replace(case, kwargs={**case.kwargs, "nesterov": nesterov})
+    seen = []  # (rule, param dtype, gradient dtype) of each native call
+    for name in ("step_blocks", "dense"):
+        real = getattr(cpu_native, name)
+        monkeypatch.setattr(cpu_native, name, lambda *a, real=real, **k: seen.append((a[0].name, a[1].dtype, a[2].dtype)) or real(*a, **k))
+    native = paths(case, "native", SHAPES, dtype)
+    quantized = hasattr(case.cls.momentum_storage, "state_bits")
+    momentum = {(p, g) for rule, p, g in seen if rule == "muon_momentum"}
+    # fp32 gradients over an fp32 buffer take torch.optim.Muon's own two ops (tests/test_muon.py)
+    assert momentum == ({(torch.float32, dtype)} if quantized or dtype == torch.bfloat16 else set()), seen
+    modes = ["eager"] + (["compiled"] if case.represents and dtype == torch.bfloat16 and nesterov else [])
+    for mode in modes:
+        for i, (a, b) in enumerate(zip(native, paths(case, mode, SHAPES, dtype))):
             assert torch.equal(a, b), f"{case}: tensor {i} ({tuple(a.shape)} {a.dtype}) differs between native and {mode}"
 
 

@@ -99,7 +99,7 @@ def _kill_a_build(cache: Path) -> tuple[Path | None, str | None]:
             if time.monotonic() >= deadline:
                 return None, "the builder never began building"
             time.sleep(0.05)
-        time.sleep(1.0)  # into the compile (a cold one takes ~8 s)
+        time.sleep(1.0)  # into the compile (a cold one takes ~9 s)
         if builder.poll() is not None:
             return None, "the build finished before it could be killed"
     finally:

@@ -213,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
         "build-kernels",
         help="build the native CPU kernel now (else it builds in the background on first use)",
         description="Build (or load from the cache) the native CPU kernel of the low-bit optimizers, and say "
-        "where it is: once per machine, ~8 s. Without it, the first training run builds it in the background.",
+        "where it is: once per machine, ~9 s. Without it, the first training run builds it in the background.",
     )
     kern.set_defaults(run=cmd_build_kernels)
     return parser

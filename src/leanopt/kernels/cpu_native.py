@@ -3,13 +3,15 @@
 One pass per block, all of a param's blocks spread over torch's intra-op threads
 (``at::parallel_for``): decode each state's codes through its code book's value table, run the
 rule (the rules with a twin here, :data:`leanopt.kernels.twins.NATIVE`: AdamW with or without
-AMSGrad, Lion, AdEMAMix, SGD with momentum, with or without Nesterov; safe mode always: second-moment floors and
+AMSGrad, Lion, AdEMAMix, SGD with momentum, with or without Nesterov, Muon's momentum, with or
+without Nesterov; safe mode always: second-moment floors and
 :func:`~leanopt.kernels.rules.skipped_elements`), keep the new states in block-sized local
 buffers while their block maximum is reduced, then encode (the nearest code by the
 :class:`Tables`, the decay rounding of :meth:`~leanopt.quant.formats.BlockFormat.code_indices`
-where the gradient is exactly 0) and pack. fp32 or bf16 params and gradients: a bf16 block is
-widened to fp32 in a block-sized buffer and its new values rounded to the nearest bf16 (ties to
-even), what ``param.copy_(update)`` does on the other CPU paths, so the bits are theirs.
+where the gradient is exactly 0) and pack. fp32 or bf16 params and gradients (each either: Muon's
+momentum writes an fp32 direction from a bf16 param's gradient): a bf16 block is widened to fp32
+in a block-sized buffer and a param's new values rounded to the nearest bf16 (ties to even), what
+``param.copy_(update)`` does on the other CPU paths, so the bits are theirs.
 
 Where the CPU has AVX-512 (``-march=native``), decode, encode and the decay rounding run 16
 lanes at a time with intrinsics: a table of 16 values is one register (``vpermps``), one of 256
@@ -28,7 +30,7 @@ an ulp (tests/test_cpu_native.py).
 
 Built on first use with :func:`torch.utils.cpp_extension.load` (``-O3 -march=native``; the
 source includes ``Python.h`` and ``ATen/Parallel.h`` only, its Python module written against
-Python's C API, so a cold build takes ~7 s on 2 cores) and cached
+Python's C API, so a cold build takes ~9 s on 2 cores) and cached
 under a name keyed on everything the build depends on (:func:`build_inputs`: the source,
 the flags, what the compiler makes of ``-march=native`` here, the compiler, this torch
 installation's headers and libraries, Python's). The build survives its own failures:
@@ -39,11 +41,11 @@ a build killed mid-way never blocks the next process (:func:`_build_lock`), a da
 and never fails.
 
 :func:`leanopt.kernels.cpu_elementwise.quantized` runs the params :func:`takes` accepts here
-(fp32 or bf16 params with gradients of their dtype, a rule with a twin here) and the others
-in its compiled graph; a failed build falls back to that graph with one warning. The same rules
-over dense fp32 states (a low-bit optimizer's params below ``min_quant_size``; Lion, AdEMAMix,
-SGD and AdamW with fp32 states, of fp32 or bf16 params, but AdamW's fp32 params outside safe
-mode, which torch's fused kernel runs) run in :func:`dense`
+(fp32 or bf16 params and gradients, a rule with a twin here) and the others in its compiled
+graph; a failed build falls back to that graph with one warning. The same rules over dense fp32
+states (a low-bit optimizer's params below ``min_quant_size``; Lion, AdEMAMix, SGD and AdamW
+with fp32 states, of fp32 or bf16 params, but AdamW's fp32 params outside safe mode, which
+torch's fused kernel runs; Muon's fp32 momentum of a bf16 param, or in safe mode) run in :func:`dense`
 (:func:`leanopt.kernels.cpu_elementwise.dense` sends them): the element loop in chunks of 256,
 so no Inductor compile on the first step (AdamW8bit's first step was 2.2 s, all of it
 compiling the dense graph for its small params).
@@ -160,11 +162,11 @@ _BATON_NAME = "lock"
 # ninja takes a truncated library (an interrupted copy of the cache, a full disk) for up to
 # date, and loading one is a SIGBUS.
 _MANIFEST_NAME = "leanopt_build.json"
-# How long to wait for another process's build (a cold one takes ~8 s) before running without
+# How long to wait for another process's build (a cold one takes ~9 s) before running without
 # the kernel.
 _BUILD_WAIT_S = 120.0
 # How long the first step waits for a cached extension to load (well under this); one that must be
-# built (~8 s) is not waited for: the build goes on in the background.
+# built (~9 s) is not waited for: the build goes on in the background.
 _FIRST_WAIT_S = 1.0
 # /proc/cpuinfo fields that differ between reads, cores or boots, none of which changes the code
 # the compiler makes: left out of the fallback cache key.
@@ -317,7 +319,7 @@ def _build_now() -> None:
     finally:
         _state["decided"].set()
     if not cached:
-        log.warning("leanopt: building the native CPU kernel in the background (once per machine, ~8 s); until it "
+        log.warning("leanopt: building the native CPU kernel in the background (once per machine, ~9 s); until it "
                     "is ready, low-bit CPU steps run another CPU path, with the same results")  # fmt: skip
     start = time.perf_counter()
     try:
@@ -582,19 +584,21 @@ def eytzinger(ordered: Tensor) -> Tensor:
     return out
 
 
-# The params (and their gradients) the block loops take: fp32, and bf16 widened to fp32 per block
-# and rounded back to the nearest bf16, as ``p.copy_(update)`` rounds on the other CPU paths.
+# The params and gradients the loops take: fp32, and bf16 widened to fp32 per block and (a param)
+# rounded back to the nearest bf16, as ``p.copy_(update)`` rounds on the other CPU paths. A
+# param and its gradient may differ (Muon's momentum: an fp32 direction from a bf16 gradient).
 _PARAM_DTYPES = (torch.float32, torch.bfloat16)
+_PARAM_BF16, _GRAD_BF16 = 1, 2  # the kernel's ``dtypes`` bits
 
 
 def eligible(rule: Any, p: Tensor, g: Tensor, states: Sequence[Any], hp: Mapping[str, Any]) -> bool:
     """Whether :func:`quantized` can run this param, once the extension is there: a rule with a
     twin here taking this many states (:data:`leanopt.kernels.twins.NATIVE`), an fp32 or bf16 CPU
-    param with a gradient of its dtype, quantized states of one bit width and block size whose
+    param with an fp32 or bf16 gradient, quantized states of one bit width and block size whose
     code books have bucket tables (4-bit: even blocks)."""
     from leanopt.quant import QuantizedState
 
-    if _off or p.device.type != "cpu" or p.dtype not in _PARAM_DTYPES or g.dtype != p.dtype:
+    if _off or p.device.type != "cpu" or p.dtype not in _PARAM_DTYPES or g.dtype not in _PARAM_DTYPES:
         return False
     if not states or not twin_takes(NATIVE, rule, hp, len(states)) or not all(isinstance(q, QuantizedState) for q in states):
         return False
@@ -615,12 +619,12 @@ def takes(rule: Any, p: Tensor, g: Tensor, states: Sequence[Any], hp: Mapping[st
 def eligible_dense(rule: Any, p: Tensor, g: Tensor, states: Sequence[Tensor], hp: Mapping[str, Any]) -> bool:
     """Whether :func:`dense` can run this param, once the extension is there: a rule with a
     twin here taking this many states (:data:`leanopt.kernels.twins.NATIVE`), real (not fake)
-    contiguous CPU tensors of the param's size: an fp32 or bf16 param with a gradient of its
-    dtype, fp32 states."""
-    if _off or not twin_takes(NATIVE, rule, hp, len(states)) or p.dtype not in _PARAM_DTYPES or g.dtype != p.dtype:
+    contiguous CPU tensors of the param's size: an fp32 or bf16 param, an fp32 or bf16 gradient,
+    fp32 states."""
+    if _off or not twin_takes(NATIVE, rule, hp, len(states)) or p.dtype not in _PARAM_DTYPES or g.dtype not in _PARAM_DTYPES:
         return False
     for t in (p, g, *states):
-        wanted = torch.float32 if t is not p and t is not g else p.dtype
+        wanted = p.dtype if t is p else g.dtype if t is g else torch.float32
         if not isinstance(t, Tensor) or t.device.type != "cpu" or t.dtype != wanted or not t.is_contiguous():
             return False
         if t.numel() != p.numel() or is_fake(t):
@@ -645,12 +649,14 @@ def _usable() -> bool:
     return available() if tracing.active() is not None else ready()
 
 
-def _param_addrs(p: Tensor, g: Tensor, numel: int) -> tuple[int, int, bool]:
-    """The addresses of a param and its gradient (fp32 or bf16, the same dtype), and whether
-    they are bf16: what the kernel's entry points take."""
-    if p.dtype not in _PARAM_DTYPES:
-        raise ValueError(f"native kernel: param must be a float32 or bfloat16 tensor, not {p.dtype}")
-    return _addr(p, p.dtype, numel, "param"), _addr(g, p.dtype, numel, "grad"), p.dtype == torch.bfloat16
+def _param_addrs(p: Tensor, g: Tensor, numel: int) -> tuple[int, int, int]:
+    """The addresses of a param and its gradient (each fp32 or bf16), and which of them are bf16
+    (the kernel's ``dtypes`` bits): what the kernel's entry points take."""
+    for t, what in ((p, "param"), (g, "grad")):
+        if t.dtype not in _PARAM_DTYPES:
+            raise ValueError(f"native kernel: {what} must be a float32 or bfloat16 tensor, not {t.dtype}")
+    dtypes = (_PARAM_BF16 if p.dtype == torch.bfloat16 else 0) | (_GRAD_BF16 if g.dtype == torch.bfloat16 else 0)
+    return _addr(p, p.dtype, numel, "param"), _addr(g, g.dtype, numel, "grad"), dtypes
 
 
 def _addr(t: Tensor, dtype: torch.dtype, numel: int, what: str) -> int:
@@ -676,8 +682,8 @@ def dense(rule: Any, p: Tensor, g: Tensor, states: Sequence[Tensor], step: int, 
 
 def step_blocks(rule: Any, p: Tensor, g: Tensor, states: Sequence[Any], step: int, hp: Mapping[str, Any],
                 offset: int, blocks: int) -> None:  # fmt: skip
-    """The first ``blocks`` whole blocks of one param (flat, contiguous fp32 or bf16 ``p`` and
-    ``g`` of its dtype) and its quantized ``states``, in place."""
+    """The first ``blocks`` whole blocks of one param (flat, contiguous, each of ``p`` and ``g``
+    fp32 or bf16) and its quantized ``states``, in place."""
     module = _module()
     assert module is not None, build_error()
     rid, flags = rule_id(rule), flag_bits(rule, hp)

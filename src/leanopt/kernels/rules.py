@@ -497,7 +497,7 @@ MUON_MOMENTUM = Rule(
 
 # The rules leanopt ships, in the order that numbers them for the compiled twins
 # (:func:`rule_id`): one scheme for the Triton helpers and the C++ kernel.
-RULES: dict[str, Rule] = {r.name: r for r in (ADAMW, LION, ADEMAMIX, SGD)}
+RULES: dict[str, Rule] = {r.name: r for r in (ADAMW, LION, ADEMAMIX, SGD, MUON_MOMENTUM)}
 
 
 def rule_id(rule: Rule) -> int | None:

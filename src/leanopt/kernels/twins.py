@@ -42,6 +42,7 @@ _LION = ("decay", "beta1", "one_minus_beta1", "beta2", "one_minus_beta2", "lr")
 _ADEMAMIX = ("decay", "beta1", "one_minus_beta1", "beta3", "one_minus_beta3", "beta2", "one_minus_beta2", "bc1", "alpha",
              "bc2_sqrt", "eps", "lr", "floor_fast", "floor_slow")  # fmt: skip
 _SGD = ("weight_decay", "momentum", "buffer_decay", "buffer_weight", "lr")
+_MUON_MOMENTUM = ("lerp_weight", "momentum")
 
 # The Triton helpers (triton_rules.rule_update): up to three states, zero states too.
 TRITON: dict[str, Twin] = {
@@ -50,12 +51,14 @@ TRITON: dict[str, Twin] = {
     "ademamix": Twin("ademamix", _ADEMAMIX, (), (3,)),
     "sgd": Twin("sgd", _SGD, ("nesterov",), (0, 1)),
 }
-# The C++ kernel (cpu_native.cpp's R<...> structs): one to three states.
+# The C++ kernel (cpu_native.cpp's R<...> structs): one to three states. Muon's momentum has a
+# twin here and none in Triton: on CUDA it runs as a compiled graph.
 NATIVE: dict[str, Twin] = {
     "adamw": Twin("adamw", _ADAMW, ("amsgrad",), (2, 3)),
     "lion": Twin("lion", _LION, (), (1,)),
     "ademamix": Twin("ademamix", _ADEMAMIX, (), (3,)),
     "sgd": Twin("sgd", _SGD, ("nesterov",), (1,)),
+    "muon_momentum": Twin("muon_momentum", _MUON_MOMENTUM, ("nesterov",), (1,)),
 }
 
 
