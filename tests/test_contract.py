@@ -282,7 +282,8 @@ def noncontiguous(layout: str, seed: int) -> tuple[torch.Tensor, list[torch.Tens
         grads = [torch.randn(64, 80, 2, generator=g)[..., 0] for _ in range(NONCONTIG_STEPS)]
         return base[..., 0], grads, base
     if layout == "transposed":
-        # 4800 elements: quantized, 2.3 Triton chunks of 2048, a partial last block of 256 and of 128.
+        # 4800 elements: quantized, 2.3 of the GPU's Triton chunks of 2048 (one interpreted), a
+        # partial last block of 256 and of 128.
         p = torch.nn.Parameter(torch.randn(40, 120, generator=g).t())
         grads = [torch.randn(40, 120, generator=g).t() for _ in range(NONCONTIG_STEPS)]
         return p, grads, None

@@ -28,6 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from leanopt import tracing
+from leanopt.kernels import triton_interpreted
 from leanopt.kernels.multi_tensor import TableCache
 from leanopt.kernels.rules import Rule, rule_id
 from leanopt.kernels.triton_common import TL_DTYPE, to_param_dtype
@@ -39,8 +40,23 @@ from leanopt.quant.formats import DECAY_PROGRESS as _PROGRESS
 DECAY_PROGRESS: tl.constexpr = tl.constexpr(_PROGRESS)
 DECAY_GROWTH_RATIO: tl.constexpr = tl.constexpr(_GROWTH)
 
-# Elements per program: a multiple of every block size the quantized kernel takes.
+# Elements per program: a multiple of every block size the quantized kernel takes (kernels.select
+# sends it block sizes that divide 2,048).
 CHUNK = 2048
+# Under Triton's interpreter (TRITON_INTERPRET=1: the tests' CPU runs, the GPU check's dry run)
+# the programs of a launch run one after another, each at a fixed Python cost (~0.1 s for the
+# quantized kernel on this project's 2-core machine), so a program there takes 8x as many
+# elements: the same kernel code, for any power-of-two multiple of the block size (the tests'
+# Triton cases ran in half the time, 2026-12-05). The GPU's 2,048 is compiled for sm_90 by the
+# GPU check's dry run; tests/test_rules.py interprets its parity at 2,048 too (its shapes straddle
+# those chunks).
+INTERPRETED_CHUNK = 8 * CHUNK
+
+
+def chunk_size() -> int:
+    """Elements per program of a launch now: :data:`CHUNK`, or :data:`INTERPRETED_CHUNK` under
+    Triton's interpreter."""
+    return INTERPRETED_CHUNK if triton_interpreted() else CHUNK
 
 
 def _scalar_table(cache: TableCache, rule: Rule, hp: Mapping[str, Any], steps: Sequence[int], safe: bool, device) -> tuple[Tensor, int]:
@@ -134,7 +150,8 @@ def dense(rule: Rule, cache: TableCache, key: str, params, grads, states, steps:
         ps = [params[i] for i in idx]
         device = ps[0].device
         n = len(states[idx[0]])
-        table = cache.chunks(ps, CHUNK)
+        chunk = chunk_size()
+        table = cache.chunks(ps, chunk)
         scalars, width = _scalar_table(cache, rule, hp, [steps[i] for i in idx], safe, device)
         keys = cache.ints([v for i in idx for v in (steps[i], offsets[i])], device)
         k = f"{key}/{rule.name}/{dtype}" + ("/bf16-states" if bf16 else "")
@@ -146,7 +163,7 @@ def dense(rule: Rule, cache: TableCache, key: str, params, grads, states, steps:
             cache.addresses(k + "/p", ps, device), cache.addresses(k + "/g", [grads[i] for i in idx], device),
             *state_tables, table.chunk_tensor, table.chunk_start, table.numel, scalars, keys,
             K=width, P_DTYPE=TL_DTYPE[dtype], RULE=rule_id(rule), N_STATES=n, FLAGS=flag_bits(rule, hp), SAFE=safe,
-            MAXIMIZE=bool(hp["maximize"]), CHUNK=CHUNK, S_BF16=bf16,
+            MAXIMIZE=bool(hp["maximize"]), CHUNK=chunk, S_BF16=bf16,
         )  # fmt: skip
 
 
@@ -344,7 +361,8 @@ def quantized(rule: Rule, cache: TableCache, key: str, params, grads, states, st
         ps = [params[i] for i in idx]
         device = ps[0].device
         n = len(formats)
-        table = cache.chunks(ps, CHUNK)
+        chunk = chunk_size()
+        table = cache.chunks(ps, chunk)
         scalars, width = _scalar_table(cache, rule, hp, [steps[i] for i in idx], True, device)
         keys = cache.ints([v for i in idx for v in (steps[i], offsets[i])], device)
         k = f"{key}/{rule.name}/{dtype}/" + "/".join(f.name for f in formats)
@@ -363,5 +381,5 @@ def quantized(rule: Rule, cache: TableCache, key: str, params, grads, states, st
             cache.addresses(k + "/p", ps, device), cache.addresses(k + "/g", [grads[i] for i in idx], device),
             *pointers, table.chunk_tensor, table.chunk_start, table.numel, scalars, keys, *books,
             K=width, P_DTYPE=TL_DTYPE[dtype], RULE=rule_id(rule), N_STATES=n, FLAGS=flag_bits(rule, hp),
-            MAXIMIZE=bool(hp["maximize"]), BITS=fmt.bits, BS=fmt.block_size, NB=CHUNK // fmt.block_size, **consts,
+            MAXIMIZE=bool(hp["maximize"]), BITS=fmt.bits, BS=fmt.block_size, NB=chunk // fmt.block_size, **consts,
         )  # fmt: skip
