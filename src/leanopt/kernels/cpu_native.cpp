@@ -107,7 +107,8 @@ inline float dither(int64_t index, uint32_t step_term) {
 // Each R<K> reads its scalars c[] at the positions leanopt.kernels.twins.NATIVE declares for its
 // rule. K numbers these loops only (a rule and its flags pick one, kernel_of below): 0 AdamW,
 // 1 AdamW+amsgrad, 2 Lion, 3 AdEMAMix, 4 SGD with momentum, 5 SGD with Nesterov momentum,
-// 6 Muon's momentum, 7 Muon's Nesterov momentum.
+// 6 Muon's momentum, 7 Muon's Nesterov momentum. FLOOR false: the rule's floors are known to be
+// off (divisor +inf), and the second moment is only kept non-negative, as m^2 / inf = 0 keeps it.
 template <int RULE> struct R;
 
 // torch.lerp(a, b, w) on the CPU: fma(w, b - a, a) for |w| < 0.5, else fma(w - 1, b - a, b).
@@ -117,13 +118,18 @@ inline float lerp(float a, float b, float w) {
 
 template <> struct R<0> {
   static constexpr int NS = 2;
+  template <bool FLOOR = true>
   static inline float apply(float p, float g, float o0, float o1, float o2, float& n0, float& n1, float& n2, const float* c) {
     // decay, w1, b2, 1-b2, eps, step size, sqrt(bc2), floor
     float pn = p * c[0];
     float m = std::fma(c[1], g - o0, o0);  // torch.lerp, weight < 0.5 (ATen's vectorised lerp)
     float v = o1 * c[2] + (c[3] * g) * g;
-    float f = (m * m) / c[7];
-    v = v < f ? f : v;
+    if (FLOOR) {
+      float f = (m * m) / c[7];
+      v = v < f ? f : v;
+    } else {
+      v = v < 0.0f ? 0.0f : v;  // no floor (divisor +inf): m^2 / inf is 0 for a finite m
+    }
     n0 = m; n1 = v;
     return pn - c[5] * (m / (std::sqrt(v) / c[6] + c[4]));
   }
@@ -131,12 +137,17 @@ template <> struct R<0> {
 
 template <> struct R<1> {
   static constexpr int NS = 3;
+  template <bool FLOOR = true>
   static inline float apply(float p, float g, float o0, float o1, float o2, float& n0, float& n1, float& n2, const float* c) {
     float pn = p * c[0];
     float m = std::fma(c[1], g - o0, o0);
     float v = o1 * c[2] + (c[3] * g) * g;
-    float f = (m * m) / c[7];
-    v = v < f ? f : v;
+    if (FLOOR) {
+      float f = (m * m) / c[7];
+      v = v < f ? f : v;
+    } else {
+      v = v < 0.0f ? 0.0f : v;  // no floor (divisor +inf): m^2 / inf is 0 for a finite m
+    }
     float vm = o2 < v ? v : o2;
     n0 = m; n1 = v; n2 = vm;
     return pn - c[5] * (m / (std::sqrt(vm) / c[6] + c[4]));
@@ -145,6 +156,7 @@ template <> struct R<1> {
 
 template <> struct R<2> {
   static constexpr int NS = 1;
+  template <bool FLOOR = true>
   static inline float apply(float p, float g, float o0, float o1, float o2, float& n0, float& n1, float& n2, const float* c) {
     // decay, b1, 1-b1, b2, 1-b2, lr
     float d = o0 * c[1] + c[2] * g;
@@ -156,15 +168,20 @@ template <> struct R<2> {
 
 template <> struct R<3> {
   static constexpr int NS = 3;
+  template <bool FLOOR = true>
   static inline float apply(float p, float g, float o0, float o1, float o2, float& n0, float& n1, float& n2, const float* c) {
     // decay, b1, 1-b1, b3, 1-b3, b2, 1-b2, bc1, alpha, sqrt(bc2), eps, lr, floor fast, floor slow
     float m1 = o0 * c[1] + c[2] * g;
     float m2 = o1 * c[3] + c[4] * g;
     float nu = o2 * c[5] + (c[6] * g) * g;
-    float f1 = (m1 * m1) / c[12];
-    nu = nu < f1 ? f1 : nu;
-    float f2 = (m2 * m2) / c[13];
-    nu = nu < f2 ? f2 : nu;
+    if (FLOOR) {
+      float f1 = (m1 * m1) / c[12];
+      nu = nu < f1 ? f1 : nu;
+      float f2 = (m2 * m2) / c[13];
+      nu = nu < f2 ? f2 : nu;
+    } else {
+      nu = nu < 0.0f ? 0.0f : nu;  // no floors (divisors +inf)
+    }
     n0 = m1; n1 = m2; n2 = nu;
     return p * c[0] - c[11] * ((m1 / c[7] + c[8] * m2) / (std::sqrt(nu) / c[9] + c[10]));
   }
@@ -172,6 +189,7 @@ template <> struct R<3> {
 
 template <> struct R<4> {
   static constexpr int NS = 1;
+  template <bool FLOOR = true>
   static inline float apply(float p, float g, float o0, float o1, float o2, float& n0, float& n1, float& n2, const float* c) {
     // weight_decay, momentum, buffer_decay, buffer_weight, lr
     float d = g + c[0] * p;
@@ -183,6 +201,7 @@ template <> struct R<4> {
 
 template <> struct R<5> {
   static constexpr int NS = 1;
+  template <bool FLOOR = true>
   static inline float apply(float p, float g, float o0, float o1, float o2, float& n0, float& n1, float& n2, const float* c) {
     float d = g + c[0] * p;
     float b = o0 * c[2] + c[3] * d;
@@ -194,6 +213,7 @@ template <> struct R<5> {
 // Muon's momentum: the "param" is the direction it writes (its old value is not read).
 template <> struct R<6> {
   static constexpr int NS = 1;
+  template <bool FLOOR = true>
   static inline float apply(float p, float g, float o0, float o1, float o2, float& n0, float& n1, float& n2, const float* c) {
     // lerp_weight, momentum
     n0 = lerp(o0, g, c[0]);
@@ -203,6 +223,7 @@ template <> struct R<6> {
 
 template <> struct R<7> {
   static constexpr int NS = 1;
+  template <bool FLOOR = true>
   static inline float apply(float p, float g, float o0, float o1, float o2, float& n0, float& n1, float& n2, const float* c) {
     n0 = lerp(o0, g, c[0]);
     return lerp(g, n0, c[1]);
@@ -559,9 +580,41 @@ void run(void* p, const void* g, int dtypes, Book* books, int64_t nblocks, int b
 }
 
 // ---- dense fp32 states ------------------------------------------------------------------------
-// The same rules over fp32 states stored as they are (a low-bit optimizer's small params; Lion
-// and AdEMAMix in fp32): chunks of 256 elements, the new states through a local buffer (the
-// element loop reads old and writes new states through distinct pointers), then copied back.
+// The same rules over fp32 states stored as they are (a low-bit optimizer's small params; AdamW,
+// Lion and AdEMAMix in fp32), updated in place: an element reads its old states and writes the
+// new ones at its own index, and a dense state keeps no block scale, maximum or gradient copy.
+// In safe mode an element whose gradient or new states are not finite keeps its param and gets
+// zero states, as in the block loops. Chunks of 256 elements (a bf16 param's and gradient's
+// widening buffers).
+template <int RULE, bool SAFE>
+inline void dense_loop(float* __restrict P, const float* __restrict G, float* const* st, int n, float gsign,
+                       const float* cin) {
+  constexpr int NS = R<RULE>::NS;
+  float c[16];  // a local copy, as in element_loop
+  for (int k = 0; k < 16; ++k) c[k] = cin[k];
+  float* __restrict s0 = st[0];
+  float* __restrict s1 = st[NS > 1 ? 1 : 0];
+  float* __restrict s2 = st[NS > 2 ? 2 : 0];
+#pragma omp simd
+  for (int i = 0; i < n; ++i) {
+    float gi = G[i] * gsign;
+    float pi = P[i];
+    float x0 = 0.0f, x1 = 0.0f, x2 = 0.0f;
+    // Outside safe mode a rule's floor divisors are +inf (leanopt.kernels.rules): no division.
+    float pn = R<RULE>::template apply<SAFE>(pi, gi, s0[i], NS > 1 ? s1[i] : 0.0f, NS > 2 ? s2[i] : 0.0f, x0, x1, x2, c);
+    bool ok = true;
+    if (SAFE) {
+      ok = finite(gi * gi) & finite(x0);
+      if (NS > 1) ok = ok & finite(x1);
+      if (NS > 2) ok = ok & finite(x2);
+    }
+    P[i] = ok ? pn : pi;
+    s0[i] = ok ? x0 : 0.0f;
+    if (NS > 1) s1[i] = ok ? x1 : 0.0f;
+    if (NS > 2) s2[i] = ok ? x2 : 0.0f;
+  }
+}
+
 // ``dtypes``: which of p and g hold bf16 values, widened per chunk as in run().
 template <int RULE, bool SAFE>
 void run_dense(void* p, const void* g, int dtypes, float* const* st, int64_t n, bool maximize, const Consts& k) {
@@ -569,22 +622,14 @@ void run_dense(void* p, const void* g, int dtypes, float* const* st, int64_t n, 
   constexpr int CH = 256;
   const int64_t chunks = (n + CH - 1) / CH;
   at::parallel_for(0, chunks, std::max<int64_t>(1, 16384 / CH), [&](int64_t c0, int64_t c1) {
-    alignas(64) float nbuf[MAXS][CH];
-    alignas(64) float gbuf[CH];
     alignas(64) float pw[CH];
     alignas(64) float gw[CH];
-    float* nw[MAXS] = {nbuf[0], nbuf[1], nbuf[2]};
-    float c[16];
-    for (int i = 0; i < 16; ++i) c[i] = k.c[i];
     for (int64_t ch = c0; ch < c1; ++ch) {
       const int64_t off = ch * CH;
       const int len = (int)std::min<int64_t>(CH, n - off);
-      float* old[MAXS];
-      for (int s = 0; s < NS; ++s) old[s] = st[s] + off;
-      uint32_t mx[MAXS];
+      float* here[MAXS] = {st[0] + off, NS > 1 ? st[1] + off : nullptr, NS > 2 ? st[2] + off : nullptr};
       const Operands op(p, g, dtypes, off, len, pw, gw);
-      element_loop<RULE, SAFE>(op.P, op.G, old, nw, gbuf, len, maximize ? -1.0f : 1.0f, c, mx);
-      for (int s = 0; s < NS; ++s) std::memcpy(st[s] + off, nw[s], sizeof(float) * len);
+      dense_loop<RULE, SAFE>(op.P, op.G, here, len, maximize ? -1.0f : 1.0f, k.c);
       Operands::store(p, dtypes, off, len, pw);
     }
   });
