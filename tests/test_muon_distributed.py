@@ -25,6 +25,12 @@ sys.path.insert(0, str(SCRIPTS))
 import muon_parity  # noqa: E402
 
 LAUNCH_TIMEOUT_S = 300
+# FSDP2 on the default backend, against one process: the biases' AdamW group goes through torch's
+# fused CPU kernel, which rounds a few v elements differently where FSDP2 cuts a bias
+# (muon_parity.EXACT); measured at most 4.7e-10 on a param (one ulp of a bias, 2026-12-05, AVX-512)
+# or 0. The runs on the reference backend are held to the bit.
+DEFAULT_BACKEND_ATOL = 1e-6
+DEFAULT_BACKEND_LOSS_RTOL = 1e-6
 # Muon and one block-quantized sibling (its momentum runs on each shard with the shard's offset).
 NAMES = ["muon", "muon8bit"]
 names = pytest.mark.parametrize("name", NAMES)
@@ -63,6 +69,11 @@ def assert_bit_identical(out: dict) -> None:
     assert out["losses"] == out["ref_losses"]
 
 
+def assert_within_default_backend_bound(out: dict) -> None:
+    assert max(out["max_param_abs_diff"].values()) <= DEFAULT_BACKEND_ATOL, out["max_param_abs_diff"]
+    assert out["max_loss_rel_diff"] <= DEFAULT_BACKEND_LOSS_RTOL, out["max_loss_rel_diff"]
+
+
 @names
 def test_ddp_is_bit_identical_to_one_process_and_orthogonalizes_each_matrix_once(results: dict, name: str) -> None:
     out = case(results, name, "ddp")
@@ -72,13 +83,17 @@ def test_ddp_is_bit_identical_to_one_process_and_orthogonalizes_each_matrix_once
 
 @names
 def test_fsdp2_is_bit_identical_to_one_process_and_orthogonalizes_each_matrix_once(results: dict, name: str) -> None:
-    out = case(results, name, "fsdp")
+    out = case(results, name, "fsdp_exact")  # the reference backend
     assert_bit_identical(out)
     assert_each_matrix_once_per_step(out)
+    # The default backend: within the bound of torch's fused CPU AdamW on the cut biases.
+    default = case(results, name, "fsdp")
+    assert_within_default_backend_bound(default)
+    assert_each_matrix_once_per_step(default)
     # The momentum stays sharded like its param (quantized: this rank's shard of the codes).
-    placements = out["momentum_placements"]
-    assert len(placements) == 6
-    assert all(v in ("(Shard(dim=0),)", "ShardQuantizedState", "QuantizedState") for v in placements.values()), placements
+    for placements in (out["momentum_placements"], default["momentum_placements"]):
+        assert len(placements) == 6
+        assert all(v in ("(Shard(dim=0),)", "ShardQuantizedState", "QuantizedState") for v in placements.values()), placements
 
 
 def test_exchanges_in_buckets_are_bit_identical_too(results: dict) -> None:
@@ -95,9 +110,9 @@ def test_dcp_checkpoint_of_two_ranks_continues_in_one_process_identically(result
 
     from leanopt.integrations.distributed import get_state_dict
 
-    checkpoint = case(results, name, "fsdp")["checkpoint"]
+    checkpoint = case(results, name, "fsdp_exact")["checkpoint"]
     model = muon_parity.make_model(seed=1)
-    opt = resolve_optimizer(name)(leanopt.muon_groups(model), **muon_parity.KWARGS)
+    opt = resolve_optimizer(name)(leanopt.muon_groups(model), **muon_parity.KWARGS, **muon_parity.EXACT)
     model_sd, optim_sd = get_state_dict(model, opt)
     sd = {"model": model_sd, "optim": optim_sd}
     with warnings.catch_warnings():
@@ -107,7 +122,7 @@ def test_dcp_checkpoint_of_two_ranks_continues_in_one_process_identically(result
     assert {int(st["step"]) for st in opt.state.values()} == {muon_parity.SAVE_AT}
     muon_parity.train(model, opt, range(muon_parity.SAVE_AT, muon_parity.STEPS), 0, 1, micro_batches=2)
     # The one-process run that never stopped: the same bits.
-    never_stopped, _, _ = muon_parity.one_process(name, 2)
+    never_stopped, _, _ = muon_parity.one_process(name, 2, **muon_parity.EXACT)
     reference = dict(never_stopped.named_parameters())
     for n, p in model.named_parameters():
         assert torch.equal(p, reference[n]), (n, float((p - reference[n]).abs().max()))
