@@ -15,8 +15,8 @@ import zlib
 import pytest
 import torch
 
-from leanopt.kernels import cpu_native, reference
-from leanopt.kernels.rules import ADAMW, ADEMAMIX, LION, rule_id
+from leanopt.kernels import cpu_native, reference, twins
+from leanopt.kernels.rules import ADAMW, ADEMAMIX, LION, RULES, SGD, rule_id
 from leanopt.quant import BlockFormat
 from leanopt.quant.codebooks import code_names
 import repo_modules
@@ -286,6 +286,31 @@ def test_dense_states_match_reference(name: str, safe: bool, maximize: bool, ams
             assert torch.isfinite(ours_p).all() and all(torch.isfinite(s).all() for s in ours_s)
 
 
+@pytest.mark.parametrize("safe,maximize", [(False, False), (True, False), (False, True)])
+def test_a_rule_without_states_matches_the_reference_to_the_bit(safe: bool, maximize: bool) -> None:
+    """A twin's loop without states (SGD without a momentum, torch.optim.SGD's default): the
+    param, to the bit, as the reference writes it (no square root: nothing to round
+    differently); in safe mode a NaN/Inf/overflowing gradient keeps its element's param."""
+    zero_state = [(name, twin) for name, twin in twins.NATIVE.items() if 0 in twin.states]
+    assert zero_state, "no twin of the kernel takes a rule without states"
+    for name, _ in zero_state:
+        rule = RULES[name]
+        hp = rule.hyperparameters(dict(lr=0.1, momentum=0.0, dampening=0.0, weight_decay=0.3, nesterov=False,
+                                       maximize=maximize))  # fmt: skip
+        assert rule.states(hp) == ()
+        gen = torch.Generator().manual_seed(zlib.crc32(repr((name, safe, maximize)).encode()))
+        for shape in [(1,), (255,), (7, 300)]:
+            scale = torch.exp(torch.randn(shape, generator=gen)) * 0.3  # gradients near the decay's size
+            param = torch.randn(shape, generator=gen)
+            for step in range(1, 4):
+                g = _grad(shape, gen, scale, nonfinite=safe and step == 2 and math.prod(shape) > 12)
+                ours = param.clone()
+                reference.rule_step_(rule, param, g, [], step, hp, safe=safe)
+                assert cpu_native.takes_dense(rule, ours, g, [], hp)
+                cpu_native.dense(rule, ours, g, [], step, hp, safe)
+                assert torch.equal(ours.view(torch.int32), param.view(torch.int32)), f"{name} {shape} step {step}"
+
+
 def test_dense_not_taken_for_other_layouts() -> None:
     """Strided, non-fp32 or fake tensors are left to the compiled graph."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -343,6 +368,12 @@ def test_the_module_checks_its_arguments_before_it_runs() -> None:
     for dtypes in (-1, 4):  # the param's and the gradient's bf16 bits: 0 to 3
         with pytest.raises(ValueError, match="dtypes"):
             module.step_dense(rule_id(ADAMW), 0, False, True, p.data_ptr(), g.data_ptr(), dtypes, 64, addr, scalars)
+    # No block loop for a rule without states (SGD without a momentum: the dense loop only).
+    sgd = list(SGD.scalar_values(SGD.hyperparameters(dict(lr=0.1, momentum=0.0, dampening=0.0, weight_decay=0.0,
+                                                          nesterov=False, maximize=False)), 1, True))  # fmt: skip
+    with pytest.raises(ValueError, match="no block loop"):
+        module.step_blocks(rule_id(SGD), 0, 8, 64, False, p.data_ptr(), g.data_ptr(), 0, 1, *([[]] * 10), 1, 0, sgd,
+                           0.0, 1.0, False)  # fmt: skip
     assert torch.equal(p, before) and not m.any() and not v.any()
     module.step_dense(rule_id(ADAMW), 0, False, True, p.data_ptr(), g.data_ptr(), False, 64, tuple(addr), scalars)
     assert not torch.equal(p, before) and m.any() and v.any()

@@ -435,12 +435,15 @@ def test_select_routes_zero_states_and_more_states_than_a_kernel_takes() -> None
 
     p, g = torch.randn(5000), torch.randn(5000)
     plain = _hp(rules.SGD, lr=0.1, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False)
-    # Zero states: the Triton dense kernel takes them; the C++ kernel has no loop without a
-    # state, so the CPU path compiles the rule instead.
+    # Zero states: both kernels have SGD's loop without a momentum; the C++ kernel has none for
+    # Lion without its state, so the CPU path compiles the rule there.
     assert kernels.select("cpu", rules.SGD, p, g, [], plain) == "cpu-dense"
-    assert not cpu_native.eligible_dense(rules.SGD, p, g, [], plain)
+    assert cpu_native.eligible_dense(rules.SGD, p, g, [], plain)
     with_buffer = {**plain, "momentum": 0.9}
     assert cpu_native.eligible_dense(rules.SGD, p, g, [torch.zeros(5000)], with_buffer)
+    lion = _hp(rules.LION, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0)
+    assert cpu_native.eligible_dense(rules.LION, p, g, [torch.zeros(5000)], lion)
+    assert not cpu_native.eligible_dense(rules.LION, p, g, [], lion)
     adamw = _hp(rules.ADAMW, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=True)
     four = [torch.zeros(5000) for _ in range(4)]
     assert not cpu_native.eligible_dense(rules.ADAMW, p, g, four, adamw)

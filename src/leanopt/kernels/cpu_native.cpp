@@ -107,7 +107,8 @@ inline float dither(int64_t index, uint32_t step_term) {
 // Each R<K> reads its scalars c[] at the positions leanopt.kernels.twins.NATIVE declares for its
 // rule. K numbers these loops only (a rule and its flags pick one, kernel_of below): 0 AdamW,
 // 1 AdamW+amsgrad, 2 Lion, 3 AdEMAMix, 4 SGD with momentum, 5 SGD with Nesterov momentum,
-// 6 Muon's momentum, 7 Muon's Nesterov momentum. FLOOR false: the rule's floors are known to be
+// 6 Muon's momentum, 7 Muon's Nesterov momentum, 8 SGD without momentum (no state: the dense
+// loop only). FLOOR false: the rule's floors are known to be
 // off (divisor +inf), and the second moment is only kept non-negative, as m^2 / inf = 0 keeps it.
 template <int RULE> struct R;
 
@@ -207,6 +208,16 @@ template <> struct R<5> {
     float b = o0 * c[2] + c[3] * d;
     n0 = b;
     return p - c[4] * (d + c[1] * b);
+  }
+};
+
+template <> struct R<8> {
+  static constexpr int NS = 0;
+  template <bool FLOOR = true>
+  static inline float apply(float p, float g, float o0, float o1, float o2, float& n0, float& n1, float& n2, const float* c) {
+    // weight_decay, (momentum, buffer_decay, buffer_weight unread), lr
+    float d = g + c[0] * p;
+    return p - c[4] * d;
   }
 };
 
@@ -592,7 +603,7 @@ inline void dense_loop(float* __restrict P, const float* __restrict G, float* co
   constexpr int NS = R<RULE>::NS;
   float c[16];  // a local copy, as in element_loop
   for (int k = 0; k < 16; ++k) c[k] = cin[k];
-  float* __restrict s0 = st[0];
+  float* __restrict s0 = st[0];  // nullptr, never read, for a rule without states
   float* __restrict s1 = st[NS > 1 ? 1 : 0];
   float* __restrict s2 = st[NS > 2 ? 2 : 0];
 #pragma omp simd
@@ -601,7 +612,8 @@ inline void dense_loop(float* __restrict P, const float* __restrict G, float* co
     float pi = P[i];
     float x0 = 0.0f, x1 = 0.0f, x2 = 0.0f;
     // Outside safe mode a rule's floor divisors are +inf (leanopt.kernels.rules): no division.
-    float pn = R<RULE>::template apply<SAFE>(pi, gi, s0[i], NS > 1 ? s1[i] : 0.0f, NS > 2 ? s2[i] : 0.0f, x0, x1, x2, c);
+    float pn = R<RULE>::template apply<SAFE>(pi, gi, NS > 0 ? s0[i] : 0.0f, NS > 1 ? s1[i] : 0.0f, NS > 2 ? s2[i] : 0.0f,
+                                             x0, x1, x2, c);
     bool ok = true;
     if (SAFE) {
       ok = finite(gi * gi) & finite(x0);
@@ -609,7 +621,7 @@ inline void dense_loop(float* __restrict P, const float* __restrict G, float* co
       if (NS > 2) ok = ok & finite(x2);
     }
     P[i] = ok ? pn : pi;
-    s0[i] = ok ? x0 : 0.0f;
+    if (NS > 0) s0[i] = ok ? x0 : 0.0f;
     if (NS > 1) s1[i] = ok ? x1 : 0.0f;
     if (NS > 2) s2[i] = ok ? x2 : 0.0f;
   }
@@ -627,7 +639,7 @@ void run_dense(void* p, const void* g, int dtypes, float* const* st, int64_t n, 
     for (int64_t ch = c0; ch < c1; ++ch) {
       const int64_t off = ch * CH;
       const int len = (int)std::min<int64_t>(CH, n - off);
-      float* here[MAXS] = {st[0] + off, NS > 1 ? st[1] + off : nullptr, NS > 2 ? st[2] + off : nullptr};
+      float* here[MAXS] = {NS > 0 ? st[0] + off : nullptr, NS > 1 ? st[1] + off : nullptr, NS > 2 ? st[2] + off : nullptr};
       const Operands op(p, g, dtypes, off, len, pw, gw);
       dense_loop<RULE, SAFE>(op.P, op.G, here, len, maximize ? -1.0f : 1.0f, k.c);
       Operands::store(p, dtypes, off, len, pw);
@@ -652,13 +664,14 @@ template <typename T> inline T* at_addr(int64_t a) { return reinterpret_cast<T*>
 #error "build through leanopt.kernels.cpu_native, which defines the rule numbers"
 #endif
 
-// The loop R<K> of a rule number and its flag bits (bit k: the rule's k-th flag); -1: none.
-inline int kernel_of(int64_t rule, int64_t flags) {
+// The loop R<K> of a rule number, its flag bits (bit k: the rule's k-th flag) and its number of
+// states; -1: none.
+inline int kernel_of(int64_t rule, int64_t flags, size_t states) {
   switch (rule) {
     case LEANOPT_RULE_ADAMW: return flags & 1 ? 1 : 0;  // amsgrad
     case LEANOPT_RULE_LION: return 2;
     case LEANOPT_RULE_ADEMAMIX: return 3;
-    case LEANOPT_RULE_SGD: return flags & 1 ? 5 : 4;  // nesterov
+    case LEANOPT_RULE_SGD: return states == 0 ? 8 : flags & 1 ? 5 : 4;  // no momentum; nesterov
     case LEANOPT_RULE_MUON_MOMENTUM: return flags & 1 ? 7 : 6;  // nesterov
     default: return -1;
   }
@@ -668,7 +681,7 @@ inline int states_of(int kernel) {
   switch (kernel) {
     case 0: return R<0>::NS; case 1: return R<1>::NS; case 2: return R<2>::NS;
     case 3: return R<3>::NS; case 4: return R<4>::NS; case 5: return R<5>::NS;
-    case 6: return R<6>::NS; case 7: return R<7>::NS;
+    case 6: return R<6>::NS; case 7: return R<7>::NS; case 8: return R<8>::NS;
     default: return -1;
   }
 }
@@ -676,7 +689,7 @@ inline int states_of(int kernel) {
 // ``dtypes``: kParamBf16 and kGradBf16 bits (else fp32); the states are fp32.
 void step_dense(int64_t rule, int64_t flags, bool maximize, bool safe, int64_t p, int64_t g, int dtypes, int64_t n,
                 std::vector<int64_t> states, std::vector<double> scalars) {
-  const int kernel = kernel_of(rule, flags);
+  const int kernel = kernel_of(rule, flags, states.size());
   LEANOPT_CHECK(kernel >= 0, "no loop for this rule number");
   LEANOPT_CHECK((int)states.size() == states_of(kernel), "wrong number of states for the rule");
   LEANOPT_CHECK(scalars.size() <= 16 && n >= 0, "too many scalars, or a negative size");
@@ -690,7 +703,7 @@ void step_dense(int64_t rule, int64_t flags, bool maximize, bool safe, int64_t p
   (safe ? run_dense<RL, true>(pp, gp, dtypes, st, n, maximize, k) : run_dense<RL, false>(pp, gp, dtypes, st, n, maximize, k))
   switch (kernel) { case 0: LEANOPT_DENSE(0); break; case 1: LEANOPT_DENSE(1); break; case 2: LEANOPT_DENSE(2); break;
                     case 3: LEANOPT_DENSE(3); break; case 4: LEANOPT_DENSE(4); break; case 5: LEANOPT_DENSE(5); break;
-                    case 6: LEANOPT_DENSE(6); break; case 7: LEANOPT_DENSE(7); break; }
+                    case 6: LEANOPT_DENSE(6); break; case 7: LEANOPT_DENSE(7); break; case 8: LEANOPT_DENSE(8); break; }
 #undef LEANOPT_DENSE
 }
 
@@ -702,11 +715,11 @@ void step_blocks(int64_t rule, int64_t flags, int64_t bits, int64_t block, bool 
                  std::vector<int64_t> lows, std::vector<int64_t> zeros, std::vector<int64_t> lasts,
                  std::vector<int64_t> decays, int64_t step, int64_t offset, std::vector<double> scalars,
                  double progress, double growth, bool vec) {
-  const int kernel = kernel_of(rule, flags);
-  LEANOPT_CHECK(kernel >= 0, "no loop for this rule number");
+  const size_t ns = codes.size();
+  const int kernel = kernel_of(rule, flags, ns);
+  LEANOPT_CHECK(kernel >= 0 && states_of(kernel) >= 1, "no block loop for this rule number and number of states");
   LEANOPT_CHECK(bits == 8 || (bits == 4 && block % 2 == 0), "8-bit, or 4-bit with an even block size");
   LEANOPT_CHECK(block >= 1 && nblocks >= 0 && scalars.size() <= 16, "bad block size or count, or too many scalars");
-  const size_t ns = codes.size();
   LEANOPT_CHECK((int)ns == states_of(kernel), "wrong number of states for the rule");
   for (const auto* v : {&absmax, &values, &thresholds, &trees, &buckets, &lows, &zeros, &lasts, &decays})
     LEANOPT_CHECK(v->size() == ns, "one entry per state in every list");

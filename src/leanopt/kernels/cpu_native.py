@@ -45,10 +45,11 @@ and never fails.
 graph; a failed build falls back to that graph with one warning. The same rules over dense fp32
 states (a low-bit optimizer's params below ``min_quant_size``; Lion, AdEMAMix, SGD and AdamW
 with fp32 states, of fp32 or bf16 params, but AdamW's fp32 params outside safe mode, which
-torch's fused kernel runs; Muon's fp32 momentum of a bf16 param, or in safe mode) run in :func:`dense`
-(:func:`leanopt.kernels.cpu_elementwise.dense` sends them): the element loop in chunks of 256,
-so no Inductor compile on the first step (AdamW8bit's first step was 2.2 s, all of it
-compiling the dense graph for its small params).
+torch's fused kernel runs; Muon's fp32 momentum of a bf16 param, or in safe mode), and SGD
+without a momentum (no state), run in :func:`dense` (:func:`leanopt.kernels.cpu_elementwise.dense`
+sends them): the states updated in place, in chunks of 256 elements, so no Inductor compile on
+the first step (AdamW8bit's first step was 2.2 s, all of it compiling the dense graph for its
+small params; SGD's 3.0 s).
 ``LEANOPT_NO_NATIVE`` (a boolean, read at the first build, with one warning when on:
 docs/environment.md) or :func:`disabled` (tests) turns the kernel off. Under ``FakeTensorMode`` (memory
 planning) a native update is in place and allocates nothing of the param's size, so nothing

@@ -9,7 +9,7 @@ it reads at each position, the flags it reads, and the numbers of states it take
 rule (:func:`leanopt.kernels.rules.rule_id`) whose description matches the twin's, with a
 number of states the twin takes -- and :func:`leanopt.kernels.select` routes everything else
 to a backend that runs the rule's own ``elementwise``: a rule defined outside leanopt, a
-zero-state variant the C++ kernel has no loop for, a rule whose scalars were renamed or
+number of states a twin has no loop for, a rule whose scalars were renamed or
 reordered without its twin (``tests/test_rules.py`` fails on that too). No import of Triton
 here: the decision is made before any kernel module is imported.
 """
@@ -51,13 +51,14 @@ TRITON: dict[str, Twin] = {
     "ademamix": Twin("ademamix", _ADEMAMIX, (), (3,)),
     "sgd": Twin("sgd", _SGD, ("nesterov",), (0, 1)),
 }
-# The C++ kernel (cpu_native.cpp's R<...> structs): one to three states. Muon's momentum has a
-# twin here and none in Triton: on CUDA it runs as a compiled graph.
+# The C++ kernel (cpu_native.cpp's R<...> structs): one to three states, and SGD without a
+# momentum (no state: its dense loop only). Muon's momentum has a twin here and none in Triton:
+# on CUDA it runs as a compiled graph.
 NATIVE: dict[str, Twin] = {
     "adamw": Twin("adamw", _ADAMW, ("amsgrad",), (2, 3)),
     "lion": Twin("lion", _LION, (), (1,)),
     "ademamix": Twin("ademamix", _ADEMAMIX, (), (3,)),
-    "sgd": Twin("sgd", _SGD, ("nesterov",), (1,)),
+    "sgd": Twin("sgd", _SGD, ("nesterov",), (0, 1)),
     "muon_momentum": Twin("muon_momentum", _MUON_MOMENTUM, ("nesterov",), (1,)),
 }
 
