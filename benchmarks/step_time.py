@@ -112,6 +112,8 @@ def candidates(backend: str | None = None) -> dict[str, Factory]:
     out: dict[str, Factory] = {
         "torch-adamw-fused": lambda ps: torch.optim.AdamW(ps, fused=True),
         "torch-adamw-foreach": lambda ps: torch.optim.AdamW(ps, foreach=True),
+        # leanopt.SGD's peer at its defaults (no momentum: no state), torch's fastest path for it.
+        "torch-sgd-foreach": lambda ps: torch.optim.SGD(ps, foreach=True),
     }
 
     # Every registered leanopt optimizer (leanopt.optim.REGISTRY), at its defaults.
