@@ -311,8 +311,36 @@ def test_a_rule_without_states_matches_the_reference_to_the_bit(safe: bool, maxi
                 assert torch.equal(ours.view(torch.int32), param.view(torch.int32)), f"{name} {shape} step {step}"
 
 
+@pytest.mark.parametrize("name,safe", [("adamw", False), ("adamw", True), ("lion", False), ("ademamix", True)])
+def test_bf16_states_match_the_reference_across_the_dithers_32_bit_edge(name: str, safe: bool) -> None:
+    """bf16 states (leanopt.quant.bf16): the kernel's loops against ``reference.rule_step_`` on a
+    shard whose dither indices ((offset + i) * states + j) cross 2^32 within a chunk, and one
+    from 0: the states to the bit, every step (they do not depend on the params); the params
+    within the reference's fp32 rounding (AdamW outside safe mode takes torch's own square root
+    there). One fp32 state among bf16 ones takes the loop for mixed states."""
+    rule, hp = _RULES[name], _hp(name, False)
+    n_states = len(rule.states(hp))
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((name, safe)).encode()))
+    for offset, mixed in (((1 << 32) // n_states - 700, False), (0, False), ((1 << 32) // n_states - 700, True)):
+        shape = (3, 517)
+        param = torch.randn(shape, generator=gen)
+        dtypes = [torch.float32 if mixed and j == 0 else torch.bfloat16 for j in range(n_states)]
+        states = [torch.zeros(shape, dtype=d) for d in dtypes]
+        ours_p, ours_s = param.clone(), [s.clone() for s in states]
+        for step in range(1, 5):
+            g = _grad(shape, gen, torch.full(shape, 1e-2), nonfinite=safe and step == 2)
+            reference.rule_step_(rule, param, g, states, step, hp, safe=safe, offset=offset)
+            assert cpu_native.takes_dense(rule, ours_p, g, ours_s, hp)
+            cpu_native.dense(rule, ours_p, g, ours_s, step, hp, safe, offset)
+            for k, (a, b) in enumerate(zip(ours_s, states)):
+                bits = torch.int16 if a.dtype == torch.bfloat16 else torch.int32
+                assert torch.equal(a.view(bits), b.view(bits)), f"offset {offset} step {step}: state {k} differs"
+            assert ((ours_p - param).abs().max() / param.abs().max()).item() <= 1e-6, f"offset {offset} step {step}"
+
+
 def test_dense_not_taken_for_other_layouts() -> None:
-    """Strided, non-fp32 or fake tensors are left to the compiled graph."""
+    """Strided, fp64, fp16 or fake tensors are left to the compiled graph (bf16 states are taken:
+    tests/test_cpu_paths.py)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     rule, hp = ADAMW, _hp("adamw", False)
@@ -320,7 +348,8 @@ def test_dense_not_taken_for_other_layouts() -> None:
     assert cpu_native.takes_dense(rule, p, g, [torch.zeros(8, 8), torch.zeros(8, 8)], hp)
     assert not cpu_native.takes_dense(rule, p.t(), g, [torch.zeros(8, 8), torch.zeros(8, 8)], hp)
     assert not cpu_native.takes_dense(rule, p.double(), g.double(), [torch.zeros(8, 8, dtype=torch.float64)] * 2, hp)
-    assert not cpu_native.takes_dense(rule, p, g, [torch.zeros(8, 8), torch.zeros(8, 8, dtype=torch.bfloat16)], hp)
+    assert cpu_native.takes_dense(rule, p, g, [torch.zeros(8, 8), torch.zeros(8, 8, dtype=torch.bfloat16)], hp)
+    assert not cpu_native.takes_dense(rule, p, g, [torch.zeros(8, 8), torch.zeros(8, 8, dtype=torch.float16)], hp)
     with FakeTensorMode() as mode:
         fp = mode.from_tensor(p)
         assert not cpu_native.takes_dense(rule, fp, mode.from_tensor(g), [torch.zeros_like(fp)] * 2, hp)
@@ -348,26 +377,31 @@ def test_the_kernel_refuses_tensors_it_cannot_address() -> None:
 def test_the_module_checks_its_arguments_before_it_runs() -> None:
     """The extension's own argument handling (Python's C API, under the checks above): a list
     argument that is not a list of numbers is a TypeError, a rule or state count the loops do
-    not have, or dtype bits out of range, a ValueError, and neither writes anything; a right call
-    writes the param."""
+    not have, dtype bits out of range, or state bits, a step or an offset out of range, a
+    ValueError, and neither writes anything; a right call writes the param."""
     module = cpu_native._module()
     p, g, m, v = torch.randn(64), torch.randn(64), torch.zeros(64), torch.zeros(64)
     before = p.clone()
     scalars = list(ADAMW.scalar_values(_hp("adamw", False), 1, True))
     addr = [m.data_ptr(), v.data_ptr()]
     with pytest.raises(TypeError):
-        module.step_dense(0, 0, False, True, p.data_ptr(), g.data_ptr(), False, 64, 5, scalars)
+        module.step_dense(0, 0, False, True, p.data_ptr(), g.data_ptr(), False, 64, 5, scalars, 0, 1, 0)
     with pytest.raises(TypeError):
-        module.step_dense(0, 0, False, True, p.data_ptr(), g.data_ptr(), False, 64, addr, ["lr"])
+        module.step_dense(0, 0, False, True, p.data_ptr(), g.data_ptr(), False, 64, addr, ["lr"], 0, 1, 0)
     with pytest.raises(TypeError):
         module.step_dense(0, 0, False, True, p.data_ptr(), g.data_ptr(), False, 64, addr)
     with pytest.raises(ValueError, match="wrong number of states"):
-        module.step_dense(rule_id(ADAMW), 0, False, True, p.data_ptr(), g.data_ptr(), False, 64, addr[:1], scalars)
+        module.step_dense(rule_id(ADAMW), 0, False, True, p.data_ptr(), g.data_ptr(), False, 64, addr[:1], scalars, 0, 1, 0)
     with pytest.raises(ValueError, match="too many scalars"):
-        module.step_dense(rule_id(ADAMW), 0, False, True, p.data_ptr(), g.data_ptr(), False, 64, addr, [0.0] * 17)
+        module.step_dense(rule_id(ADAMW), 0, False, True, p.data_ptr(), g.data_ptr(), False, 64, addr, [0.0] * 17, 0, 1, 0)
     for dtypes in (-1, 4):  # the param's and the gradient's bf16 bits: 0 to 3
         with pytest.raises(ValueError, match="dtypes"):
-            module.step_dense(rule_id(ADAMW), 0, False, True, p.data_ptr(), g.data_ptr(), dtypes, 64, addr, scalars)
+            module.step_dense(rule_id(ADAMW), 0, False, True, p.data_ptr(), g.data_ptr(), dtypes, 64, addr, scalars, 0, 1, 0)
+    # One "stored" bit per state (bf16 states); a negative step or offset.
+    for stored, step, offset in ((4, 1, 0), (-1, 1, 0), (0, -1, 0), (0, 1, -1)):
+        with pytest.raises(ValueError, match="stored: one bit per state"):
+            module.step_dense(rule_id(ADAMW), 0, False, True, p.data_ptr(), g.data_ptr(), 0, 64, addr, scalars, stored, step,
+                              offset)  # fmt: skip
     # No block loop for a rule without states (SGD without a momentum: the dense loop only).
     sgd = list(SGD.scalar_values(SGD.hyperparameters(dict(lr=0.1, momentum=0.0, dampening=0.0, weight_decay=0.0,
                                                           nesterov=False, maximize=False)), 1, True))  # fmt: skip
@@ -375,6 +409,6 @@ def test_the_module_checks_its_arguments_before_it_runs() -> None:
         module.step_blocks(rule_id(SGD), 0, 8, 64, False, p.data_ptr(), g.data_ptr(), 0, 1, *([[]] * 10), 1, 0, sgd,
                            0.0, 1.0, False)  # fmt: skip
     assert torch.equal(p, before) and not m.any() and not v.any()
-    module.step_dense(rule_id(ADAMW), 0, False, True, p.data_ptr(), g.data_ptr(), False, 64, tuple(addr), scalars)
+    module.step_dense(rule_id(ADAMW), 0, False, True, p.data_ptr(), g.data_ptr(), False, 64, tuple(addr), scalars, 0, 1, 0)
     assert not torch.equal(p, before) and m.any() and v.any()
     assert isinstance(module.avx512(), bool)

@@ -475,7 +475,8 @@ def test_native_kernel_refuses_a_rule_number_it_has_no_loop_for() -> None:
     module = cpu_native._module()
     p, g, s = torch.zeros(8), torch.zeros(8), torch.zeros(8)
     with pytest.raises(ValueError, match="no loop for this rule number"):
-        module.step_dense(len(rules.RULES), 0, False, False, p.data_ptr(), g.data_ptr(), False, 8, [s.data_ptr()], [0.0] * 5)
+        module.step_dense(len(rules.RULES), 0, False, False, p.data_ptr(), g.data_ptr(), False, 8, [s.data_ptr()], [0.0] * 5,
+                          0, 1, 0)  # fmt: skip
 
 
 @pytest.mark.parametrize("case", GENERIC, ids=str)

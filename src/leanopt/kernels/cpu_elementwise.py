@@ -2,9 +2,10 @@
 
 * AdamW whose states have the param's dtype (fp32, fp64 params), outside safe mode: torch's
   own fused CPU kernel (``aten::_fused_adamw_``), one vectorised pass over a group's tensors.
-* Other fp32 or bf16 params with fp32 states of the rules with a C++ twin (a low-bit optimizer's
-  small params, AdamW, Lion, AdEMAMix, SGD): the hand-written C++ kernel's dense loop
-  (:func:`leanopt.kernels.cpu_native.dense`), where it builds: no compile on the first step.
+* Other fp32 or bf16 params with fp32 or bf16 states of the rules with a C++ twin (a low-bit
+  optimizer's small params, AdamW, Lion, AdEMAMix, SGD, Muon's momentum): the hand-written C++
+  kernel's dense loop (:func:`leanopt.kernels.cpu_native.dense`; bf16 states with
+  :mod:`leanopt.quant.bf16`'s stochastic rounding), where it builds: no compile on the first step.
 * Any other dense case: the rule's elementwise function, compiled once per (rule, flags,
   dtypes) by Inductor with dynamic shapes (no per-shape recompiles); a one-element param runs it
   eagerly (Dynamo would compile a second graph for size 1; the same bits).
@@ -109,21 +110,22 @@ def _dense_eager(update: Callable[..., Any], p: Tensor, g: Tensor, states: Seque
 
 
 # ---- bf16 states (leanopt.quant.bf16) ------------------------------------------------------
-# Neither torch's fused AdamW nor the native kernel writes a bf16 state with stochastic rounding:
-# a param with any bf16 state runs the rule's function with its states upcast, and each bf16
-# state written back through the shared dither, compiled once per (rule, flags, which states are
-# bf16) and dtypes, or eagerly over chunks (the same bits: the dither is keyed on global indices).
+# The native kernel writes bf16 states with the same stochastic rounding (the rules with a C++
+# twin); torch's fused AdamW does not. Any other param with a bf16 state runs the rule's function
+# with its states upcast, and each bf16 state written back through the shared dither, compiled
+# once per (rule, flags, which states are bf16) and dtypes, or eagerly over chunks (the same
+# bits: the dither is keyed on global indices).
 _ROUNDED: dict[tuple, Callable[..., Any]] = {}
 
 
 def _dense_rounded(rule: Rule, flags: tuple, safe: bool, maximize: bool, p: Tensor, g: Tensor, states: Sequence[Tensor],
-                   c: Tensor, step: int, offset: int) -> None:  # fmt: skip
+                   c: Tensor, step: int, offset: int, eager: bool) -> None:  # fmt: skip
     if tracing.active() is not None:
         return  # taken to allocate nothing of the param's size, as the dense graph (not measured)
     stored = tuple(s.dtype == torch.bfloat16 for s in states)
     update = graphs.rounded_update(rule, flags, safe, maximize, stored)
     step_t, offset_t = torch.tensor(step, dtype=torch.int64), torch.tensor(offset, dtype=torch.int64)
-    if not can_compile() or _single(p.numel()):
+    if eager or _single(p.numel()):
         _rounded_eager(update, p, g.contiguous(), states, c, step_t, offset_t)
         return
     key = (rule, flags, safe, maximize, stored)
@@ -166,9 +168,14 @@ def dense(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mapping[s
         if p.numel() == 0:
             continue
         if torch.bfloat16 in [s.dtype for s in states[i]]:
+            offset = 0 if offsets is None else offsets[i]
+            eligible = cpu_native.eligible_dense(rule, p, grads[i], states[i], hp)
+            if eligible and cpu_native.usable():
+                cpu_native.dense(rule, p, grads[i], states[i], steps[i], hp, safe, offset)
+                continue
             scalars = graphs.scalar_row(rule.scalar_values(hp, steps[i], safe))
-            _dense_rounded(rule, flags, safe, hp["maximize"], p, grads[i], states[i], scalars, steps[i],
-                           0 if offsets is None else offsets[i])  # fmt: skip
+            _dense_rounded(rule, flags, safe, hp["maximize"], p, grads[i], states[i], scalars, steps[i], offset,
+                           _eager(eligible))  # fmt: skip
             continue
         if _fusable(rule, safe, p, grads[i], states[i]):
             fused.setdefault(p.dtype, []).append(i)

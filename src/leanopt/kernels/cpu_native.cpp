@@ -94,13 +94,29 @@ struct Operands {
 
 inline uint32_t step_term(int64_t step) { return (uint32_t)((uint64_t)step * 0x85EBCA77ull); }
 
-// leanopt.quant.formats.dither, bit for bit.
-inline float dither(int64_t index, uint32_t step_term) {
-  uint64_t ui = (uint64_t)index;
-  uint32_t h = (uint32_t)(ui & 0xFFFFFFFFu) ^ ((uint32_t)(ui >> 32) * 0x9E3779B9u);
+// leanopt.quant.formats.dither, bit for bit: its hash, and the uniform number in [0, 1).
+// The hash from the index's low 32 bits and high_term = (index >> 32) * 0x9E3779B9 (mod 2^32).
+inline uint32_t dither_hash32(uint32_t low, uint32_t high_term, uint32_t step_term) {
+  uint32_t h = low ^ high_term;
   h = h * 0x9E3779B1u + step_term;
   h ^= h >> 16; h *= 0x7FEB352Du; h ^= h >> 15; h *= 0x846CA68Bu; h ^= h >> 16;
-  return (float)(h >> 8) * (1.0f / 16777216.0f);
+  return h;
+}
+inline uint32_t dither_hash(int64_t index, uint32_t step_term) {
+  uint64_t ui = (uint64_t)index;
+  return dither_hash32((uint32_t)(ui & 0xFFFFFFFFu), (uint32_t)(ui >> 32) * 0x9E3779B9u, step_term);
+}
+inline float dither(int64_t index, uint32_t step_term) {
+  return (float)(dither_hash(index, step_term) >> 8) * (1.0f / 16777216.0f);
+}
+
+// leanopt.quant.bf16.stochastic_bf16 of x with the dither hash h: the top 16 bits of
+// bits(x) + floor(u * 2^16), where u * 2^16 = (h >> 8) / 2^8 exactly, so floor(...) = h >> 16;
+// a NaN as to_bf16 writes it.
+inline uint16_t stochastic_bf16(float x, uint32_t h) {
+  const uint32_t u = fbits(x);
+  const uint16_t rounded = static_cast<uint16_t>((u + (h >> 16)) >> 16);
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? static_cast<uint16_t>(0xFFFF) : rounded;
 }
 
 // ---- rules: one element, fp32, torch's operation order -------------------------------------
@@ -108,8 +124,8 @@ inline float dither(int64_t index, uint32_t step_term) {
 // rule. K numbers these loops only (a rule and its flags pick one, kernel_of below): 0 AdamW,
 // 1 AdamW+amsgrad, 2 Lion, 3 AdEMAMix, 4 SGD with momentum, 5 SGD with Nesterov momentum,
 // 6 Muon's momentum, 7 Muon's Nesterov momentum, 8 SGD without momentum (no state: the dense
-// loop only). FLOOR false: the rule's floors are known to be
-// off (divisor +inf), and the second moment is only kept non-negative, as m^2 / inf = 0 keeps it.
+// loop only). FLOOR false: outside safe mode, where the rules have no floor (the reference
+// applies none; the divisors are +inf).
 template <int RULE> struct R;
 
 // torch.lerp(a, b, w) on the CPU: fma(w, b - a, a) for |w| < 0.5, else fma(w - 1, b - a, b).
@@ -128,8 +144,6 @@ template <> struct R<0> {
     if (FLOOR) {
       float f = (m * m) / c[7];
       v = v < f ? f : v;
-    } else {
-      v = v < 0.0f ? 0.0f : v;  // no floor (divisor +inf): m^2 / inf is 0 for a finite m
     }
     n0 = m; n1 = v;
     return pn - c[5] * (m / (std::sqrt(v) / c[6] + c[4]));
@@ -146,8 +160,6 @@ template <> struct R<1> {
     if (FLOOR) {
       float f = (m * m) / c[7];
       v = v < f ? f : v;
-    } else {
-      v = v < 0.0f ? 0.0f : v;  // no floor (divisor +inf): m^2 / inf is 0 for a finite m
     }
     float vm = o2 < v ? v : o2;
     n0 = m; n1 = v; n2 = vm;
@@ -180,8 +192,6 @@ template <> struct R<3> {
       nu = nu < f1 ? f1 : nu;
       float f2 = (m2 * m2) / c[13];
       nu = nu < f2 ? f2 : nu;
-    } else {
-      nu = nu < 0.0f ? 0.0f : nu;  // no floors (divisors +inf)
     }
     n0 = m1; n1 = m2; n2 = nu;
     return p * c[0] - c[11] * ((m1 / c[7] + c[8] * m2) / (std::sqrt(nu) / c[9] + c[10]));
@@ -611,7 +621,7 @@ inline void dense_loop(float* __restrict P, const float* __restrict G, float* co
     float gi = G[i] * gsign;
     float pi = P[i];
     float x0 = 0.0f, x1 = 0.0f, x2 = 0.0f;
-    // Outside safe mode a rule's floor divisors are +inf (leanopt.kernels.rules): no division.
+    // Outside safe mode the rules apply no floor (leanopt.kernels.rules): no division for it.
     float pn = R<RULE>::template apply<SAFE>(pi, gi, NS > 0 ? s0[i] : 0.0f, NS > 1 ? s1[i] : 0.0f, NS > 2 ? s2[i] : 0.0f,
                                              x0, x1, x2, c);
     bool ok = true;
@@ -627,9 +637,83 @@ inline void dense_loop(float* __restrict P, const float* __restrict G, float* co
   }
 }
 
-// ``dtypes``: which of p and g hold bf16 values, widened per chunk as in run().
+// bf16 states (leanopt.quant.bf16; bit j of ``stored``: state j is bf16, the others fp32): read
+// widened to fp32, the rule as above, each new bf16 state written with stochastic rounding by
+// the dither of index (first + i) * NS + j (first + i: its element's global index) and the step.
 template <int RULE, bool SAFE>
-void run_dense(void* p, const void* g, int dtypes, float* const* st, int64_t n, bool maximize, const Consts& k) {
+inline void dense_loop_bf16(float* __restrict P, const float* __restrict G, void* const* st, int stored, int n,
+                            float gsign, const float* cin, int64_t first, uint32_t sterm) {
+  constexpr int NS = R<RULE>::NS;
+  float c[16];
+  for (int k = 0; k < 16; ++k) c[k] = cin[k];
+  float* f[MAXS];
+  uint16_t* h[MAXS];
+  bool b[MAXS];
+  for (int j = 0; j < MAXS; ++j) {
+    b[j] = j < NS && ((stored >> j) & 1);
+    f[j] = static_cast<float*>(j < NS ? st[j] : nullptr);
+    h[j] = static_cast<uint16_t*>(j < NS ? st[j] : nullptr);
+  }
+  for (int i = 0; i < n; ++i) {
+    float gi = G[i] * gsign;
+    float pi = P[i];
+    float o[MAXS] = {0.0f, 0.0f, 0.0f};
+    for (int j = 0; j < NS; ++j) o[j] = b[j] ? bitsf(static_cast<uint32_t>(h[j][i]) << 16) : f[j][i];
+    float x[MAXS] = {0.0f, 0.0f, 0.0f};
+    float pn = R<RULE>::template apply<SAFE>(pi, gi, o[0], o[1], o[2], x[0], x[1], x[2], c);
+    bool ok = true;
+    if (SAFE) {
+      ok = finite(gi * gi);
+      for (int j = 0; j < NS; ++j) ok = ok & finite(x[j]);
+    }
+    P[i] = ok ? pn : pi;
+    const int64_t index = (first + i) * NS;
+    for (int j = 0; j < NS; ++j) {
+      const float v = ok ? x[j] : 0.0f;
+      if (b[j]) h[j][i] = stochastic_bf16(v, dither_hash(index + j, sterm));
+      else f[j][i] = v;
+    }
+  }
+}
+
+// Every state bf16 (state_dtype=torch.bfloat16): the loop above without its per-state choices,
+// so that it vectorises, for elements whose dither indices (first + i) * NS + j share their high
+// 32 bits (the caller checks): ``low`` is the low 32 bits of first * NS.
+template <int RULE, bool SAFE>
+inline void dense_loop_all_bf16(float* __restrict P, const float* __restrict G, void* const* st, int n, float gsign,
+                                const float* cin, uint32_t low, uint32_t high_term, uint32_t sterm) {
+  constexpr int NS = R<RULE>::NS;
+  float c[16];
+  for (int k = 0; k < 16; ++k) c[k] = cin[k];
+  uint16_t* __restrict h0 = static_cast<uint16_t*>(st[0]);
+  uint16_t* __restrict h1 = static_cast<uint16_t*>(st[NS > 1 ? 1 : 0]);
+  uint16_t* __restrict h2 = static_cast<uint16_t*>(st[NS > 2 ? 2 : 0]);
+#pragma omp simd
+  for (int i = 0; i < n; ++i) {
+    float gi = G[i] * gsign;
+    float pi = P[i];
+    float x0 = 0.0f, x1 = 0.0f, x2 = 0.0f;
+    float pn = R<RULE>::template apply<SAFE>(pi, gi, bitsf(static_cast<uint32_t>(h0[i]) << 16),
+                                             NS > 1 ? bitsf(static_cast<uint32_t>(h1[i]) << 16) : 0.0f,
+                                             NS > 2 ? bitsf(static_cast<uint32_t>(h2[i]) << 16) : 0.0f, x0, x1, x2, c);
+    bool ok = true;
+    if (SAFE) {
+      ok = finite(gi * gi) & finite(x0);
+      if (NS > 1) ok = ok & finite(x1);
+      if (NS > 2) ok = ok & finite(x2);
+    }
+    P[i] = ok ? pn : pi;
+    const uint32_t index = low + static_cast<uint32_t>(i) * NS;
+    h0[i] = stochastic_bf16(ok ? x0 : 0.0f, dither_hash32(index, high_term, sterm));
+    if (NS > 1) h1[i] = stochastic_bf16(ok ? x1 : 0.0f, dither_hash32(index + 1, high_term, sterm));
+    if (NS > 2) h2[i] = stochastic_bf16(ok ? x2 : 0.0f, dither_hash32(index + 2, high_term, sterm));
+  }
+}
+
+// ``dtypes``: which of p and g hold bf16 values, widened per chunk as in run(). ``stored``: which
+// states are bf16 (0: the fp32 loop above), ``offset`` the param's element 0's global index.
+template <int RULE, bool SAFE>
+void run_dense(void* p, const void* g, int dtypes, void* const* st, int stored, int64_t n, bool maximize, const Consts& k) {
   constexpr int NS = R<RULE>::NS;
   constexpr int CH = 256;
   const int64_t chunks = (n + CH - 1) / CH;
@@ -639,9 +723,24 @@ void run_dense(void* p, const void* g, int dtypes, float* const* st, int64_t n, 
     for (int64_t ch = c0; ch < c1; ++ch) {
       const int64_t off = ch * CH;
       const int len = (int)std::min<int64_t>(CH, n - off);
-      float* here[MAXS] = {NS > 0 ? st[0] + off : nullptr, NS > 1 ? st[1] + off : nullptr, NS > 2 ? st[2] + off : nullptr};
       const Operands op(p, g, dtypes, off, len, pw, gw);
-      dense_loop<RULE, SAFE>(op.P, op.G, here, len, maximize ? -1.0f : 1.0f, k.c);
+      if (stored == 0) {
+        float* here[MAXS] = {nullptr, nullptr, nullptr};
+        for (int j = 0; j < NS; ++j) here[j] = static_cast<float*>(st[j]) + off;
+        dense_loop<RULE, SAFE>(op.P, op.G, here, len, maximize ? -1.0f : 1.0f, k.c);
+      } else {
+        void* here[MAXS] = {nullptr, nullptr, nullptr};
+        for (int j = 0; j < NS; ++j)
+          here[j] = (stored >> j) & 1 ? static_cast<void*>(static_cast<uint16_t*>(st[j]) + off)
+                                      : static_cast<void*>(static_cast<float*>(st[j]) + off);
+        const uint64_t lo_index = (uint64_t)(k.offset + off) * NS, hi_index = lo_index + (uint64_t)len * NS - 1;
+        if (NS > 0 && stored == (1 << NS) - 1 && (lo_index >> 32) == (hi_index >> 32))
+          dense_loop_all_bf16<RULE, SAFE>(op.P, op.G, here, len, maximize ? -1.0f : 1.0f, k.c, (uint32_t)lo_index,
+                                          (uint32_t)(lo_index >> 32) * 0x9E3779B9u, k.step_term);
+        else
+          dense_loop_bf16<RULE, SAFE>(op.P, op.G, here, stored, len, maximize ? -1.0f : 1.0f, k.c, k.offset + off,
+                                      k.step_term);
+      }
       Operands::store(p, dtypes, off, len, pw);
     }
   });
@@ -686,21 +785,28 @@ inline int states_of(int kernel) {
   }
 }
 
-// ``dtypes``: kParamBf16 and kGradBf16 bits (else fp32); the states are fp32.
+// ``dtypes``: kParamBf16 and kGradBf16 bits (else fp32); ``stored``: bit j, state j is bf16 (else
+// fp32), written with stochastic rounding keyed on ``step`` and the global index (``offset``: the
+// param's element 0's).
 void step_dense(int64_t rule, int64_t flags, bool maximize, bool safe, int64_t p, int64_t g, int dtypes, int64_t n,
-                std::vector<int64_t> states, std::vector<double> scalars) {
+                std::vector<int64_t> states, std::vector<double> scalars, int stored, int64_t step, int64_t offset) {
   const int kernel = kernel_of(rule, flags, states.size());
   LEANOPT_CHECK(kernel >= 0, "no loop for this rule number");
   LEANOPT_CHECK((int)states.size() == states_of(kernel), "wrong number of states for the rule");
   LEANOPT_CHECK(scalars.size() <= 16 && n >= 0, "too many scalars, or a negative size");
-  float* st[MAXS] = {nullptr, nullptr, nullptr};
-  for (size_t s = 0; s < states.size(); ++s) st[s] = at_addr<float>(states[s]);
+  LEANOPT_CHECK(stored >= 0 && stored < (1 << states.size()) && step >= 0 && offset >= 0,
+                "stored: one bit per state; step and offset non-negative");
+  void* st[MAXS] = {nullptr, nullptr, nullptr};
+  for (size_t s = 0; s < states.size(); ++s) st[s] = at_addr<void>(states[s]);
   Consts k{};
   for (int i = 0; i < 16; ++i) k.c[i] = i < (int)scalars.size() ? (float)scalars[i] : 0.0f;
+  k.step_term = step_term(step);
+  k.offset = offset;
   void* pp = at_addr<void>(p);
   const void* gp = at_addr<const void>(g);
 #define LEANOPT_DENSE(RL) \
-  (safe ? run_dense<RL, true>(pp, gp, dtypes, st, n, maximize, k) : run_dense<RL, false>(pp, gp, dtypes, st, n, maximize, k))
+  (safe ? run_dense<RL, true>(pp, gp, dtypes, st, stored, n, maximize, k) \
+        : run_dense<RL, false>(pp, gp, dtypes, st, stored, n, maximize, k))
   switch (kernel) { case 0: LEANOPT_DENSE(0); break; case 1: LEANOPT_DENSE(1); break; case 2: LEANOPT_DENSE(2); break;
                     case 3: LEANOPT_DENSE(3); break; case 4: LEANOPT_DENSE(4); break; case 5: LEANOPT_DENSE(5); break;
                     case 6: LEANOPT_DENSE(6); break; case 7: LEANOPT_DENSE(7); break; case 8: LEANOPT_DENSE(8); break; }
@@ -798,11 +904,11 @@ PyObject* released(F&& body) {
 }
 
 PyObject* py_step_dense(PyObject*, PyObject* args) {
-  long long rule, flags, p, g, n;
-  int maximize, safe, dtypes;
+  long long rule, flags, p, g, n, step, offset;
+  int maximize, safe, dtypes, stored;
   PyObject *states_obj, *scalars_obj;
-  if (!PyArg_ParseTuple(args, "LLppLLiLOO:step_dense", &rule, &flags, &maximize, &safe, &p, &g, &dtypes, &n, &states_obj,
-                        &scalars_obj))
+  if (!PyArg_ParseTuple(args, "LLppLLiLOOiLL:step_dense", &rule, &flags, &maximize, &safe, &p, &g, &dtypes, &n,
+                        &states_obj, &scalars_obj, &stored, &step, &offset))
     return nullptr;
   std::vector<int64_t> states;
   std::vector<double> scalars;
@@ -811,7 +917,7 @@ PyObject* py_step_dense(PyObject*, PyObject* args) {
     return nullptr;
   return released([&] {
     LEANOPT_CHECK(dtypes >= 0 && dtypes <= (kParamBf16 | kGradBf16), "dtypes: the param's and the gradient's bf16 bits");
-    step_dense(rule, flags, maximize, safe, p, g, dtypes, n, std::move(states), std::move(scalars));
+    step_dense(rule, flags, maximize, safe, p, g, dtypes, n, std::move(states), std::move(scalars), stored, step, offset);
   });
 }
 
@@ -848,7 +954,7 @@ PyObject* py_avx512(PyObject*, PyObject*) { return PyBool_FromLong(avx512()); }
 
 PyMethodDef methods[] = {
     {"step_blocks", py_step_blocks, METH_VARARGS, "One step of a param's whole blocks, block-quantized states."},
-    {"step_dense", py_step_dense, METH_VARARGS, "One step of a param over dense fp32 states."},
+    {"step_dense", py_step_dense, METH_VARARGS, "One step of a param over dense fp32 or bf16 states."},
     {"dither_values", py_dither_values, METH_VARARGS, "The stochastic rounding's numbers for a range of elements."},
     {"avx512", py_avx512, METH_NOARGS, "Whether the AVX-512 loops were compiled in."},
     {nullptr, nullptr, 0, nullptr},

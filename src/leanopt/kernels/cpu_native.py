@@ -45,11 +45,14 @@ and never fails.
 graph; a failed build falls back to that graph with one warning. The same rules over dense fp32
 states (a low-bit optimizer's params below ``min_quant_size``; Lion, AdEMAMix, SGD and AdamW
 with fp32 states, of fp32 or bf16 params, but AdamW's fp32 params outside safe mode, which
-torch's fused kernel runs; Muon's fp32 momentum of a bf16 param, or in safe mode), and SGD
-without a momentum (no state), run in :func:`dense` (:func:`leanopt.kernels.cpu_elementwise.dense`
-sends them): the states updated in place, in chunks of 256 elements, so no Inductor compile on
-the first step (AdamW8bit's first step was 2.2 s, all of it compiling the dense graph for its
-small params; SGD's 3.0 s).
+torch's fused kernel runs; Muon's fp32 momentum of a bf16 param, or in safe mode), SGD without
+a momentum (no state), and the same with bf16 states (``state_dtype=torch.bfloat16``: read
+widened, written with :mod:`leanopt.quant.bf16`'s stochastic rounding, the dither keyed on the
+element's global index and the step) run in :func:`dense`
+(:func:`leanopt.kernels.cpu_elementwise.dense` sends them): the states updated in place, in
+chunks of 256 elements, so no Inductor compile on the first step (AdamW8bit's first step was
+2.2 s, all of it compiling the dense graph for its small params; SGD's 3.0 s; AdamW's with bf16
+states 5.3 s).
 ``LEANOPT_NO_NATIVE`` (a boolean, read at the first build, with one warning when on:
 docs/environment.md) or :func:`disabled` (tests) turns the kernel off. Under ``FakeTensorMode`` (memory
 planning) a native update is in place and allocates nothing of the param's size, so nothing
@@ -590,6 +593,8 @@ def eytzinger(ordered: Tensor) -> Tensor:
 # param and its gradient may differ (Muon's momentum: an fp32 direction from a bf16 gradient).
 _PARAM_DTYPES = (torch.float32, torch.bfloat16)
 _PARAM_BF16, _GRAD_BF16 = 1, 2  # the kernel's ``dtypes`` bits
+# Dense states: fp32, or bf16 written with leanopt.quant.bf16's stochastic rounding.
+_STATE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def eligible(rule: Any, p: Tensor, g: Tensor, states: Sequence[Any], hp: Mapping[str, Any]) -> bool:
@@ -621,12 +626,13 @@ def eligible_dense(rule: Any, p: Tensor, g: Tensor, states: Sequence[Tensor], hp
     """Whether :func:`dense` can run this param, once the extension is there: a rule with a
     twin here taking this many states (:data:`leanopt.kernels.twins.NATIVE`), real (not fake)
     contiguous CPU tensors of the param's size: an fp32 or bf16 param, an fp32 or bf16 gradient,
-    fp32 states."""
+    fp32 or bf16 states (bf16: :mod:`leanopt.quant.bf16`'s stochastic rounding)."""
     if _off or not twin_takes(NATIVE, rule, hp, len(states)) or p.dtype not in _PARAM_DTYPES or g.dtype not in _PARAM_DTYPES:
         return False
     for t in (p, g, *states):
-        wanted = p.dtype if t is p else g.dtype if t is g else torch.float32
-        if not isinstance(t, Tensor) or t.device.type != "cpu" or t.dtype != wanted or not t.is_contiguous():
+        if not isinstance(t, Tensor) or t.device.type != "cpu" or not t.is_contiguous():
+            return False
+        if t is not p and t is not g and t.dtype not in _STATE_DTYPES:
             return False
         if t.numel() != p.numel() or is_fake(t):
             return False
@@ -669,16 +675,23 @@ def _addr(t: Tensor, dtype: torch.dtype, numel: int, what: str) -> int:
     return t.data_ptr()
 
 
-def dense(rule: Any, p: Tensor, g: Tensor, states: Sequence[Tensor], step: int, hp: Mapping[str, Any], safe: bool) -> None:
-    """One param's step with dense fp32 states, in place (:func:`takes_dense` params: fp32 or
-    bf16): the rule of :func:`leanopt.kernels.reference.rule_step_`, skipping elements in safe mode."""
+def dense(rule: Any, p: Tensor, g: Tensor, states: Sequence[Tensor], step: int, hp: Mapping[str, Any], safe: bool,
+          offset: int = 0) -> None:  # fmt: skip
+    """One param's step with dense fp32 or bf16 states, in place (:func:`takes_dense` params:
+    fp32 or bf16): the rule of :func:`leanopt.kernels.reference.rule_step_`, skipping elements in
+    safe mode; a bf16 state written with :mod:`leanopt.quant.bf16`'s stochastic rounding, keyed
+    on ``step`` and the global index (``offset``: the flat index of ``p``'s element 0 in its
+    whole tensor)."""
     module = _module()
     assert module is not None, build_error()
     n = p.numel()
-    f32 = torch.float32
+    for t in states:
+        if t.dtype not in _STATE_DTYPES:
+            raise ValueError(f"native kernel: a dense state must be float32 or bfloat16, not {t.dtype}")
+    stored = sum(1 << j for j, t in enumerate(states) if t.dtype == torch.bfloat16)
     module.step_dense(rule_id(rule), flag_bits(rule, hp), bool(hp["maximize"]), bool(safe), *_param_addrs(p, g, n), n,
-                      [_addr(t, f32, n, "state") for t in states],
-                      list(rule.scalar_values(hp, step, safe)))  # fmt: skip
+                      [_addr(t, t.dtype, n, "state") for t in states],
+                      list(rule.scalar_values(hp, step, safe)), stored, int(step), int(offset))  # fmt: skip
 
 
 def step_blocks(rule: Any, p: Tensor, g: Tensor, states: Sequence[Any], step: int, hp: Mapping[str, Any],
