@@ -122,6 +122,9 @@ def candidates(backend: str | None = None) -> dict[str, Factory]:
         # Muon orthogonalizes matrices and steps the rest by its aux rule: its groups of the list
         # (matrices and vectors, split by dims), as leanopt.muon_groups makes them.
         out[f"leanopt-{name}"] = (lambda ps, make=make: make(leanopt.muon_groups(ps))) if cls.family == "muon" else make
+        if issubclass(cls, leanopt.ElementwiseOptimizer) and not issubclass(cls, leanopt.LowBit):
+            # Its dense states stored in bf16 (stochastic rounding), half their bytes.
+            out[f"leanopt-{name}-bf16-states"] = functools.partial(make, state_dtype=torch.bfloat16)
 
     def hf_adafactor(ps: list[torch.Tensor]) -> torch.optim.Optimizer:
         from transformers.optimization import Adafactor
@@ -283,7 +286,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             skipped[name] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:160]
             continue
         runs[name] = {"opt": opt, "first_s": first, "state_bytes": leanopt.measure(opt).bytes}
-        print(f"  ready {name:22s} first step {first:7.2f} s", file=sys.stderr)
+        print(f"  ready {name:28s} first step {first:7.2f} s", file=sys.stderr)
 
     times = interleaved_rounds({name: r["opt"].step for name, r in runs.items()}, device, args.rounds, args.warmup)
     param_bytes = torch.empty((), dtype=dtype).element_size()
@@ -313,13 +316,14 @@ def print_table(report: dict[str, Any]) -> None:
         f"{report['tensors']} tensors, copy bandwidth {report['copy_bandwidth_GBps']} GB/s, "
         f"median of {report['rounds']} interleaved rounds, allocator {report.get('allocator', 'default')}"
     )
-    head = f"{'optimizer':22s} {'ms/step':>9s} {'x fused':>8s} {'first s':>8s} {'B/param':>8s} {'GB/s':>7s} {'floor ms':>9s}"
+    w = max([22] + [len(r["optimizer"]) for r in report["results"]])
+    head = f"{'optimizer':{w}s} {'ms/step':>9s} {'x fused':>8s} {'first s':>8s} {'B/param':>8s} {'GB/s':>7s} {'floor ms':>9s}"
     print(head)
     print("-" * len(head))
     for r in report["results"]:
         ratio = f"{r['ratio_to_torch_fused']:.2f}" if r["ratio_to_torch_fused"] is not None else "-"
         print(
-            f"{r['optimizer']:22s} {r['ms_per_step']:9.2f} {ratio:>8s} {r['first_step_s']:8.2f} "
+            f"{r['optimizer']:{w}s} {r['ms_per_step']:9.2f} {ratio:>8s} {r['first_step_s']:8.2f} "
             f"{r['state_bytes_per_param']:8.3f} {r['achieved_GBps']:7.1f} {r['floor_ms']:9.2f}"
         )
     for name, why in report["skipped"].items():
