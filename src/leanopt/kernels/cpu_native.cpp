@@ -501,6 +501,18 @@ template <int BITS>
   }
 }
 
+// Whether an element takes its step: always outside safe mode; in it, unless its gradient
+// (squared) or one of its new states is not finite (the element then keeps its param and gets
+// zero states). A state a rule does not have is 0 here.
+template <int NS, bool SAFE>
+inline bool stepped(float g, float x0, float x1, float x2) {
+  if (!SAFE) return true;
+  bool ok = finite(g * g) & finite(x0);
+  if (NS > 1) ok = ok & finite(x1);
+  if (NS > 2) ok = ok & finite(x2);
+  return ok;
+}
+
 // The rule over one block: params in place, new states (0 where skipped) into nw, their
 // largest magnitude (as fp32 bits: non-negative floats order as integers) into mx, the
 // gradient (negated under maximize) into gbuf; returns how many gradients are exactly 0.
@@ -525,10 +537,7 @@ inline int element_loop(float* __restrict P, const float* __restrict G, float* c
     float pi = P[i];
     float x0 = 0.0f, x1 = 0.0f, x2 = 0.0f;
     float pn = R<RULE>::apply(pi, gi, o0[i], NS > 1 ? o1[i] : 0.0f, NS > 2 ? o2[i] : 0.0f, x0, x1, x2, c);
-    bool ok = finite(gi * gi) & finite(x0);
-    if (NS > 1) ok = ok & finite(x1);
-    if (NS > 2) ok = ok & finite(x2);
-    if (!SAFE) ok = true;
+    const bool ok = stepped<NS, SAFE>(gi, x0, x1, x2);
     P[i] = ok ? pn : pi;
     float a0 = ok ? x0 : 0.0f;
     n0[i] = a0;
@@ -624,12 +633,7 @@ inline void dense_loop(float* __restrict P, const float* __restrict G, float* co
     // Outside safe mode the rules apply no floor (leanopt.kernels.rules): no division for it.
     float pn = R<RULE>::template apply<SAFE>(pi, gi, NS > 0 ? s0[i] : 0.0f, NS > 1 ? s1[i] : 0.0f, NS > 2 ? s2[i] : 0.0f,
                                              x0, x1, x2, c);
-    bool ok = true;
-    if (SAFE) {
-      ok = finite(gi * gi) & finite(x0);
-      if (NS > 1) ok = ok & finite(x1);
-      if (NS > 2) ok = ok & finite(x2);
-    }
+    const bool ok = stepped<NS, SAFE>(gi, x0, x1, x2);
     P[i] = ok ? pn : pi;
     if (NS > 0) s0[i] = ok ? x0 : 0.0f;
     if (NS > 1) s1[i] = ok ? x1 : 0.0f;
@@ -661,11 +665,7 @@ inline void dense_loop_bf16(float* __restrict P, const float* __restrict G, void
     for (int j = 0; j < NS; ++j) o[j] = b[j] ? bitsf(static_cast<uint32_t>(h[j][i]) << 16) : f[j][i];
     float x[MAXS] = {0.0f, 0.0f, 0.0f};
     float pn = R<RULE>::template apply<SAFE>(pi, gi, o[0], o[1], o[2], x[0], x[1], x[2], c);
-    bool ok = true;
-    if (SAFE) {
-      ok = finite(gi * gi);
-      for (int j = 0; j < NS; ++j) ok = ok & finite(x[j]);
-    }
+    const bool ok = stepped<NS, SAFE>(gi, x[0], x[1], x[2]);
     P[i] = ok ? pn : pi;
     const int64_t index = (first + i) * NS;
     for (int j = 0; j < NS; ++j) {
@@ -696,12 +696,7 @@ inline void dense_loop_all_bf16(float* __restrict P, const float* __restrict G, 
     float pn = R<RULE>::template apply<SAFE>(pi, gi, bitsf(static_cast<uint32_t>(h0[i]) << 16),
                                              NS > 1 ? bitsf(static_cast<uint32_t>(h1[i]) << 16) : 0.0f,
                                              NS > 2 ? bitsf(static_cast<uint32_t>(h2[i]) << 16) : 0.0f, x0, x1, x2, c);
-    bool ok = true;
-    if (SAFE) {
-      ok = finite(gi * gi) & finite(x0);
-      if (NS > 1) ok = ok & finite(x1);
-      if (NS > 2) ok = ok & finite(x2);
-    }
+    const bool ok = stepped<NS, SAFE>(gi, x0, x1, x2);
     P[i] = ok ? pn : pi;
     const uint32_t index = low + static_cast<uint32_t>(i) * NS;
     h0[i] = stochastic_bf16(ok ? x0 : 0.0f, dither_hash32(index, high_term, sterm));
