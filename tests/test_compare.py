@@ -1227,14 +1227,18 @@ def test_report_ends_with_what_to_use(report: tuple[Path, dict[str, Any], str, s
 # ---- the peak memory repeats ------------------------------------------------------------------------
 def test_peak_memory_repeats_between_identical_runs(report: tuple[Path, dict[str, Any], str, str],
                                                     adamw_here: dict[str, Any]) -> None:
-    """The fixture's runs and the same runs in this process: one tensor peak within a KiB (the
-    resident-set peak is reported beside it, and moves by several percent)."""
+    """The fixture's runs and the same runs in this process: one tensor peak within 4 KiB of
+    26.7 MB (the resident-set peak is reported beside it, and moves by several percent). What
+    moves it: a block an earlier run in the same process allocated while profiled and freed
+    during this run's window counts as a free (the profiler reports it; it has no addresses to
+    tell it apart). Measured 2026-12-05: 26,701,052 B for a process's first run, 26,700,540 for
+    its later ones (one 512 B block), 26,699,004 in a pytest worker after other files' runs."""
     by_name = rows(report[1])
     here = adamw_here  # its peak: its first run's (lr 1e-3, seed 0), as the fixture's first run
     assert (here["runs_detail"][0]["lr"], here["runs_detail"][0]["seed"]) == (by_name["adamw"]["runs_detail"][0]["lr"], 0)
     there = by_name["adamw"]
     peaks = [*there["peak_bytes_runs"], here["peak_bytes"]]
-    assert max(peaks) - min(peaks) <= 1024, peaks
+    assert max(peaks) - min(peaks) <= 4096, peaks
     assert there["peak_rss_bytes"] > 0 and "tensor bytes" in there["memory_method"]
     n = there["params"]
     assert there["peak_bytes"] > 16 * n  # weights, gradients and AdamW's two moments at least
