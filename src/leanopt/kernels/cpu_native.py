@@ -324,7 +324,8 @@ def _build_now() -> None:
         _state["decided"].set()
     if not cached:
         log.warning("leanopt: building the native CPU kernel in the background (once per machine, ~9 s); until it "
-                    "is ready, low-bit CPU steps run another CPU path, with the same results")  # fmt: skip
+                    "is ready, the CPU steps it takes run another CPU path, with the same results (AdamW outside "
+                    "low-bit storage: within fp32 rounding)")  # fmt: skip
     start = time.perf_counter()
     try:
         module = _build_extension()
