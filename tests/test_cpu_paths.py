@@ -176,6 +176,21 @@ def test_muons_momentum_takes_the_native_kernel_to_the_bit(case, dtype, nesterov
             assert torch.equal(a, b), f"{case}: tensor {i} ({tuple(a.shape)} {a.dtype}) differs between native and {mode}"
 
 
+@pytest.mark.parametrize("case", [c for c in MUON if c.represents], ids=str)
+def test_muons_bf16_momentum_takes_the_native_kernel_to_the_bit(case, paths, monkeypatch) -> None:
+    """A bf16 momentum buffer (``state_dtype=torch.bfloat16``, stochastically rounded): the
+    kernel's bf16-state loop with Muon's rule, native = eager to the bit."""
+    case = dataclasses.replace(case, kwargs={**case.kwargs, "state_dtype": torch.bfloat16})
+    seen = []
+    real = cpu_native.dense
+    monkeypatch.setattr(cpu_native, "dense", lambda *a, **k: seen.append((a[0].name, {s.dtype for s in a[3]})) or real(*a, **k))
+    native = paths(case, "native", SHAPES)
+    assert ("muon_momentum", {torch.bfloat16}) in seen, seen
+    assert any(t.dtype == torch.bfloat16 for t in native)
+    for i, (a, b) in enumerate(zip(native, paths(case, "eager", SHAPES))):
+        assert torch.equal(a, b), f"{case}: tensor {i} ({tuple(a.shape)} {a.dtype}) differs between native and eager"
+
+
 # ---- the background build -------------------------------------------------------------------
 STEPS = textwrap.dedent("""
     import json, sys, time, torch, leanopt
