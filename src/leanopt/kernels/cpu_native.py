@@ -596,6 +596,7 @@ _PARAM_DTYPES = (torch.float32, torch.bfloat16)
 _PARAM_BF16, _GRAD_BF16 = 1, 2  # the kernel's ``dtypes`` bits
 # Dense states: fp32, or bf16 written with leanopt.quant.bf16's stochastic rounding.
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
+_PLAIN = (Tensor, torch.nn.Parameter)
 
 
 def eligible(rule: Any, p: Tensor, g: Tensor, states: Sequence[Any], hp: Mapping[str, Any]) -> bool:
@@ -630,12 +631,14 @@ def eligible_dense(rule: Any, p: Tensor, g: Tensor, states: Sequence[Tensor], hp
     fp32 or bf16 states (bf16: :mod:`leanopt.quant.bf16`'s stochastic rounding)."""
     if _off or not twin_takes(NATIVE, rule, hp, len(states)) or p.dtype not in _PARAM_DTYPES or g.dtype not in _PARAM_DTYPES:
         return False
+    n = p.numel()
     for t in (p, g, *states):
-        if not isinstance(t, Tensor) or t.device.type != "cpu" or not t.is_contiguous():
+        # A plain tensor is never fake; is_fake (the slow test) only for subclasses.
+        if type(t) not in _PLAIN and (not isinstance(t, Tensor) or is_fake(t)):
+            return False
+        if t.device.type != "cpu" or not t.is_contiguous() or t.numel() != n:
             return False
         if t is not p and t is not g and t.dtype not in _STATE_DTYPES:
-            return False
-        if t.numel() != p.numel() or is_fake(t):
             return False
     return True
 
