@@ -167,24 +167,20 @@ def dense(rule: Rule, params, grads, states, steps: Sequence[int], hp: Mapping[s
     for i, p in enumerate(params):
         if p.numel() == 0:
             continue
-        if torch.bfloat16 in [s.dtype for s in states[i]]:
-            offset = 0 if offsets is None else offsets[i]
-            eligible = cpu_native.eligible_dense(rule, p, grads[i], states[i], hp)
-            if eligible and cpu_native.usable():
-                cpu_native.dense(rule, p, grads[i], states[i], steps[i], hp, safe, offset)
-                continue
-            scalars = graphs.scalar_row(rule.scalar_values(hp, steps[i], safe))
+        bf16_states = torch.bfloat16 in [s.dtype for s in states[i]]
+        if not bf16_states and _fusable(rule, safe, p, grads[i], states[i]):
+            fused.setdefault(p.dtype, []).append(i)
+            continue
+        offset = 0 if offsets is None else offsets[i]
+        eligible = cpu_native.eligible_dense(rule, p, grads[i], states[i], hp)
+        if eligible and cpu_native.usable():  # takes_dense, without checking the tensors twice
+            cpu_native.dense(rule, p, grads[i], states[i], steps[i], hp, safe, offset)
+            continue
+        scalars = graphs.scalar_row(rule.scalar_values(hp, steps[i], safe))
+        if bf16_states:
             _dense_rounded(rule, flags, safe, hp["maximize"], p, grads[i], states[i], scalars, steps[i], offset,
                            _eager(eligible))  # fmt: skip
             continue
-        if _fusable(rule, safe, p, grads[i], states[i]):
-            fused.setdefault(p.dtype, []).append(i)
-            continue
-        eligible = cpu_native.eligible_dense(rule, p, grads[i], states[i], hp)
-        if eligible and cpu_native.usable():  # takes_dense, without checking the tensors twice
-            cpu_native.dense(rule, p, grads[i], states[i], steps[i], hp, safe)
-            continue
-        scalars = graphs.scalar_row(rule.scalar_values(hp, steps[i], safe))
         if (_eager(eligible) or _single(p.numel())) and tracing.active() is None:
             update = graphs.dense_update(rule, flags, safe, hp["maximize"], len(states[i]))
             _dense_eager(update, p, grads[i].contiguous(), states[i], scalars)
